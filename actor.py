@@ -1,0 +1,246 @@
+"""The policy: build, FSDP2-shard, micro-batched log-probs, and the clipped policy-gradient update.
+
+    python -m pytest test_algo.py          # the loss math against hand-computed values
+    torchrun --nproc_per_node=2 -m pytest test_dist.py   # 2 ranks == 1 rank
+
+Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
+    input_ids, attention_mask, position_ids  (B, P+R)
+    responses, response_mask                 (B, R)
+    old_log_probs, ref_log_probs, advantages (B, R)   when the stage that makes them has run
+"""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 2e-4                       # tiny model from scratch; real models use ~1e-6
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0                 # max global grad norm; a non-finite norm skips the step
+    ppo_mini_batch_size: int = 16          # prompts per optimizer step (x n samples, split over ranks)
+    ppo_micro_batch_size_per_gpu: int = 64  # samples per forward/backward (gradient accumulation)
+    ppo_epochs: int = 1
+    log_prob_micro_batch_size_per_gpu: int = 128  # samples per forward for old log-probs
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0              # dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = True               # KL to the reference policy in the loss (needs ref)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"       # kl|k1, abs, mse|k2, low_var_kl|k3
+    param_offload: bool = False            # shards to pinned host between uses (manual bracket)
+    optimizer_offload: bool = False        # Adam state to pinned host between updates
+    offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
+    gradient_checkpointing: bool = False   # recompute each layer's activations in backward
+    param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
+
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+# --------------------------------------------------------------------------- build
+def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
+    """fp32 weights on the host: the tiny default from code, or a local Hugging Face checkpoint."""
+    if path is None:
+        import tiny
+        return tiny.build_tiny_model(seed)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: --model {path}: no config.json there; pass a local Hugging Face "
+                         f"model directory (nothing is downloaded)")
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                attn_implementation="sdpa")
+
+
+def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bool = False,
+          param_dtype: str = "bfloat16", gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """FSDP2: each decoder layer, then the root (which takes the embeddings, norm and lm_head).
+    Layers first so each one all-gathers and frees on its own; the root last so it owns the rest.
+    With a 2-D mesh ("replicate", "fsdp") this is hybrid sharding. Moves the shards to `device`
+    (or to pinned host memory with CPUOffloadPolicy)."""
+    cuda = device.type == "cuda"
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) \
+        if cuda else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy(pin_memory=True) if offload_policy and cuda else OffloadPolicy()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    if not (offload_policy and cuda):
+        model.to(device)            # buffers (rotary inv_freq); shards already moved by fully_shard
+    return model
+
+
+def build_optimizer(model, cfg: ActorConfig) -> torch.optim.Optimizer:
+    # Adam state (2 x fp32 shard bytes) appears at the first step, on the params' device.
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+# --------------------------------------------------------------------------- math
+def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log p(ids) under logits (B, R, V) -> (B, R), without materialising a second (B, R, V)."""
+    return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3)."""
+    d = logp - ref_logp
+    if kind in ("kl", "k1"):
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * d.square()
+    if kind in ("low_var_kl", "k3"):           # exp(ref - logp) - (ref - logp) - 1 >= 0
+        r = (-d).clamp(-20, 20)
+        return (r.exp() - r - 1).clamp(-10, 10)
+    raise ValueError(f"kl_loss_type={kind!r}: use one of {KL_TYPES}")
+
+
+def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
+    """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
+    batch's own. The update passes the mini-batch's global counts (over micro-batches and
+    ranks) so that the gradient does not depend on how the mini-batch is split."""
+    mat = mat * mask
+    if mode == "token-mean":
+        return mat.sum() / (mask.sum() if tokens is None else tokens)
+    per_seq = mat.sum(-1)                                          # (B,)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_agg_mode={mode!r}: use one of {LOSS_AGG_MODES}")
+    return per_seq.sum() / (mask.shape[0] if seqs is None else seqs)
+
+
+def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
+    """Clipped surrogate with dual clip, per token (B, R). Returns (loss, clipped-mask, ratio)."""
+    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
+    clipped = torch.maximum(loss1, loss2)
+    dual = torch.minimum(clipped, -adv * cfg.clip_ratio_c)    # bounds the loss when A < 0
+    loss = torch.where(adv < 0, dual, clipped)
+    return loss, (loss2 > loss1).float(), ratio
+
+
+# --------------------------------------------------------------------------- forward
+def split(batch: dict, size: int):
+    n = next(iter(batch.values())).shape[0]
+    for i in range(0, n, size):
+        yield {k: v[i:i + size] for k, v in batch.items()}
+
+
+def forward(model, mb: dict, temperature: float, entropy: str = "none"):
+    """Log-probs (and entropy) of the response tokens, (B, R). Only the last R+1 positions'
+    logits are computed (`logits_to_keep`): the (B, T, V) tensor never exists.
+    entropy: "none"; "log" (no graph: nothing extra kept for backward); "grad" (in the loss)."""
+    R = mb["responses"].shape[1]
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                   position_ids=mb["position_ids"], use_cache=False, logits_to_keep=R + 1).logits
+    logits = logits[:, :-1].float() / temperature                 # (B, R, V), fp32 for the softmax
+    logp = logprobs_from_logits(logits, mb["responses"])
+    ent = None
+    if entropy == "grad":
+        ent = entropy_from_logits(logits)
+    elif entropy == "log":
+        with torch.no_grad():
+            ent = entropy_from_logits(logits.detach())
+    return logp, ent
+
+
+@torch.no_grad()
+def compute_log_probs(model, batch: dict, micro_batch_size: int, temperature: float) -> torch.Tensor:
+    """(B, R) log-probs in micro-batches: peak activation memory scales with the micro-batch."""
+    return torch.cat([forward(model, mb, temperature)[0]
+                      for mb in split(batch, micro_batch_size)])
+
+
+# --------------------------------------------------------------------------- update
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
+                  temperature: float) -> dict:
+    """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
+    micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
+    sequence counts, times the world size because FSDP averages gradients over ranks, so the
+    update is the same for any micro-batch size and any number of ranks."""
+    device = batch["responses"].device
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
+    names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
+    sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs
+    norms, skipped = [], 0
+    model.train()
+    for _ in range(cfg.ppo_epochs):
+        for mini in split(batch, mini_size):
+            counts = all_sum(torch.tensor([mini["response_mask"].sum().item(), len(mini["responses"])],
+                                          device=device, dtype=torch.float64))
+            tokens, seqs = counts[0].item(), counts[1].item()
+            optimizer.zero_grad(set_to_none=True)
+            for mb in split(mini, cfg.ppo_micro_batch_size_per_gpu):
+                m = mb["response_mask"]
+                agg = lambda x: agg_loss(x, m, cfg.loss_agg_mode, tokens, seqs)  # noqa: E731
+                logp, ent = forward(model, mb, temperature, "grad" if cfg.entropy_coeff else "log")
+                old = logp.detach() if on_policy else mb["old_log_probs"]
+                pg_mat, clipped, ratio = policy_loss(logp, old, mb["advantages"], cfg)
+                pg, ent_term = agg(pg_mat), agg(ent)
+                loss = pg - cfg.entropy_coeff * ent_term
+                kl = torch.zeros((), device=device)
+                if cfg.use_kl_loss:
+                    kl = agg(kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type))
+                    loss = loss + cfg.kl_loss_coef * kl
+                (loss * world).backward()
+                with torch.no_grad():
+                    r = ratio.detach()
+                    sums += torch.stack([pg, kl, ent_term, agg(clipped), agg(r - 1 - torch.log(r))]).double()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if torch.isfinite(norm):
+                optimizer.step()
+            else:                                   # drop this step's gradients, keep the weights
+                skipped += 1
+                print(f"[actor] grad norm {norm.item()} is not finite: optimizer step skipped")
+            norms.append(norm.item())
+    optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
+    sums = all_sum(sums) / len(norms)               # mean over optimizer steps of global means
+    out = dict(zip(names, sums.tolist()))
+    out.update(grad_norm=sum(norms) / len(norms), skipped_steps=skipped)
+    return out
+
+
+# --------------------------------------------------------------------------- save
+def save_hf(model, tokenizer, path: str, rank: int):
+    """A Hugging Face checkpoint (safetensors + config + tokenizer) that from_pretrained and vLLM load.
+    Parameters are gathered one at a time to rank 0's host memory (never a GPU state dict)."""
+    from safetensors.torch import save_file
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    sd = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()   # collective: all ranks
+        if rank == 0 and not (tied and name == "lm_head.weight"):
+            sd[name] = full.to("cpu", copy=True).contiguous()
+        del full
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        # fully_shard swaps the class for "FSDP<Name>"; the checkpoint names the plain HF class.
+        hf_class = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
+        model.config.architectures = [hf_class.__name__]
+        model.config.save_pretrained(path)
+        tokenizer.save_pretrained(path)

@@ -1,0 +1,161 @@
+"""Every host<->device move, and the memory ledger that measures them.
+
+    python -m pytest test_offload.py test_memory.py     # round trips (CPU) and freed bytes (GPU)
+
+Manual offload (the default mode) works on storages, not on modules: each FSDP2 parameter's
+local shard (and each Adam state tensor) lives in one untyped storage. Offload copies that
+storage into a pinned host buffer allocated once and reused every step, then resizes the
+device storage to 0 bytes, which returns it to the caching allocator at once, whoever still
+holds a view of it. Reload resizes the storage back and copies the bytes in. The Parameter
+and DTensor objects never change, so FSDP2, the optimizer and autograd see the same tensors.
+Why not `model.cpu()`: it lands in pageable memory and allocates new host tensors each time
+(slower, and host RSS creeps), and a live `state_dict()` result keeps the GPU shard alive.
+"""
+import contextlib
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+GB = 1024 ** 3
+
+
+# --------------------------------------------------------------------------- the stash
+@dataclass
+class Stash:
+    """The device storages of one offloadable group and their pinned host mirrors."""
+    name: str
+    storages: list = field(default_factory=list)   # torch.UntypedStorage on the device
+    views: list = field(default_factory=list)      # (nbytes,) uint8 view of each storage
+    host: list = field(default_factory=list)       # (nbytes,) uint8 host buffers, pinned on CUDA
+    on_device: bool = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() for v in self.views)
+
+
+def _add(stash: Stash, tensors) -> Stash:
+    seen = {s.data_ptr() for s in stash.storages}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.nbytes() == 0 or st.data_ptr() in seen:   # tied weights share one storage
+            continue
+        seen.add(st.data_ptr())
+        view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        stash.storages.append(st)
+        stash.views.append(view)
+        # Allocated once and reused every step: no host allocation (and no RSS creep) later.
+        stash.host.append(torch.empty(st.nbytes(), dtype=torch.uint8,
+                                      pin_memory=t.device.type == "cuda"))
+    return stash
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t   # DTensor -> this rank's shard
+
+
+def param_stash(name: str, model: torch.nn.Module) -> Stash:
+    """Each parameter's local FSDP2 shard (padding included: it shares the shard's storage)."""
+    return _add(Stash(name), [_local(p) for p in model.parameters()])
+
+
+def optimizer_stash(name: str, optimizer: torch.optim.Optimizer) -> Stash:
+    """Adam's exp_avg / exp_avg_sq (created lazily at the first step, so call after it).
+    The `step` counters are CPU scalars and stay where they are."""
+    tensors = [_local(v) for st in optimizer.state.values() for v in st.values()
+               if torch.is_tensor(v) and v.dim() > 0]
+    return _add(Stash(name), tensors)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def offload(stash: Stash) -> dict:
+    """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory."""
+    if not stash.on_device or not stash.views:
+        return {}
+    t0 = time.perf_counter()
+    for view, host in zip(stash.views, stash.host):
+        host.copy_(view, non_blocking=True)
+    _sync(stash.views[0].device)          # one synchronize per bracket: host bytes are complete
+    for st in stash.storages:
+        st.resize_(0)                     # returns the block to the caching allocator now
+    stash.on_device = False
+    return _moved(stash, "offload", time.perf_counter() - t0)
+
+
+def reload(stash: Stash) -> dict:
+    """Pinned host -> device into the same storages, so every view (Parameter, DTensor) is valid again."""
+    if stash.on_device or not stash.views:
+        return {}
+    t0 = time.perf_counter()
+    for st, view, host in zip(stash.storages, stash.views, stash.host):
+        st.resize_(host.numel())
+        view.copy_(host, non_blocking=True)
+    _sync(stash.views[0].device)
+    stash.on_device = True
+    return _moved(stash, "reload", time.perf_counter() - t0)
+
+
+def _moved(stash: Stash, verb: str, seconds: float) -> dict:
+    gb = stash.nbytes / GB
+    return {f"offload/{stash.name}/{verb}_gb": gb, f"offload/{stash.name}/{verb}_s": seconds,
+            f"offload/{stash.name}/{verb}_gbps": gb * GB / 1e9 / max(seconds, 1e-9)}
+
+
+@contextlib.contextmanager
+def loaded(stashes, metrics: dict):
+    """The bracket: reload every enabled stash, run the body, offload them again.
+    `stashes` holds only the groups whose offload flag is on; an empty list is a no-op."""
+    for s in stashes:
+        metrics.update(reload(s))
+    yield
+    for s in stashes:
+        metrics.update(offload(s))
+
+
+# --------------------------------------------------------------------------- the ledger
+def host_rss_gb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / GB
+
+
+def memory(device: torch.device) -> dict:
+    """Allocated / peak / reserved by PyTorch's allocator, and the whole device's use from
+    `mem_get_info` (the only figure that sees vLLM's pool). On CPU: host figures (RSS, and the
+    process's lifetime peak RSS, since a per-stage peak cannot be reset there)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return {"allocated_gb": torch.cuda.memory_allocated(device) / GB,
+                "peak_gb": torch.cuda.max_memory_allocated(device) / GB,
+                "reserved_gb": torch.cuda.memory_reserved(device) / GB,
+                "device_used_gb": (total - free) / GB}
+    rss = host_rss_gb()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
+    return {"allocated_gb": rss, "peak_gb": peak, "reserved_gb": rss, "device_used_gb": rss}
+
+
+@contextlib.contextmanager
+def stage(name: str, metrics: dict, device: torch.device):
+    """Time a stage and record memory at its end, with the peak reached inside it."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    yield
+    _sync(device)                          # so the time covers the stage's kernels
+    metrics[f"time/{name}"] = time.perf_counter() - t0
+    for k, v in memory(device).items():
+        metrics[f"mem/{name}/{k}"] = v
+
+
+# --------------------------------------------------------------------------- the planner
+def explain(name: str, nbytes: int, on: bool, device: torch.device) -> str:
+    """One line per offload flag: what it moves and whether it is on."""
+    where = "pinned host" if device.type == "cuda" else "host (CPU run: no device memory to save)"
+    verb = f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on else \
+        f"off: keeps {nbytes / GB:.3f} GB on {device.type}"
+    return f"[offload] {name}: {verb}"

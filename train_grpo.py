@@ -1,0 +1,402 @@
+"""GRPO post-training with every GPU-memory move in view.
+
+    python train_grpo.py                                   # embedded tiny model + copy task, CPU ok
+    torchrun --nproc_per_node=2 train_grpo.py              # same, 2 processes (gloo on CPU)
+    torchrun --nproc_per_node=8 train_grpo.py --model /models/Qwen2.5-1.5B-Instruct \
+        --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
+        --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
+
+One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/metrics.jsonl:
+    generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
+    reward    : score each response on the CPU
+    old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
+    ref_logp  : ref params in -> micro-batched forward -> ref params out
+    advantage : GRPO: (score - group mean) / (group std + eps), the same for every token
+    update    : params + Adam state in -> mini/micro-batched clipped PG + KL -> both out
+How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
+a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
+"""
+import importlib
+import json
+import math
+import os
+import re
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import actor
+import offload
+import ref
+import rollout
+from actor import ActorConfig
+from ref import RefConfig
+from rollout import RolloutConfig
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True   # false: Dr.GRPO (score - group mean only)
+
+
+@dataclass
+class Config:
+    model: str | None = None               # local HF model dir; None: the embedded tiny model
+    data: str | None = None                # .jsonl / .parquet with prompt + answer; None: copy task
+    reward: str | None = None              # module:function(response, answer) -> float
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
+    train_batch_size: int = 16             # prompts per step, over all ranks
+    steps: int = 150
+    seed: int = 0
+    fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
+    out_dir: str = "out"
+    save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+
+# --------------------------------------------------------------------------- config
+def _convert(text: str, typ, key: str):
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise SystemExit(f"error: --{key}={text}: expected true or false")
+    if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return None if text.lower() in ("none", "null", "") else text
+    try:
+        return typ(text)
+    except ValueError:
+        raise SystemExit(f"error: --{key}={text}: expected {typ.__name__}") from None
+
+
+def parse_args(argv: list[str]) -> Config:
+    """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`)."""
+    cfg = Config()
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise SystemExit(f"error: unexpected argument {arg!r}; options look like --actor.lr=1e-6")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if not args:
+                raise SystemExit(f"error: --{key} needs a value")
+            value = args.pop(0)
+        *path, name = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part, None)
+            if not is_dataclass(obj):
+                raise SystemExit(f"error: unknown option --{key}; sections: actor, ref, rollout, algorithm")
+        hints = typing.get_type_hints(type(obj))
+        if name not in hints or is_dataclass(hints[name]):
+            known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
+            raise SystemExit(f"error: unknown option --{key}; known here: {known}")
+        setattr(obj, name, _convert(value, hints[name], key))
+    return cfg
+
+
+def check_sizes(cfg: Config, world: int) -> int:
+    """Validate the batch arithmetic once, up front; returns the mini-batch size per rank (samples)."""
+    a, n = cfg.actor, cfg.rollout.n
+    if cfg.train_batch_size % world:
+        raise SystemExit(f"error: train_batch_size={cfg.train_batch_size} is not divisible by the "
+                         f"world size {world}; make it a multiple of {world}")
+    if cfg.train_batch_size % a.ppo_mini_batch_size:
+        raise SystemExit(f"error: train_batch_size={cfg.train_batch_size} is not a multiple of "
+                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    if (a.ppo_mini_batch_size * n) % world:
+        raise SystemExit(f"error: actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
+                         f"samples do not split over {world} ranks; change either")
+    mini = a.ppo_mini_batch_size * n // world
+    if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
+        raise SystemExit(f"error: actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
+                         f"does not divide the {mini} samples per rank of a mini-batch")
+    if a.loss_agg_mode not in actor.LOSS_AGG_MODES:
+        raise SystemExit(f"error: actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
+    if a.kl_loss_type not in actor.KL_TYPES:
+        raise SystemExit(f"error: actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
+    if cfg.algorithm.adv_estimator != "grpo":
+        raise SystemExit(f"error: algorithm.adv_estimator={cfg.algorithm.adv_estimator}: only grpo is built")
+    if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
+        raise SystemExit(f"error: fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
+    return mini
+
+
+# --------------------------------------------------------------------------- distributed
+def init_distributed():
+    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all."""
+    cuda = torch.cuda.is_available()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, device_id=device if cuda else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_mesh(device, world: int, fsdp_size: int):
+    """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding."""
+    if fsdp_size in (-1, world):
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size),
+                            mesh_dim_names=("replicate", "fsdp"))
+
+
+# --------------------------------------------------------------------------- data and rewards
+def load_tokenizer(path):
+    if path is None:
+        import tiny
+        return tiny.build_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def read_rows(path: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --data {path}: no such file")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"error: {path} line {i} is not valid JSON ({e.msg}); "
+                                 f"fix or remove that line") from None
+            if not isinstance(row, dict):
+                raise SystemExit(f"error: {path} line {i} is not a JSON object")
+            rows.append(row)
+    return rows
+
+
+def load_data(cfg: Config, tokenizer) -> tuple[list[list[int]], list[str]]:
+    """Prompt token ids and answers. Chat prompts get the tokenizer's chat template."""
+    if cfg.data is None:
+        import tiny
+        rows = tiny.copy_task(seed=cfg.seed)
+    else:
+        rows = read_rows(cfg.data)
+    prompts, answers, dropped = [], [], 0
+    for i, row in enumerate(rows, 1):
+        for key in (cfg.prompt_key, cfg.answer_key):
+            if key not in row:
+                raise SystemExit(f"error: {cfg.data} row {i} has no {key!r} field (it has "
+                                 f"{sorted(row)}); set --prompt_key / --answer_key")
+        p = row[cfg.prompt_key]
+        if getattr(tokenizer, "chat_template", None):
+            msgs = p if isinstance(p, list) else [{"role": "user", "content": str(p)}]
+            p = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        elif isinstance(p, list):
+            p = "\n".join(m["content"] for m in p)
+        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        if len(ids) > cfg.max_prompt_length:
+            dropped += 1
+            continue
+        prompts.append(ids)
+        answers.append(str(row[cfg.answer_key]))
+    if not prompts:
+        raise SystemExit(f"error: no prompt fits max_prompt_length={cfg.max_prompt_length}; raise it")
+    if dropped:
+        print(f"[data] dropped {dropped} prompts longer than max_prompt_length={cfg.max_prompt_length}")
+    return prompts, answers
+
+
+def gsm8k_reward(response: str, answer: str) -> float:
+    """1.0 when the response's last `#### <number>` equals the answer's number, else 0.0."""
+    truth = answer.split("####")[-1].strip().replace(",", "")
+    found = re.findall(r"#### *(-?[0-9.,]+)", response)
+    return float(bool(found) and found[-1].replace(",", "").rstrip(".") == truth)
+
+
+def load_reward(cfg: Config):
+    if cfg.reward is None:
+        if cfg.data is None:
+            import tiny
+            return tiny.copy_reward
+        return gsm8k_reward
+    module, _, name = cfg.reward.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"error: --reward {cfg.reward}: cannot load it ({e}); "
+                         f"give module:function with the module on PYTHONPATH") from None
+
+
+# --------------------------------------------------------------------------- algorithm
+def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std: bool = True,
+                   eps: float = 1e-6) -> torch.Tensor:
+    """scores (B,) in groups of n consecutive samples -> advantages (B, R), zero on padding.
+    A group of one sample gets mean 0 and std 1, as in verl."""
+    g = scores.view(-1, n)                                     # (B/n, n)
+    if n == 1:
+        mean, std = torch.zeros_like(g), torch.ones_like(g)
+    else:
+        mean, std = g.mean(-1, keepdim=True), g.std(-1, keepdim=True)   # unbiased std
+    adv = g - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return adv.reshape(-1, 1) * mask
+
+
+# --------------------------------------------------------------------------- logging
+def reduce_metrics(m: dict, device) -> dict:
+    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank)."""
+    keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload") or k == "host_rss_gb")
+    if dist.get_world_size() > 1 and keys:
+        t = torch.tensor([float(m[k]) for k in keys], device=device, dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        m.update(zip(keys, t.tolist()))
+    return m
+
+
+def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
+    done = (step + 1) / steps
+    eta = (time.time() - t_start) / done * (1 - done)
+    bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
+    head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
+    keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step"]
+    keys += [k for k in m if k.startswith("time/") and k != "time/step"]
+    keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
+    return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None):
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    rank, world, device = init_distributed()
+    mini_size = check_sizes(cfg, world)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(json.dumps({"resolved_config": asdict(cfg), "world_size": world, "device": str(device)}, indent=1))
+    torch.manual_seed(cfg.seed)
+    mesh = build_mesh(device, world, cfg.fsdp_size)
+    a = cfg.actor
+    if a.offload_policy and (a.param_offload or a.optimizer_offload):
+        raise SystemExit("error: actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and "
+                         "Adam state on the CPU; turn param_offload / optimizer_offload off")
+    if device.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
+        say("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
+
+    tokenizer = load_tokenizer(cfg.model)
+    prompts, answers = load_data(cfg, tokenizer)
+    reward_fn = load_reward(cfg)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_id = tokenizer.eos_token_id
+    engine = rollout.resolve_engine(cfg.rollout, device)
+    say(f"[data] {len(prompts)} prompts; rollout engine: {engine}")
+
+    # ---- models: actor (+ optimizer) and, for the KL loss, the reference
+    model = actor.shard(actor.load_model(cfg.model, cfg.seed), mesh, device, a.offload_policy,
+                        a.param_dtype, a.gradient_checkpointing)
+    optimizer = actor.build_optimizer(model, a)
+    param_stash = offload.param_stash("actor_params", model)
+    opt_stash = None                                  # Adam state exists only after the first step
+    ref_model, ref_stash = None, None
+    if a.use_kl_loss:
+        ref_model, ref_stash = ref.build(cfg.model, mesh, device, cfg.ref, a.param_dtype, cfg.seed)
+    shard_bytes = param_stash.nbytes
+    say(offload.explain("actor.param_offload", shard_bytes, a.param_offload, device))
+    say(offload.explain("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * shard_bytes,
+                        a.optimizer_offload, device))
+    if ref_stash is not None:
+        say(offload.explain("ref.param_offload", ref_stash.nbytes, cfg.ref.param_offload, device))
+    if a.offload_policy:
+        say("[offload] actor.offload_policy: FSDP2 CPUOffloadPolicy, params/grads/Adam on pinned host, "
+            "copied per layer at all-gather; optimizer steps on the CPU")
+    params_out = [param_stash] if a.param_offload else []
+    if a.param_offload:
+        offload.offload(param_stash)                  # frees the shard bytes until first use
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if rank == 0:
+        open(metrics_path, "w").close()
+    on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
+    local_bs = cfg.train_batch_size // world
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    t_start = time.time()
+    for step in range(cfg.steps):
+        m = {"step": step}
+        t_step = time.perf_counter()
+        start = (step * cfg.train_batch_size) % len(order)
+        idx = [order[(start + rank * local_bs + i) % len(order)] for i in range(local_bs)]
+
+        with offload.stage("generate", m, device), offload.loaded(params_out, m):
+            batch = rollout.generate(engine, model, [prompts[i] for i in idx], cfg.rollout, pad_id,
+                                     eos_id, device, seed=cfg.seed * 1_000_003 + step * world + rank)
+
+        with offload.stage("reward", m, device):       # CPU: decode and score each response
+            mask = batch["response_mask"]
+            texts = tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
+                                                                        mask.sum(-1).tolist())],
+                                           skip_special_tokens=True)
+            scores = torch.tensor([reward_fn(t, answers[i]) for t, i in
+                                   zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
+                                  dtype=torch.float32, device=device)
+
+        with offload.stage("old_logp", m, device):
+            if not on_policy:       # on-policy: the update's first forward is the old policy
+                with offload.loaded(params_out, m):
+                    batch["old_log_probs"] = actor.compute_log_probs(
+                        model, batch, a.log_prob_micro_batch_size_per_gpu, cfg.rollout.temperature)
+
+        with offload.stage("ref_logp", m, device):
+            if ref_model is not None:
+                batch["ref_log_probs"] = ref.compute_ref_log_probs(
+                    ref_model, ref_stash, batch, cfg.ref, cfg.rollout.temperature, m)
+
+        with offload.stage("advantage", m, device):
+            batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
+                                                 cfg.algorithm.norm_adv_by_std_in_grpo)
+
+        with offload.stage("update", m, device):
+            with offload.loaded(params_out, m):
+                if opt_stash is not None and a.optimizer_offload:
+                    m.update(offload.reload(opt_stash))
+                m.update(actor.update_policy(model, optimizer, batch, a, mini_size, cfg.rollout.temperature))
+                if a.optimizer_offload:               # frees 2 x fp32 shard bytes until the next update
+                    opt_stash = opt_stash or offload.optimizer_stash("actor_optimizer", optimizer)
+                    m.update(offload.offload(opt_stash))
+
+        sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
+                                          device=device, dtype=torch.float64)).tolist()
+        m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
+                 host_rss_gb=offload.host_rss_gb())
+        m["time/step"] = time.perf_counter() - t_step
+        m = reduce_metrics(m, device)
+        if rank == 0:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            print(log_line(m, step, cfg.steps, t_start), flush=True)
+
+    if cfg.save:
+        with offload.loaded(params_out, {}):
+            actor.save_hf(model, tokenizer, os.path.join(cfg.out_dir, "final"), rank)
+        say(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
