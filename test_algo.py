@@ -1,0 +1,122 @@
+"""The loss math against hand-computed values, and micro-batch invariance (CPU, one process).
+
+    python -m pytest test_algo.py -q
+"""
+import math
+
+import pytest
+import torch
+
+import actor
+import train_grpo
+from conftest import tiny_batch
+
+
+# --------------------------------------------------------------------------- advantage
+def test_grpo_advantage_hand_values():
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    mask = torch.tensor([[1, 1, 0]] * 8, dtype=torch.float32)
+    adv = train_grpo.grpo_advantage(scores, 4, mask)
+    s = math.sqrt(1 / 3)                          # unbiased std of [1, 0, 0, 1]
+    want = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (torch.tensor([s] * 4 + [0] * 4) + 1e-6)
+    assert torch.allclose(adv[:, 0], want, atol=1e-5)
+    assert torch.equal(adv[:, 2], torch.zeros(8))             # padding gets no advantage
+    dr = train_grpo.grpo_advantage(scores, 4, mask, norm_by_std=False)   # Dr.GRPO
+    assert torch.allclose(dr[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
+    one = train_grpo.grpo_advantage(torch.tensor([0.3, 0.7]), 1, torch.ones(2, 1))
+    assert torch.allclose(one[:, 0], torch.tensor([0.3, 0.7]), atol=1e-5)   # group of 1: mean 0, std 1
+
+
+# --------------------------------------------------------------------------- policy loss
+def test_policy_loss_clip_and_dual_clip():
+    cfg = actor.ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    delta = torch.tensor([0.5, 0.5, 2.0, -0.5, -0.5])          # logp - old
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])
+    loss, clipped, ratio = actor.policy_loss(delta, torch.zeros(5), adv, cfg)
+    e = math.exp
+    want = [-1.28,                      # A>0, ratio 1.65 clipped at 1+0.28
+            e(0.5),                     # A<0, ratio 1.65: the unclipped term is larger
+            3.0,                        # A<0, ratio 7.39: dual clip bounds it at clip_ratio_c
+            -e(-0.5),                   # A>0, ratio 0.61: the unclipped term is larger (pessimistic)
+            0.8]                        # A<0, ratio 0.61: clipped at 1-0.2
+    assert torch.allclose(loss, torch.tensor(want), atol=1e-6)
+    assert clipped.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert torch.allclose(ratio, delta.exp())
+
+
+# --------------------------------------------------------------------------- KL
+@pytest.mark.parametrize("kind,want", [("kl", [1.0, -1.0]), ("k1", [1.0, -1.0]), ("abs", [1.0, 1.0]),
+                                       ("mse", [0.5, 0.5]), ("k2", [0.5, 0.5]),
+                                       ("low_var_kl", [math.exp(-1), math.e - 2]),
+                                       ("k3", [math.exp(-1), math.e - 2])])
+def test_kl_estimators(kind, want):
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
+    assert torch.allclose(actor.kl_penalty(logp, ref, kind), torch.tensor(want), atol=1e-6)
+
+
+def test_kl_k3_is_clamped():
+    assert actor.kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+
+
+# --------------------------------------------------------------------------- aggregation
+def test_loss_aggregation_modes():
+    mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert actor.agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
+    assert actor.agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
+    assert actor.agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    # explicit global denominators (as in a split mini-batch): 10 tokens, 4 sequences overall
+    assert actor.agg_loss(mat, mask, "token-mean", tokens=10).item() == pytest.approx(0.7)
+    assert actor.agg_loss(mat, mask, "seq-mean-token-mean", seqs=4).item() == pytest.approx(1.375)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        actor.agg_loss(mat, mask, "token-sum")
+
+
+def test_logprobs_and_entropy_match_torch():
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 7, (2, 3))
+    want = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    assert torch.allclose(actor.logprobs_from_logits(logits, ids), want, atol=1e-6)
+    ent = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(actor.entropy_from_logits(logits), ent, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- micro-batch invariance
+def _tiny_actor(device, mesh):
+    return actor.shard(actor.load_model(None, seed=0), mesh, device)
+
+
+def test_log_probs_independent_of_micro_batch(dist_env):
+    _, world, device = dist_env
+    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
+    batch = tiny_batch(12, 5, device)
+    ref = actor.compute_log_probs(model, batch, 12, 1.0)
+    for mb in (1, 5, 7):
+        assert torch.allclose(actor.compute_log_probs(model, batch, mb, 1.0), ref, atol=1e-5)
+    # a left-padded row sees the same log-probs as when it is alone in its batch
+    alone = actor.compute_log_probs(model, {k: v[3:4] for k, v in batch.items()}, 1, 1.0)
+    assert torch.allclose(alone, ref[3:4], atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", actor.LOSS_AGG_MODES)
+def test_update_independent_of_micro_batch(dist_env, mode):
+    """Same SGD update (so params move by exactly lr x grad) for micro-batch 2, 3 and 12."""
+    _, world, device = dist_env
+    mesh = train_grpo.build_mesh(device, world, -1)
+    batch = tiny_batch(12, 5, device, seed=1)
+    batch.pop("old_log_probs")             # on-policy: ratio 1, gradient -A grad logp (+ KL)
+    results = []
+    for micro in (2, 3, 12):
+        cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=micro, loss_agg_mode=mode, grad_clip=1e9,
+                                entropy_coeff=0.01, kl_loss_coef=0.1)
+        model = _tiny_actor(device, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        stats = actor.update_policy(model, opt, batch, cfg, mini_size=12, temperature=1.0)
+        delta = torch.cat([(b - p.detach().full_tensor()).flatten() for b, p in zip(before, model.parameters())])
+        results.append((delta, stats))
+    assert results[0][0].abs().max() > 1e-4          # the update did something
+    for delta, stats in results[1:]:
+        assert torch.allclose(delta, results[0][0], atol=1e-6, rtol=1e-4)
+        assert stats["pg_loss"] == pytest.approx(results[0][1]["pg_loss"], rel=1e-5, abs=1e-6)
+        assert stats["kl"] == pytest.approx(results[0][1]["kl"], rel=1e-5)
