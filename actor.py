@@ -45,14 +45,18 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 # --------------------------------------------------------------------------- build
+def check_model_path(path: str | None):
+    if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: --model {path}: no config.json there; pass a local Hugging Face "
+                         f"model directory (nothing is downloaded)")
+
+
 def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
     """fp32 weights on the host: the tiny default from code, or a local Hugging Face checkpoint."""
     if path is None:
         import tiny
         return tiny.build_tiny_model(seed)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"error: --model {path}: no config.json there; pass a local Hugging Face "
-                         f"model directory (nothing is downloaded)")
+    check_model_path(path)
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
                                                 attn_implementation="sdpa")

@@ -40,7 +40,8 @@ def _one_update(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # gloo on the CPU for both runs, so they differ only in the number of ranks
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                         f"--nproc_per_node={nproc}", os.path.join(HERE, "test_dist.py"), out_path],
                        env=env, capture_output=True, text=True, timeout=600)

@@ -17,6 +17,8 @@ STAGES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
 
 def run(args, nproc=0, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc > torch.cuda.device_count():     # more ranks than GPUs: run this one on the CPU (gloo)
+        env["CUDA_VISIBLE_DEVICES"] = ""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
               f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
     return subprocess.run(launch + [os.path.join(HERE, "train_grpo.py")] + args, env=env,

@@ -285,6 +285,7 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
 # --------------------------------------------------------------------------- main
 def main(argv=None):
     cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    actor.check_model_path(cfg.model)
     rank, world, device = init_distributed()
     mini_size = check_sizes(cfg, world)
     say = print if rank == 0 else (lambda *a, **k: None)
