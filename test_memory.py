@@ -4,8 +4,9 @@ nothing creeps over many steps. Skipped without CUDA.
     python -m pytest test_memory.py -q                                   # one GPU
     torchrun --nproc_per_node=8 -m pytest test_memory.py -q              # 8 GPUs: per-rank shards
 
-The model is a Qwen2 architecture of ~200M parameters built from a config in code (random
-weights, no download), large enough that allocator rounding is far below the 5 % tolerance.
+The model is a Qwen2 architecture of ~430M parameters built from a config in code (random
+weights, no download), large enough that the caching allocator's block rounding (up to 1 MiB
+per large tensor) stays far below the 5 % tolerance.
 """
 import pytest
 import torch
@@ -23,7 +24,7 @@ MB = 1024 ** 2
 def _model(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
                       tie_word_embeddings=True)
     return Qwen2ForCausalLM(cfg)
