@@ -46,16 +46,17 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 # --------------------------------------------------------------------------- build
 def check_model_path(path: str | None):
-    if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
+    if path is not None and not path.startswith("random:") and not os.path.isfile(os.path.join(path, "config.json")):
         raise SystemExit(f"error: --model {path}: no config.json there; pass a local Hugging Face "
                          f"model directory (nothing is downloaded)")
 
 
 def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
-    """fp32 weights on the host: the tiny default from code, or a local Hugging Face checkpoint."""
-    if path is None:
+    """fp32 weights on the host: the tiny default from code, a Qwen2.5 size with random weights
+    (`random:qwen2.5-0.5b`, for benchmarks), or a local Hugging Face checkpoint."""
+    if path is None or path.startswith("random:"):
         import tiny
-        return tiny.build_tiny_model(seed)
+        return tiny.build_tiny_model(seed) if path is None else tiny.build_random_model(path[7:], seed)
     check_model_path(path)
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
@@ -178,6 +179,17 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
+    """|trainer log-prob - rollout engine log-prob| over valid tokens, mean and max over all ranks."""
+    m = batch["response_mask"]
+    d = (logp.detach() - batch["rollout_log_probs"]).abs() * m
+    s = all_sum(torch.stack([d.sum(), m.sum()]).double())
+    mx = d.max().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
+
+
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
                   temperature: float) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
@@ -189,7 +201,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
     names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
     sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs
-    norms, skipped = [], 0
+    norms, skipped, mismatch = [], 0, []
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
@@ -202,6 +214,8 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                 agg = lambda x: agg_loss(x, m, cfg.loss_agg_mode, tokens, seqs)  # noqa: E731
                 logp, ent = forward(model, mb, temperature, "grad" if cfg.entropy_coeff else "log")
                 old = logp.detach() if on_policy else mb["old_log_probs"]
+                if on_policy and "rollout_log_probs" in mb:   # this forward is the rollout policy
+                    mismatch.append((logp.detach(), mb))
                 pg_mat, clipped, ratio = policy_loss(logp, old, mb["advantages"], cfg)
                 pg, ent_term = agg(pg_mat), agg(ent)
                 loss = pg - cfg.entropy_coeff * ent_term
@@ -225,6 +239,10 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     sums = all_sum(sums) / len(norms)               # mean over optimizer steps of global means
     out = dict(zip(names, sums.tolist()))
     out.update(grad_norm=sum(norms) / len(norms), skipped_steps=skipped)
+    if mismatch:
+        out.update(logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
+                                    {k: torch.cat([mb[k] for _, mb in mismatch])
+                                     for k in ("response_mask", "rollout_log_probs")}))
     return out
 
 

@@ -152,6 +152,25 @@ def stage(name: str, metrics: dict, device: torch.device):
         metrics[f"mem/{name}/{k}"] = v
 
 
+def gpu_bytes(*objs) -> int:
+    """Bytes of GPU storage held by these modules (params, grads, buffers) and optimizers (state):
+    what the trainer really keeps on the device, whatever the allocator has cached."""
+    tensors = []
+    for o in objs:
+        if isinstance(o, torch.nn.Module):
+            tensors += [_local(p) for p in o.parameters()] + [_local(p.grad) for p in o.parameters()
+                                                              if p.grad is not None]
+            tensors += list(o.buffers())
+        elif isinstance(o, torch.optim.Optimizer):
+            tensors += [_local(v) for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if t.device.type == "cuda" and st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
 # --------------------------------------------------------------------------- the planner
 def explain(name: str, nbytes: int, on: bool, device: torch.device) -> str:
     """One line per offload flag: what it moves and whether it is on."""

@@ -1,32 +1,72 @@
 """Generation engines behind one function: `generate(engine, ...) -> batch`.
 
-    python train_grpo.py --rollout.engine=hf      # HF generate on the FSDP actor (CPU, tests)
+    python train_grpo.py --rollout.engine=hf                      # HF generate on the FSDP actor
+    torchrun --nproc_per_node=8 train_grpo.py --rollout.engine=vllm --model=/models/Qwen2.5-1.5B
+    python -m pytest test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
 
-The HF engine gathers the actor's FSDP2 shards once for the whole generate call (one all-gather
-per layer, not one per decoded token), samples, and frees the gathered weights again:
-transient memory is the full model in the compute dtype while it runs.
+HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
+layer, not one per decoded token), samples, and frees the gathered weights again.
+
+vLLM engine: one in-process engine per rank (torchrun ranks are vLLM's workers through its
+"external_launcher"), built once with random weights (`load_format="dummy"`) and sleep mode.
+Every step runs the bracket below; each phase's seconds and device memory (`mem_get_info`, the
+only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_device_gb`:
+    empty_cache     give PyTorch's cached blocks back so vLLM's pool can map them
+    load_params     actor shards in from pinned host (only with actor.param_offload)
+    wake_weights    vLLM maps its weight memory again (KV cache still released)
+    sync            stream the actor's weights in, one bounded bucket at a time
+    offload_params  actor shards back out, cache emptied: the trainer leaves the GPU to vLLM
+    wake_kv         vLLM maps its KV cache last, when everything else is gone
+    generate        sample n responses per prompt, with the sampled tokens' log-probs
+    sleep           level 1: weights to host, KV dropped; level 2: both dropped (re-sent anyway)
+Checked on vLLM 0.26.0 with torch 2.11 (H200).
 """
 import contextlib
+import importlib.util
+import os
+import time
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import offload
+
 
 @dataclass
 class RolloutConfig:
-    engine: str = "auto"                   # hf | auto (auto picks hf until vLLM is available)
+    engine: str = "auto"                   # vllm | hf | auto (vllm when it imports and CUDA is there)
     n: int = 8                             # samples per prompt (the GRPO group size)
     response_length: int = 4               # max new tokens; responses are right-padded to this
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                         # 0: off
+    gpu_memory_utilization: float = 0.5    # vLLM: share of the WHOLE GPU for its weights + KV cache
+    sleep_level: int = 2                   # vLLM: 1 keeps weights in host RAM while asleep, 2 drops them
+    enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
+    tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
+    sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
+    dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
+
+
+@dataclass
+class Engine:
+    kind: str                              # "hf" or "vllm"
+    llm: object = None                     # the vllm.LLM when kind == "vllm"
+    dtype: torch.dtype = torch.bfloat16    # vLLM's weight dtype (the sync casts to it)
+    asleep_device_gb: float = 0.0          # what vLLM keeps on the GPU while asleep (CUDA graphs, ...)
 
 
 def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
-    if cfg.engine not in ("hf", "auto"):
-        raise SystemExit(f"error: --rollout.engine={cfg.engine}: use hf or auto")
-    return "hf"
+    if cfg.engine not in ("hf", "vllm", "auto"):
+        raise SystemExit(f"error: --rollout.engine={cfg.engine}: use vllm, hf or auto")
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
+        raise SystemExit("error: --rollout.engine=vllm needs a CUDA GPU and vLLM installed "
+                         "(README: vLLM on a GPU node); use --rollout.engine=hf")
+    if cfg.engine == "auto":
+        return "vllm" if has_vllm and device.type == "cuda" else "hf"
+    return cfg.engine
 
 
 # --------------------------------------------------------------------------- batch layout
@@ -84,13 +124,143 @@ def generate_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int
     torch.manual_seed(seed)                          # per rank and step: reproducible samples
     model.eval()
     with gathered(model):
-        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=True,
-                             max_new_tokens=cfg.response_length, temperature=cfg.temperature,
-                             top_p=cfg.top_p, top_k=cfg.top_k or None, pad_token_id=pad_id,
-                             eos_token_id=eos_id)
+        sample = cfg.temperature > 0                 # temperature 0: greedy
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=sample,
+                             max_new_tokens=cfg.response_length, temperature=cfg.temperature if sample else None,
+                             top_p=cfg.top_p if sample else None, top_k=(cfg.top_k or None) if sample else None,
+                             pad_token_id=pad_id, eos_token_id=eos_id)
     responses = out[:, P:].tolist()
     return make_batch(rows, responses, cfg.response_length, pad_id, eos_id, device)
 
 
-def generate(engine: str, model, prompts, cfg: RolloutConfig, pad_id, eos_id, device, seed) -> dict:
-    return generate_hf(model, prompts, cfg, pad_id, eos_id, device, seed)
+# --------------------------------------------------------------------------- vLLM engine
+def _used_gb() -> float:
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / offload.GB
+
+
+def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int) -> Engine:
+    """`dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise)."""
+    """One engine per rank, in this process, asleep when returned. `model_dir` needs only a
+    config.json: the weights are random until the first sync (nothing is read from disk twice)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
+    os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise SystemExit("error: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
+                         "vLLM's sleep pool; unset it")
+    from vllm import LLM
+    dtype = dtype if cfg.dtype == "auto" else cfg.dtype
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+    torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
+    before = _used_gb()
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
+              distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
+              dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+              max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs")
+    torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
+    llm.sleep(level=cfg.sleep_level)
+    torch.cuda.empty_cache()
+    return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before)
+
+
+def vllm_model(llm):
+    """The engine's nn.Module. Engine internals: checked on vLLM 0.26.0 (V1 engine, in-process)."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def full_param(p: torch.Tensor, device) -> torch.Tensor:
+    """The whole parameter on `device` (an all-gather: every rank calls it)."""
+    if not hasattr(p, "full_tensor"):
+        return p.detach().to(device)
+    local = p.to_local()
+    if local.device != device:                  # CPUOffloadPolicy: shards live on the host
+        from torch.distributed.tensor import DTensor
+        p = DTensor.from_local(local.to(device, non_blocking=True), p.device_mesh, p.placements,
+                               shape=p.shape, stride=p.stride())
+    return p.detach().full_tensor()
+
+
+@torch.no_grad()
+def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
+    """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
+    buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
+    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself)."""
+    target, bucket, size, sent = vllm_model(llm), [], 0, 0
+    for name, p in model.named_parameters():
+        full = full_param(p, device)
+        t = full.to(dtype)
+        del full                                  # the fp32 gather is gone before the next one
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_mb * 2 ** 20:
+            target.load_weights(bucket)
+            sent, bucket, size = sent + size, [], 0
+    if bucket:
+        target.load_weights(bucket)
+        sent += size
+    return sent
+
+
+def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int,
+                  eos_id: int, device, seed: int, stashes: list, metrics: dict) -> dict:
+    """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs."""
+    from vllm import SamplingParams
+    llm = engine.llm
+
+    def phase(name, t0):
+        metrics[f"rollout/{name}_s"] = time.perf_counter() - t0
+        metrics[f"rollout/{name}_device_gb"] = _used_gb()
+
+    t = time.perf_counter(); torch.cuda.empty_cache(); phase("empty_cache", t)
+    t = time.perf_counter()
+    for s in stashes:
+        metrics.update(offload.reload(s))
+    phase("load_params", t)
+    t = time.perf_counter(); llm.wake_up(tags=["weights"]); phase("wake_weights", t)
+    t = time.perf_counter()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    metrics["rollout/sync_gb"] = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, device) / offload.GB
+    torch.cuda.synchronize()
+    metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
+    phase("sync", t)
+    t = time.perf_counter()
+    for s in stashes:
+        metrics.update(offload.offload(s))
+    torch.cuda.empty_cache()
+    phase("offload_params", t)
+    t = time.perf_counter(); llm.wake_up(tags=["kv_cache"]); phase("wake_kv", t)
+    t = time.perf_counter()
+    params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                             max_tokens=cfg.response_length, logprobs=0, stop_token_ids=[eos_id],
+                             detokenize=False, seed=seed * 10007 + i * cfg.n)
+              for i in range(len(prompts))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    phase("generate", t)
+    t = time.perf_counter(); llm.sleep(level=cfg.sleep_level); torch.cuda.empty_cache(); phase("sleep", t)
+
+    rows, responses, logps = [], [], []
+    for p, out in zip(prompts, outs):
+        for o in out.outputs:                     # n samples of this prompt, kept together (a group)
+            rows.append(p)
+            responses.append(list(o.token_ids))
+            logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
+    batch = make_batch(rows, responses, cfg.response_length, pad_id, eos_id, device)
+    R = cfg.response_length
+    rl = torch.zeros(len(rows), R)
+    for i, lp in enumerate(logps):
+        rl[i, :min(len(lp), R)] = torch.tensor(lp[:R])
+    batch["rollout_log_probs"] = rl.to(device) * batch["response_mask"]
+    return batch
+
+
+def generate(engine: Engine, model, prompts, cfg: RolloutConfig, pad_id, eos_id, device, seed,
+             stashes: list, metrics: dict) -> dict:
+    """`stashes`: the actor's offloaded groups, loaded only while the engine needs the weights."""
+    if engine.kind == "vllm":
+        return generate_vllm(engine, model, prompts, cfg, pad_id, eos_id, device, seed, stashes, metrics)
+    with offload.loaded(stashes, metrics):
+        return generate_hf(model, prompts, cfg, pad_id, eos_id, device, seed)

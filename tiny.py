@@ -40,6 +40,30 @@ def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(tiny_config())
 
 
+# Public Qwen2.5 sizes, for benchmarks with random weights (`--model=random:qwen2.5-1.5b`): the
+# memory and speed of a real checkpoint of that size, with nothing to download.
+QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings
+    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, True),
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, True),
+    "qwen2.5-3b": (2048, 11008, 36, 16, 2, True),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, False),
+}
+
+
+def qwen25_config(name: str) -> Qwen2Config:
+    if name not in QWEN25:
+        raise SystemExit(f"error: --model=random:{name}: known sizes are {', '.join(QWEN25)}")
+    h, i, n, heads, kv, tied = QWEN25[name]
+    return Qwen2Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
+                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
+                       tie_word_embeddings=tied, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16")
+
+
+def build_random_model(name: str, seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(qwen25_config(name))
+
+
 def copy_task(num_items: int = 4096, digits: int = 3, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     items = []

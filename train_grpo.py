@@ -162,7 +162,7 @@ def build_mesh(device, world: int, fsdp_size: int):
 
 # --------------------------------------------------------------------------- data and rewards
 def load_tokenizer(path):
-    if path is None:
+    if path is None or path.startswith("random:"):   # random weights: the tiny tokenizer's ids suffice
         import tiny
         return tiny.build_tokenizer()
     from transformers import AutoTokenizer
@@ -263,7 +263,7 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
 # --------------------------------------------------------------------------- logging
 def reduce_metrics(m: dict, device) -> dict:
     """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank)."""
-    keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload") or k == "host_rss_gb")
+    keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload", "rollout") or k == "host_rss_gb")
     if dist.get_world_size() > 1 and keys:
         t = torch.tensor([float(m[k]) for k in keys], device=device, dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -276,7 +276,9 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
     eta = (time.time() - t_start) / done * (1 - done)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
-    keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step"]
+    keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
+            "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
+            "rollout/logp_diff_max"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]
     keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
@@ -304,8 +306,10 @@ def main(argv=None):
     reward_fn = load_reward(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
-    engine = rollout.resolve_engine(cfg.rollout, device)
-    say(f"[data] {len(prompts)} prompts; rollout engine: {engine}")
+    engine_kind = rollout.resolve_engine(cfg.rollout, device)
+    say(f"[data] {len(prompts)} prompts; rollout engine: {engine_kind}"
+        + (" (auto: vLLM imports and CUDA is there)" if cfg.rollout.engine == "auto" and engine_kind == "vllm"
+           else " (auto: no vLLM or no CUDA)" if cfg.rollout.engine == "auto" else ""))
 
     # ---- models: actor (+ optimizer) and, for the KL loss, the reference
     model = actor.shard(actor.load_model(cfg.model, cfg.seed), mesh, device, a.offload_policy,
@@ -330,6 +334,19 @@ def main(argv=None):
         offload.offload(param_stash)                  # frees the shard bytes until first use
 
     os.makedirs(cfg.out_dir, exist_ok=True)
+    engine = rollout.Engine("hf")
+    if engine_kind == "vllm":                         # after the trainer's offloads: vLLM sizes itself from free memory
+        vdir = cfg.model
+        if cfg.model is None or cfg.model.startswith("random:"):   # vLLM needs only a config.json
+            vdir = os.path.join(cfg.out_dir, "vllm_config", f"rank{rank}")
+            model.config.architectures = ["Qwen2ForCausalLM"]
+            model.config.save_pretrained(vdir)
+        max_len = max(len(p) for p in prompts) + cfg.rollout.response_length
+        dtype = a.param_dtype if device.type == "cuda" else "float32"
+        t0 = time.perf_counter()
+        engine = rollout.build_vllm(cfg.rollout, vdir, max_len, dtype, cfg.seed + rank)
+        say(f"[rollout] vLLM engine built in {time.perf_counter() - t0:.1f} s; asleep it keeps "
+            f"{engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if rank == 0:
         open(metrics_path, "w").close()
@@ -343,9 +360,11 @@ def main(argv=None):
         start = (step * cfg.train_batch_size) % len(order)
         idx = [order[(start + rank * local_bs + i) % len(order)] for i in range(local_bs)]
 
-        with offload.stage("generate", m, device), offload.loaded(params_out, m):
-            batch = rollout.generate(engine, model, [prompts[i] for i in idx], cfg.rollout, pad_id,
-                                     eos_id, device, seed=cfg.seed * 1_000_003 + step * world + rank)
+        with offload.stage("generate", m, device):
+            batch = rollout.generate(engine, model, [prompts[i] for i in idx], cfg.rollout, pad_id, eos_id,
+                                     device, cfg.seed * 1_000_003 + step * world + rank, params_out, m)
+        # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
+        m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(model, optimizer, *([ref_model] if ref_model else [])) / offload.GB
 
         with offload.stage("reward", m, device):       # CPU: decode and score each response
             mask = batch["response_mask"]
@@ -361,6 +380,8 @@ def main(argv=None):
                 with offload.loaded(params_out, m):
                     batch["old_log_probs"] = actor.compute_log_probs(
                         model, batch, a.log_prob_micro_batch_size_per_gpu, cfg.rollout.temperature)
+                if "rollout_log_probs" in batch and not on_policy:
+                    m.update(actor.logprob_mismatch(batch["old_log_probs"], batch))
 
         with offload.stage("ref_logp", m, device):
             if ref_model is not None:

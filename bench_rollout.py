@@ -1,0 +1,97 @@
+"""Rollout benchmark: vLLM (with the full offload bracket) against HF generate on the same batch.
+
+    python bench_rollout.py --model=random:qwen2.5-0.5b --prompts=16 --n=8 --prompt_len=128 \
+        --response_len=256 --out=bench_rollout.json
+
+Both engines run in this one process on the same prompts and the same FSDP2 actor; the figures
+are ratios measured side by side. Bracket overhead = everything in the bracket but `generate`
+(empty_cache, load/offload params, wake weights, sync, wake KV, sleep) over the generate time.
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import actor
+import offload
+import rollout
+import train_grpo
+
+PHASES = ("empty_cache", "load_params", "wake_weights", "sync", "offload_params", "wake_kv", "sleep")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen2.5-0.5b")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt_len", type=int, default=128)
+    ap.add_argument("--response_len", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--param_offload", type=int, default=1)
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.5)
+    ap.add_argument("--out", default="bench_rollout.json")
+    args = ap.parse_args()
+
+    rank, world, device = train_grpo.init_distributed()
+    model = actor.shard(actor.load_model(args.model), train_grpo.build_mesh(device, world, -1), device)
+    stash = offload.param_stash("actor_params", model)
+    g = torch.Generator().manual_seed(rank)
+    V = model.config.vocab_size
+    prompts = [torch.randint(2, V - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    cfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len,
+                                gpu_memory_utilization=args.gpu_memory_utilization)
+    eos = V - 1                                        # rarely sampled: responses run to full length
+    vdir = f"/tmp/bench_vllm_cfg_{rank}"
+    model.config.architectures = ["Qwen2ForCausalLM"]
+    model.config.save_pretrained(vdir)
+    t0 = time.perf_counter()
+    engine = rollout.build_vllm(cfg, vdir, args.prompt_len + args.response_len, "bfloat16", rank)
+    build_s = time.perf_counter() - t0
+    stashes = [stash] if args.param_offload else []
+    if args.param_offload:
+        offload.offload(stash)
+
+    def run_vllm():
+        m = {}
+        b = rollout.generate(engine, model, prompts, cfg, 0, eos, device, 1, stashes, m)
+        m["tokens"] = b["response_mask"].sum().item()
+        m["trainer_gpu_gb"] = offload.gpu_bytes(model) / offload.GB
+        return m
+
+    run_vllm()                                          # warm-up (first wake, allocator, graphs)
+    runs = [run_vllm() for _ in range(args.reps)]
+    v = {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    # HF generate on the same prompts (the actor gathered once, sampled token by token)
+    with offload.loaded(stashes, {}):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hb = rollout.generate_hf(model, prompts, cfg, 0, eos, device, 1)
+        torch.cuda.synchronize()
+        hf_s = time.perf_counter() - t
+    hf_tokens = hb["response_mask"].sum().item()
+    overhead = sum(v[f"rollout/{p}_s"] for p in PHASES)
+    res = {
+        "model": args.model, "world": world, "prompts": args.prompts, "n": args.n,
+        "prompt_len": args.prompt_len, "response_len": args.response_len, "engine_build_s": build_s,
+        "asleep_device_gb": engine.asleep_device_gb,
+        "vllm_tokens_per_s": v["tokens"] / v["rollout/generate_s"], "hf_tokens_per_s": hf_tokens / hf_s,
+        "sync_s": v["rollout/sync_s"], "sync_transient_gb": v["rollout/sync_transient_gb"],
+        "bracket_overhead_s": overhead, "generate_s": v["rollout/generate_s"],
+        "bracket_overhead_frac": overhead / v["rollout/generate_s"],
+        "trainer_gpu_gb_during_generate": v["trainer_gpu_gb"],
+        "device_used_gb_during_generate": v["rollout/generate_device_gb"],
+        "phases_s": {p: v[f"rollout/{p}_s"] for p in PHASES},
+        "torch": torch.__version__, "gpu": torch.cuda.get_device_name(),
+    }
+    res["vllm_over_hf"] = res["vllm_tokens_per_s"] / res["hf_tokens_per_s"]
+    if rank == 0:
+        print(json.dumps(res, indent=1))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
