@@ -30,6 +30,7 @@ class Stash:
     views: list = field(default_factory=list)      # (nbytes,) uint8 view of each storage
     host: list = field(default_factory=list)       # (nbytes,) uint8 host buffers, pinned on CUDA
     on_device: bool = True
+    host_current: bool = False             # the host buffers hold the same bytes as the device
 
     @property
     def nbytes(self) -> int:
@@ -74,18 +75,22 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def offload(stash: Stash) -> dict:
-    """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory."""
+def offload(stash: Stash, modified: bool = True) -> dict:
+    """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory.
+    `modified=False` (a forward-only bracket: generate, old/ref log-probs) skips the copy back when
+    the host buffers already hold these bytes: only the free remains, no PCIe traffic."""
     if not stash.on_device or not stash.views:
         return {}
     t0 = time.perf_counter()
-    for view, host in zip(stash.views, stash.host):
-        host.copy_(view, non_blocking=True)
-    _sync(stash.views[0].device)          # one synchronize per bracket: host bytes are complete
+    copy = modified or not stash.host_current
+    if copy:
+        for view, host in zip(stash.views, stash.host):
+            host.copy_(view, non_blocking=True)
+        _sync(stash.views[0].device)      # one synchronize per bracket: host bytes are complete
     for st in stash.storages:
         st.resize_(0)                     # returns the block to the caching allocator now
-    stash.on_device = False
-    return _moved(stash, "offload", time.perf_counter() - t0)
+    stash.on_device, stash.host_current = False, True
+    return _moved(stash, "offload" if copy else "drop", time.perf_counter() - t0)
 
 
 def reload(stash: Stash) -> dict:
@@ -102,20 +107,21 @@ def reload(stash: Stash) -> dict:
 
 
 def _moved(stash: Stash, verb: str, seconds: float) -> dict:
-    gb = stash.nbytes / GB
+    gb = stash.nbytes / GB if verb != "drop" else 0.0
     return {f"offload/{stash.name}/{verb}_gb": gb, f"offload/{stash.name}/{verb}_s": seconds,
             f"offload/{stash.name}/{verb}_gbps": gb * GB / 1e9 / max(seconds, 1e-9)}
 
 
 @contextlib.contextmanager
-def loaded(stashes, metrics: dict):
+def loaded(stashes, metrics: dict, modified: bool = False):
     """The bracket: reload every enabled stash, run the body, offload them again.
-    `stashes` holds only the groups whose offload flag is on; an empty list is a no-op."""
+    `stashes` holds only the groups whose offload flag is on; an empty list is a no-op.
+    `modified`: the body changes these tensors (the update), so they are copied back out."""
     for s in stashes:
         metrics.update(reload(s))
     yield
     for s in stashes:
-        metrics.update(offload(s))
+        metrics.update(offload(s, modified))
 
 
 # --------------------------------------------------------------------------- the ledger

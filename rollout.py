@@ -229,21 +229,24 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     phase("sync", t)
     t = time.perf_counter()
     for s in stashes:
-        metrics.update(offload.offload(s))
+        metrics.update(offload.offload(s, modified=False))   # unchanged since loaded: free, no copy
     torch.cuda.empty_cache()
     phase("offload_params", t)
     t = time.perf_counter(); llm.wake_up(tags=["kv_cache"]); phase("wake_kv", t)
     t = time.perf_counter()
-    params = [SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+    greedy = cfg.temperature == 0           # vLLM samples greedily only with n=1: send n copies instead
+    per_req, copies = (1, cfg.n) if greedy else (cfg.n, 1)
+    reqs = [p for p in prompts for _ in range(copies)]
+    params = [SamplingParams(n=per_req, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
                              max_tokens=cfg.response_length, logprobs=0, stop_token_ids=[eos_id],
                              detokenize=False, seed=seed * 10007 + i * cfg.n)
-              for i in range(len(prompts))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+              for i in range(len(reqs))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
     phase("generate", t)
     t = time.perf_counter(); llm.sleep(level=cfg.sleep_level); torch.cuda.empty_cache(); phase("sleep", t)
 
     rows, responses, logps = [], [], []
-    for p, out in zip(prompts, outs):
+    for p, out in zip(reqs, outs):
         for o in out.outputs:                     # n samples of this prompt, kept together (a group)
             rows.append(p)
             responses.append(list(o.token_ids))

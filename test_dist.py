@@ -106,3 +106,25 @@ def test_host_buffers_are_reused(dist_env):
 
 if __name__ == "__main__":
     _one_update(sys.argv[1])
+
+
+def test_forward_only_bracket_skips_the_copy_back(dist_env):
+    """generate / old / ref log-prob brackets free the shards without copying them out again;
+    the update bracket copies its new values out, and they come back exactly."""
+    _, world, device = dist_env
+    model = actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device)
+    opt = actor.build_optimizer(model, actor.ActorConfig())
+    stash = offload.param_stash("p", model)
+    offload.offload(stash)                                    # first time: a real copy
+    m = {}
+    batch = tiny_batch(8, 5, device, seed=6)
+    with offload.loaded([stash], m):                          # forward only
+        before = actor.compute_log_probs(model, batch, 8, 1.0)
+    assert m["offload/p/drop_gb"] == 0 and "offload/p/offload_gb" not in m
+    with offload.loaded([stash], m, modified=True):
+        actor.update_policy(model, opt, batch, actor.ActorConfig(), 8, 1.0)
+        updated = [v.clone() for v in stash.views]
+    assert m["offload/p/offload_gb"] > 0
+    with offload.loaded([stash], {}):
+        assert all(torch.equal(a, b) for a, b in zip(updated, stash.views))
+        assert not torch.equal(actor.compute_log_probs(model, batch, 8, 1.0), before)

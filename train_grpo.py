@@ -393,7 +393,7 @@ def main(argv=None):
                                                  cfg.algorithm.norm_adv_by_std_in_grpo)
 
         with offload.stage("update", m, device):
-            with offload.loaded(params_out, m):
+            with offload.loaded(params_out, m, modified=True):
                 if opt_stash is not None and a.optimizer_offload:
                     m.update(offload.reload(opt_stash))
                 m.update(actor.update_policy(model, optimizer, batch, a, mini_size, cfg.rollout.temperature))
