@@ -55,7 +55,8 @@ def test_offload_flags_and_off_policy_path_run(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(out)
     assert m[-1]["time/old_logp"] > 0 and m[-1]["offload/actor_optimizer/offload_gb"] > 0
-    assert m[-1]["offload/actor_params/reload_gb"] > 0 and m[-1]["offload/ref_params/offload_gb"] > 0
+    assert m[-1]["offload/actor_params/reload_gb"] > 0 and m[-1]["offload/ref_params/reload_gb"] > 0
+    assert "offload/ref_params/drop_s" in m[-1]              # the ref never changes: freed, not copied out
     assert "[offload] actor.param_offload: ON" in r.stdout
 
 
