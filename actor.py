@@ -34,6 +34,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"       # kl|k1, abs, mse|k2, low_var_kl|k3
     param_offload: bool = False            # shards to pinned host between uses (manual bracket)
+    param_offload_layers: int = -1         # with param_offload: only the first k decoder layers (-1: all)
     optimizer_offload: bool = False        # Adam state to pinned host between updates
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = False   # recompute each layer's activations in backward
@@ -56,7 +57,11 @@ def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
     (`random:qwen2.5-0.5b`, for benchmarks), or a local Hugging Face checkpoint."""
     if path is None or path.startswith("random:"):
         import tiny
-        return tiny.build_tiny_model(seed) if path is None else tiny.build_random_model(path[7:], seed)
+        if path is None:
+            return tiny.build_tiny_model(seed)
+        # random init straight on the GPU when there is one: seconds instead of minutes at 7B
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            return tiny.build_random_model(path[7:], seed)
     check_model_path(path)
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
@@ -191,11 +196,12 @@ def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
-                  temperature: float) -> dict:
+                  temperature: float, before_step=None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
     micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
     sequence counts, times the world size because FSDP averages gradients over ranks, so the
-    update is the same for any micro-batch size and any number of ranks."""
+    update is the same for any micro-batch size and any number of ranks.
+    `before_step()` runs before each optimizer step (waits for Adam state copied in the background)."""
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
@@ -230,6 +236,8 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
             if torch.isfinite(norm):
+                if before_step is not None:
+                    before_step()
                 optimizer.step()
             else:                                   # drop this step's gradients, keep the weights
                 skipped += 1

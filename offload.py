@@ -31,6 +31,7 @@ class Stash:
     host: list = field(default_factory=list)       # (nbytes,) uint8 host buffers, pinned on CUDA
     on_device: bool = True
     host_current: bool = False             # the host buffers hold the same bytes as the device
+    pending: object = None                 # CUDA event of a background reload not yet waited for
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +82,7 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     the host buffers already hold these bytes: only the free remains, no PCIe traffic."""
     if not stash.on_device or not stash.views:
         return {}
+    wait(stash)
     t0 = time.perf_counter()
     copy = modified or not stash.host_current
     if copy:
@@ -93,21 +95,46 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     return _moved(stash, "offload" if copy else "drop", time.perf_counter() - t0)
 
 
-def reload(stash: Stash) -> dict:
-    """Pinned host -> device into the same storages, so every view (Parameter, DTensor) is valid again."""
+_copy_stream = None
+
+
+def reload(stash: Stash, background: bool = False) -> dict:
+    """Pinned host -> device into the same storages, so every view (Parameter, DTensor) is valid again.
+    `background=True` (CUDA): the copies run on a side stream and this returns at once; `wait(stash)`
+    makes the current stream wait for them (a GPU-side wait) before the tensors are used."""
+    global _copy_stream
     if stash.on_device or not stash.views:
         return {}
     t0 = time.perf_counter()
-    for st, view, host in zip(stash.storages, stash.views, stash.host):
-        st.resize_(host.numel())
-        view.copy_(host, non_blocking=True)
-    _sync(stash.views[0].device)
+    device = stash.views[0].device
+    for st, host in zip(stash.storages, stash.host):
+        st.resize_(host.numel())          # allocated on the current stream, like every other tensor
+    if background and device.type == "cuda":
+        _copy_stream = _copy_stream or torch.cuda.Stream(device)
+        _copy_stream.wait_stream(torch.cuda.current_stream(device))   # the memory is free to write now
+        with torch.cuda.stream(_copy_stream):
+            for view, host in zip(stash.views, stash.host):
+                view.copy_(host, non_blocking=True)
+        stash.pending = _copy_stream.record_event()
+    else:
+        for view, host in zip(stash.views, stash.host):
+            view.copy_(host, non_blocking=True)
+        _sync(device)
     stash.on_device = True
-    return _moved(stash, "reload", time.perf_counter() - t0)
+    return _moved(stash, "reload_bg" if stash.pending is not None else "reload", time.perf_counter() - t0)
+
+
+def wait(stash: Stash):
+    """Order the current stream after a background reload of `stash` (no-op if none is pending)."""
+    if stash.pending is not None:
+        torch.cuda.current_stream(stash.views[0].device).wait_event(stash.pending)
+        stash.pending = None
 
 
 def _moved(stash: Stash, verb: str, seconds: float) -> dict:
-    gb = stash.nbytes / GB if verb != "drop" else 0.0
+    if verb == "drop":                    # freed without a copy: only the time to free
+        return {f"offload/{stash.name}/drop_s": seconds}
+    gb = stash.nbytes / GB
     return {f"offload/{stash.name}/{verb}_gb": gb, f"offload/{stash.name}/{verb}_s": seconds,
             f"offload/{stash.name}/{verb}_gbps": gb * GB / 1e9 / max(seconds, 1e-9)}
 
@@ -130,15 +157,22 @@ def host_rss_gb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / GB
 
 
+# Bytes of PyTorch-allocator memory that belong to vLLM's sleep-mode pool. They stay "allocated"
+# for PyTorch while vLLM sleeps (the pool unmaps them itself), so the ledger subtracts them to
+# show the trainer's own figures; rollout.build_vllm sets this once.
+EXTERNAL_POOL_BYTES = 0
+
+
 def memory(device: torch.device) -> dict:
-    """Allocated / peak / reserved by PyTorch's allocator, and the whole device's use from
-    `mem_get_info` (the only figure that sees vLLM's pool). On CPU: host figures (RSS, and the
+    """Allocated / peak / reserved by PyTorch's allocator for the trainer (vLLM's pool taken out),
+    and the whole device's use from `mem_get_info` (the only figure that sees vLLM's mapped pool). On CPU: host figures (RSS, and the
     process's lifetime peak RSS, since a per-stage peak cannot be reset there)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return {"allocated_gb": torch.cuda.memory_allocated(device) / GB,
-                "peak_gb": torch.cuda.max_memory_allocated(device) / GB,
-                "reserved_gb": torch.cuda.memory_reserved(device) / GB,
+        ext = EXTERNAL_POOL_BYTES
+        return {"allocated_gb": (torch.cuda.memory_allocated(device) - ext) / GB,
+                "peak_gb": (torch.cuda.max_memory_allocated(device) - ext) / GB,
+                "reserved_gb": (torch.cuda.memory_reserved(device) - ext) / GB,
                 "device_used_gb": (total - free) / GB}
     rss = host_rss_gb()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB

@@ -26,6 +26,8 @@ def build(model_path, mesh, device, cfg: RefConfig, param_dtype: str, seed: int 
     """Returns (model, stash). The stash holds the shards when param_offload is on, else is None."""
     model = actor.load_model(model_path, seed)
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
+    if device.type == "cuda":
+        model.to(getattr(torch, param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
     model = actor.shard(model, mesh, device, cfg.offload_policy, param_dtype)
     stash = offload.param_stash("ref_params", model)
     if cfg.param_offload:

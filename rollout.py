@@ -155,7 +155,7 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     dtype = dtype if cfg.dtype == "auto" else cfg.dtype
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
-    before = _used_gb()
+    before, alloc_before = _used_gb(), torch.cuda.memory_allocated()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
               distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
               dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
@@ -163,6 +163,8 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
     llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
+    # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
+    offload.EXTERNAL_POOL_BYTES = torch.cuda.memory_allocated() - alloc_before
     return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before)
 
 

@@ -284,14 +284,36 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
 
 
-# --------------------------------------------------------------------------- main
-def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+# --------------------------------------------------------------------------- setup
+@dataclass
+class Trainer:
+    """Everything one run holds (state only; the step is a free function)."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    mini_size: int                         # samples per rank in one mini-batch
+    tokenizer: object
+    prompts: list
+    answers: list
+    reward_fn: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params_out: list                       # the actor stashes that live on the host between uses
+    opt_stash: offload.Stash | None        # Adam state (exists after the first step)
+    ref_model: torch.nn.Module | None
+    ref_stash: offload.Stash | None
+    engine: rollout.Engine
+    order: list                            # prompt order, the same on every rank
+
+
+def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
+    """Build models, offload what the flags say, build the rollout engine (or reuse `engine`).
+    `data`: (prompt ids, answers) instead of cfg.data (benchmarks)."""
     actor.check_model_path(cfg.model)
     rank, world, device = init_distributed()
     mini_size = check_sizes(cfg, world)
     say = print if rank == 0 else (lambda *a, **k: None)
-    say(json.dumps({"resolved_config": asdict(cfg), "world_size": world, "device": str(device)}, indent=1))
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(device, world, cfg.fsdp_size)
     a = cfg.actor
@@ -300,13 +322,10 @@ def main(argv=None):
                          "Adam state on the CPU; turn param_offload / optimizer_offload off")
     if device.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
         say("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-
     tokenizer = load_tokenizer(cfg.model)
-    prompts, answers = load_data(cfg, tokenizer)
+    prompts, answers = data if data is not None else load_data(cfg, tokenizer)
     reward_fn = load_reward(cfg)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    eos_id = tokenizer.eos_token_id
-    engine_kind = rollout.resolve_engine(cfg.rollout, device)
+    engine_kind = engine.kind if engine else rollout.resolve_engine(cfg.rollout, device)
     say(f"[data] {len(prompts)} prompts; rollout engine: {engine_kind}"
         + (" (auto: vLLM imports and CUDA is there)" if cfg.rollout.engine == "auto" and engine_kind == "vllm"
            else " (auto: no vLLM or no CUDA)" if cfg.rollout.engine == "auto" else ""))
@@ -315,107 +334,130 @@ def main(argv=None):
     model = actor.shard(actor.load_model(cfg.model, cfg.seed), mesh, device, a.offload_policy,
                         a.param_dtype, a.gradient_checkpointing)
     optimizer = actor.build_optimizer(model, a)
-    param_stash = offload.param_stash("actor_params", model)
-    opt_stash = None                                  # Adam state exists only after the first step
     ref_model, ref_stash = None, None
     if a.use_kl_loss:
         ref_model, ref_stash = ref.build(cfg.model, mesh, device, cfg.ref, a.param_dtype, cfg.seed)
-    shard_bytes = param_stash.nbytes
-    say(offload.explain("actor.param_offload", shard_bytes, a.param_offload, device))
-    say(offload.explain("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * shard_bytes,
-                        a.optimizer_offload, device))
+    # partial offload: only the first k decoder layers' shards (the rest stay on the GPU)
+    k = a.param_offload_layers
+    param_stash = offload.param_stash("actor_params", model if k < 0 else model.model.layers[:k])
+    whole = offload.param_stash("actor_all", model).nbytes if k >= 0 else param_stash.nbytes
+    say(offload.explain("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
+                        param_stash.nbytes, a.param_offload, device))
+    say(offload.explain("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * whole, a.optimizer_offload, device))
     if ref_stash is not None:
         say(offload.explain("ref.param_offload", ref_stash.nbytes, cfg.ref.param_offload, device))
-    if a.offload_policy:
-        say("[offload] actor.offload_policy: FSDP2 CPUOffloadPolicy, params/grads/Adam on pinned host, "
-            "copied per layer at all-gather; optimizer steps on the CPU")
+    if a.offload_policy or cfg.ref.offload_policy:
+        say("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
+            "copied per layer at all-gather; the optimizer steps on the CPU")
     params_out = [param_stash] if a.param_offload else []
-    if a.param_offload:
-        offload.offload(param_stash)                  # frees the shard bytes until first use
+    for s in params_out:
+        offload.offload(s)                            # frees the shard bytes until first use
 
     os.makedirs(cfg.out_dir, exist_ok=True)
-    engine = rollout.Engine("hf")
-    if engine_kind == "vllm":                         # after the trainer's offloads: vLLM sizes itself from free memory
+    if engine is None and engine_kind == "vllm":     # after the offloads: vLLM sizes itself from free memory
         vdir = cfg.model
         if cfg.model is None or cfg.model.startswith("random:"):   # vLLM needs only a config.json
             vdir = os.path.join(cfg.out_dir, "vllm_config", f"rank{rank}")
             model.config.architectures = ["Qwen2ForCausalLM"]
             model.config.save_pretrained(vdir)
         max_len = max(len(p) for p in prompts) + cfg.rollout.response_length
-        dtype = a.param_dtype if device.type == "cuda" else "float32"
         t0 = time.perf_counter()
-        engine = rollout.build_vllm(cfg.rollout, vdir, max_len, dtype, cfg.seed + rank)
+        engine = rollout.build_vllm(cfg.rollout, vdir, max_len, a.param_dtype, cfg.seed + rank)
         say(f"[rollout] vLLM engine built in {time.perf_counter() - t0:.1f} s; asleep it keeps "
             f"{engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if rank == 0:
-        open(metrics_path, "w").close()
-    on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
-    local_bs = cfg.train_batch_size // world
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    return Trainer(cfg, rank, world, device, mini_size, tokenizer, prompts, answers, reward_fn, model,
+                   optimizer, params_out, None, ref_model, ref_stash, engine or rollout.Engine("hf"), order)
+
+
+# --------------------------------------------------------------------------- one step
+def train_step(t: Trainer, step: int) -> dict:
+    """One GRPO step, stage by stage (module docstring); returns its metrics, reduced over ranks."""
+    cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
+    t_step = time.perf_counter()
+    pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
+    local_bs = cfg.train_batch_size // t.world
+    start = (step * cfg.train_batch_size) % len(t.order)
+    idx = [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
+    on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
+
+    with offload.stage("generate", m, device):
+        batch = rollout.generate(t.engine, t.model, [t.prompts[i] for i in idx], cfg.rollout, pad_id,
+                                 t.tokenizer.eos_token_id, device,
+                                 cfg.seed * 1_000_003 + step * t.world + t.rank, t.params_out, m)
+    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
+    held = [t.model, t.optimizer] + ([t.ref_model] if t.ref_model is not None else [])
+    m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*held) / offload.GB
+
+    with offload.stage("reward", m, device):          # CPU: decode and score each response
+        mask = batch["response_mask"]
+        texts = t.tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
+                                                                      mask.sum(-1).tolist())],
+                                         skip_special_tokens=True)
+        scores = torch.tensor([t.reward_fn(x, t.answers[i]) for x, i in
+                               zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
+                              dtype=torch.float32, device=device)
+
+    with offload.stage("old_logp", m, device):
+        if not on_policy:           # on-policy: the update's first forward is the old policy
+            with offload.loaded(t.params_out, m):
+                batch["old_log_probs"] = actor.compute_log_probs(
+                    t.model, batch, a.log_prob_micro_batch_size_per_gpu, cfg.rollout.temperature)
+            if "rollout_log_probs" in batch:
+                m.update(actor.logprob_mismatch(batch["old_log_probs"], batch))
+
+    with offload.stage("ref_logp", m, device):
+        if t.ref_model is not None:
+            batch["ref_log_probs"] = ref.compute_ref_log_probs(
+                t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m)
+
+    with offload.stage("advantage", m, device):
+        batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
+                                             cfg.algorithm.norm_adv_by_std_in_grpo)
+
+    with offload.stage("update", m, device):
+        with offload.loaded(t.params_out, m, modified=True):
+            # Adam state: copied in on a side stream while the first forward/backward runs; the
+            # optimizer step waits for it (a GPU-side wait: the host never blocks here)
+            opt_in = [t.opt_stash] if a.optimizer_offload and t.opt_stash is not None else []
+            for s in opt_in:
+                m.update(offload.reload(s, background=True))
+            m.update(actor.update_policy(t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
+                                         before_step=lambda: [offload.wait(s) for s in opt_in]))
+            if a.optimizer_offload:                   # frees 2 x fp32 shard bytes until the next update
+                t.opt_stash = t.opt_stash or offload.optimizer_stash("actor_optimizer", t.optimizer)
+                m.update(offload.offload(t.opt_stash))
+
+    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
+                                      device=device, dtype=torch.float64)).tolist()
+    m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
+             host_rss_gb=offload.host_rss_gb())
+    m["time/step"] = time.perf_counter() - t_step
+    return reduce_metrics(m, device)
+
+
+# --------------------------------------------------------------------------- main
+def main(argv=None):
+    cfg = parse_args(sys.argv[1:] if argv is None else argv)
+    t = setup(cfg)
+    if t.rank == 0:
+        print(json.dumps({"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)},
+                         indent=1))
+    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
+    if t.rank == 0:
+        open(metrics_path, "w").close()
     t_start = time.time()
     for step in range(cfg.steps):
-        m = {"step": step}
-        t_step = time.perf_counter()
-        start = (step * cfg.train_batch_size) % len(order)
-        idx = [order[(start + rank * local_bs + i) % len(order)] for i in range(local_bs)]
-
-        with offload.stage("generate", m, device):
-            batch = rollout.generate(engine, model, [prompts[i] for i in idx], cfg.rollout, pad_id, eos_id,
-                                     device, cfg.seed * 1_000_003 + step * world + rank, params_out, m)
-        # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
-        m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(model, optimizer, *([ref_model] if ref_model else [])) / offload.GB
-
-        with offload.stage("reward", m, device):       # CPU: decode and score each response
-            mask = batch["response_mask"]
-            texts = tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
-                                                                        mask.sum(-1).tolist())],
-                                           skip_special_tokens=True)
-            scores = torch.tensor([reward_fn(t, answers[i]) for t, i in
-                                   zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
-                                  dtype=torch.float32, device=device)
-
-        with offload.stage("old_logp", m, device):
-            if not on_policy:       # on-policy: the update's first forward is the old policy
-                with offload.loaded(params_out, m):
-                    batch["old_log_probs"] = actor.compute_log_probs(
-                        model, batch, a.log_prob_micro_batch_size_per_gpu, cfg.rollout.temperature)
-                if "rollout_log_probs" in batch and not on_policy:
-                    m.update(actor.logprob_mismatch(batch["old_log_probs"], batch))
-
-        with offload.stage("ref_logp", m, device):
-            if ref_model is not None:
-                batch["ref_log_probs"] = ref.compute_ref_log_probs(
-                    ref_model, ref_stash, batch, cfg.ref, cfg.rollout.temperature, m)
-
-        with offload.stage("advantage", m, device):
-            batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
-                                                 cfg.algorithm.norm_adv_by_std_in_grpo)
-
-        with offload.stage("update", m, device):
-            with offload.loaded(params_out, m, modified=True):
-                if opt_stash is not None and a.optimizer_offload:
-                    m.update(offload.reload(opt_stash))
-                m.update(actor.update_policy(model, optimizer, batch, a, mini_size, cfg.rollout.temperature))
-                if a.optimizer_offload:               # frees 2 x fp32 shard bytes until the next update
-                    opt_stash = opt_stash or offload.optimizer_stash("actor_optimizer", optimizer)
-                    m.update(offload.offload(opt_stash))
-
-        sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
-                                          device=device, dtype=torch.float64)).tolist()
-        m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
-                 host_rss_gb=offload.host_rss_gb())
-        m["time/step"] = time.perf_counter() - t_step
-        m = reduce_metrics(m, device)
-        if rank == 0:
+        m = train_step(t, step)
+        if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, step, cfg.steps, t_start), flush=True)
-
     if cfg.save:
-        with offload.loaded(params_out, {}):
-            actor.save_hf(model, tokenizer, os.path.join(cfg.out_dir, "final"), rank)
-        say(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
+        with offload.loaded(t.params_out, {}):
+            actor.save_hf(t.model, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
+        if t.rank == 0:
+            print(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
     dist.barrier()
     dist.destroy_process_group()
 
