@@ -128,7 +128,8 @@ def test_no_creep_over_20_offloaded_steps(env):
 
 
 def test_offload_changes_no_loss(env):
-    """Three updates with every offload on equal three with none (fp32 compute on the GPU)."""
+    """Three updates with every offload on (Adam state prefetched on a side stream, as in
+    train_step) equal three with none, in fp32 compute on the GPU."""
     device, mesh = env
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8, param_dtype="float32")
     runs = []
@@ -137,11 +138,18 @@ def test_offload_changes_no_loss(env):
         opt = actor.build_optimizer(model, cfg)
         params, opt_stash, losses = offload.param_stash("p", model), None, []
         for step in range(3):
-            losses.append(_update(model, opt, device, seed=step, cfg=cfg)["pg_loss"])
+            pending = [opt_stash] if opt_stash else []
+            for s in pending:
+                offload.reload(s, background=True)
+            batch = tiny_batch(16, 32, device, seed=step, vocab=32000)
+            stats = actor.update_policy(model, opt, batch, cfg, 16, 1.0,
+                                        before_step=lambda: [offload.wait(s) for s in pending])
+            losses.append((stats["pg_loss"], stats["grad_norm"]))
             if do_offload:
                 opt_stash = opt_stash or offload.optimizer_stash("o", opt)
-                offload.offload(opt_stash), offload.offload(params)
-                offload.reload(params), offload.reload(opt_stash)
+                offload.offload(opt_stash)
+                offload.offload(params)
+                offload.reload(params)
         runs.append(losses)
     assert runs[0] == pytest.approx(runs[1], rel=1e-6, abs=1e-7)
 
