@@ -144,7 +144,7 @@ def test_offload_changes_no_loss(env):
             batch = tiny_batch(16, 32, device, seed=step, vocab=32000)
             stats = actor.update_policy(model, opt, batch, cfg, 16, 1.0,
                                         before_step=lambda: [offload.wait(s) for s in pending])
-            losses.append((stats["pg_loss"], stats["grad_norm"]))
+            losses += [stats["pg_loss"], stats["grad_norm"]]
             if do_offload:
                 opt_stash = opt_stash or offload.optimizer_stash("o", opt)
                 offload.offload(opt_stash)
