@@ -22,9 +22,9 @@ class ActorConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0                 # max global grad norm; a non-finite norm skips the step
     ppo_mini_batch_size: int = 16          # prompts per optimizer step (x n samples, split over ranks)
-    ppo_micro_batch_size_per_gpu: int = 64  # samples per forward/backward (gradient accumulation)
+    ppo_micro_batch_size_per_gpu: int = 16  # samples per forward/backward (gradient accumulation)
     ppo_epochs: int = 1
-    log_prob_micro_batch_size_per_gpu: int = 128  # samples per forward for old log-probs
+    log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward for old log-probs
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0              # dual-clip bound for negative advantages
@@ -82,7 +82,9 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    # The root too reshards after forward (FSDP2 keeps the root gathered by default): otherwise the
+    # gathered embedding / lm_head (vocab x hidden, bf16) stays on the GPU between stages.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=True)
     if not (offload_policy and cuda):
         model.to(device)            # buffers (rotary inv_freq); shards already moved by fully_shard
     return model
@@ -158,7 +160,7 @@ def forward(model, mb: dict, temperature: float, entropy: str = "none"):
     R = mb["responses"].shape[1]
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
                    position_ids=mb["position_ids"], use_cache=False, logits_to_keep=R + 1).logits
-    logits = logits[:, :-1].float() / temperature                 # (B, R, V), fp32 for the softmax
+    logits = logits[:, :-1].float().div_(temperature)             # (B, R, V), fp32 for the softmax
     logp = logprobs_from_logits(logits, mb["responses"])
     ent = None
     if entropy == "grad":

@@ -95,6 +95,7 @@ def main():
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.15)
+    ap.add_argument("--engine", default="vllm", help="vllm, or hf (no engine build: quicker at 7B)")
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--plot", default="")
     args = ap.parse_args()
@@ -108,7 +109,7 @@ def main():
     vdir = f"/tmp/bench_offload_cfg_{rank}"
     hf.architectures = ["Qwen2ForCausalLM"]
     hf.save_pretrained(vdir)
-    rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len,
+    rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
                                  gpu_memory_utilization=args.gpu_memory_utilization)
     engine = rollout.build_vllm(rcfg, vdir, args.prompt_len + args.response_len, "bfloat16", rank) \
         if rollout.resolve_engine(rcfg, device) == "vllm" else rollout.Engine("hf")
@@ -120,6 +121,8 @@ def main():
         m = run_config(name, args, engine, data, hf.num_hidden_layers)
         res["configs"][name] = m
         if rank == 0:
+            with open(args.out, "w") as f:           # after every configuration: a cut-off run keeps its rows
+                json.dump(res, f, indent=1)
             line = {k: round(v, 4) for k, v in m.items() if isinstance(v, float) and
                     (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k)}
             print(f"[{name}] {time.perf_counter() - t0:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",

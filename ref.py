@@ -17,7 +17,7 @@ import offload
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 128  # samples per forward: bounds activation memory
+    log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward: bounds the (B, R, vocab) logits
     param_offload: bool = False            # shards to pinned host except during the ref forward
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead (per-layer copy at all-gather)
 

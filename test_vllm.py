@@ -3,8 +3,10 @@ memory. Skipped without CUDA or vLLM. One sleep-mode engine per process, so one 
 
     python -m pytest test_vllm.py -q -s          # -s prints the measured mismatch and memory
 
-The model is a ~430M-parameter Qwen2 built in code with a wide init (std 0.1), so its next-token
-distributions are peaked and greedy decoding is not decided by bf16 rounding noise.
+The model is a ~430M-parameter Qwen2 built in code (random weights, no download). Both engines
+compute in bf16 with different kernels, so exact greedy equality is asserted only where the
+actor's top-1 token leads by more than bf16 noise, and the sampled-token log-prob mismatch is
+bounded (the measured size of the rollout/training mismatch, VLLM.md and BENCHMARKS.md).
 """
 import importlib.util
 import os
@@ -27,7 +29,7 @@ def _model():
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
                       num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-                      tie_word_embeddings=True, initializer_range=0.1, eos_token_id=1, pad_token_id=0,
+                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
                       architectures=["Qwen2ForCausalLM"])
     return Qwen2ForCausalLM(cfg)
 
@@ -61,17 +63,27 @@ def test_greedy_parity_and_logprob_mismatch(env):
     vb, m = _vllm(env, temperature=0.0)
     hb = rollout.generate_hf(model, prompts, rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0}),
                              0, 1, device, 7)
-    same = (vb["responses"] == hb["responses"]).all(-1).float().mean().item()
+    # first greedy token: decided by the prompt alone; compared where the actor's choice is clear
+    pb = rollout.make_batch(prompts, [[] for _ in prompts], 0, 0, 1, device)
+    with torch.no_grad():
+        last = model(input_ids=pb["input_ids"], attention_mask=pb["attention_mask"],
+                     position_ids=pb["position_ids"]).logits[:, -1].float()
+    top = last.topk(2).values
+    clear = (top[:, 0] - top[:, 1]) > 0.05                           # nats; bf16 logit noise is ~0.01
+    first_v, first_h = vb["responses"][::cfg.n, 0], hb["responses"][::cfg.n, 0]
+    agree = (first_v == first_h)[clear].float().mean().item()
+    rows = (vb["responses"] == hb["responses"]).all(-1).float().mean().item()
     # sampled tokens at T=1: vLLM's log-probs of its own samples against the actor's recomputation
     sb, _ = _vllm(env)
     lp = actor.compute_log_probs(model, sb, 64, 1.0)
     mask = sb["response_mask"]
     diff = ((lp - sb["rollout_log_probs"]).abs() * mask)
     mean, mx = (diff.sum() / mask.sum()).item(), diff.max().item()
-    print(f"\n[vllm] greedy rows identical: {same:.3f}; sampled-token |dlogp| mean {mean:.4f} max {mx:.4f}")
-    assert same >= 0.9                     # bf16 on both sides, different kernels: rare late flips
-    # bound: VLLM.md measured mean 0.0095 / max 0.031 for bf16 Qwen2.5-0.5B; allow 3x on the mean
-    assert mean < 0.03, mean
+    print(f"\n[vllm] greedy first token equal on {agree:.3f} of {int(clear.sum())} clear prompts; whole rows "
+          f"equal {rows:.3f}; sampled-token |dlogp| mean {mean:.4f} max {mx:.4f}")
+    assert clear.sum() >= 8 and agree == 1.0
+    # VLLM.md measured mean 0.0095 / max 0.031 (bf16 Qwen2.5-0.5B), the e2e run here 0.009 / 0.05
+    assert mean < 0.03 and mx < 0.3, (mean, mx)
     assert m["rollout/sync_gb"] > 0.5 * sum(p.numel() for p in model.parameters()) * 2 / GB
 
 
