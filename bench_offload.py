@@ -77,6 +77,7 @@ def run_config(name, args, engine, data, layers):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        torch._C._host_emptyCache()     # pinned host blocks go back to the OS between configurations
     return m
 
 
