@@ -77,7 +77,10 @@ def run_config(name, args, engine, data, layers):
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch._C._host_emptyCache()     # pinned host blocks go back to the OS between configurations
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):   # the name moved across torch versions
+            if hasattr(torch._C, name):    # pinned host blocks go back to the OS between configurations
+                getattr(torch._C, name)()
+                break
     return m
 
 
