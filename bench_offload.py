@@ -10,15 +10,12 @@ peak allocated / reserved memory and time, and the bytes and bandwidth of every 
 Ratios are against the "none" configuration of the same run.
 """
 import argparse
-import dataclasses
 import gc
 import json
-import os
 import time
 
 import torch
 
-import offload
 import rollout
 import tiny
 import train_grpo

@@ -9,7 +9,6 @@ actor's top-1 token leads by more than bf16 noise, and the sampled-token log-pro
 bounded (the measured size of the rollout/training mismatch, VLLM.md and BENCHMARKS.md).
 """
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -130,7 +129,7 @@ def test_twenty_bracket_cycles_leave_memory_flat(env):
 
 
 def test_sync_transient_is_one_bucket_not_the_model(env):
-    model, engine, cfg = env[0], env[1], env[2]
+    model, cfg = env[0], env[2]
     _, m = _vllm(env)
     biggest = max(p.numel() for p in model.parameters())
     bound = cfg.sync_bucket_mb * 2 ** 20 + biggest * (4 + 2)        # a bucket + one fp32 gather and its bf16 copy

@@ -18,7 +18,6 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 """
 import importlib
 import json
-import math
 import os
 import re
 import sys
