@@ -78,8 +78,11 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) \
         if cuda else MixedPrecisionPolicy()
     policy = CPUOffloadPolicy(pin_memory=True) if offload_policy and cuda else OffloadPolicy()
-    if gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:   # per decoder layer; the method was renamed in transformers 5.2x
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
     # The root too reshards after forward (FSDP2 keeps the root gathered by default): otherwise the

@@ -120,3 +120,37 @@ def test_update_independent_of_micro_batch(dist_env, mode):
         assert torch.allclose(delta, results[0][0], atol=1e-6, rtol=1e-4)
         assert stats["pg_loss"] == pytest.approx(results[0][1]["pg_loss"], rel=1e-5, abs=1e-6)
         assert stats["kl"] == pytest.approx(results[0][1]["kl"], rel=1e-5)
+
+
+def test_gradient_checkpointing_gives_the_same_update(dist_env):
+    _, world, device = dist_env
+    mesh = train_grpo.build_mesh(device, world, -1)
+    batch = tiny_batch(8, 5, device, seed=2)
+    deltas = []
+    for ckpt in (False, True):
+        model = actor.shard(actor.load_model(None, seed=0), mesh, device, gradient_checkpointing=ckpt)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        actor.update_policy(model, opt, batch, actor.ActorConfig(grad_clip=1e9), 8, 1.0)
+        deltas.append(torch.cat([(b - p.detach().full_tensor()).flatten()
+                                 for b, p in zip(before, model.parameters())]))
+    assert deltas[0].abs().max() > 1e-4 and torch.allclose(deltas[0], deltas[1], atol=1e-6)
+
+
+def test_batch_size_checks():
+    cfg = train_grpo.parse_args([])
+    assert train_grpo.check_sizes(cfg, 2) == cfg.actor.ppo_mini_batch_size * cfg.rollout.n // 2
+    with pytest.raises(SystemExit, match="fsdp_size=3 does not divide the world size 4"):
+        train_grpo.check_sizes(train_grpo.parse_args(["--fsdp_size=3"]), 4)
+    with pytest.raises(SystemExit, match="not divisible by the world size 3"):
+        train_grpo.check_sizes(cfg, 3)
+
+
+def test_chat_template_is_applied():
+    import tiny
+    tok = tiny.build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}#{% endif %}"
+    cfg = train_grpo.parse_args([])
+    cfg.data = None
+    prompts, _ = train_grpo.load_data(cfg, tok)
+    assert prompts[0][-1] == tok.convert_tokens_to_ids("#")      # the generation prompt was added
