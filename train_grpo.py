@@ -30,17 +30,19 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import actor
+import critic
 import offload
 import ref
 import rollout
 from actor import ActorConfig
+from critic import CriticConfig
 from ref import RefConfig
 from rollout import RolloutConfig
 
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = "grpo"
+    adv_estimator: str = "grpo"            # grpo | gae (PPO with the critic)
     norm_adv_by_std_in_grpo: bool = True   # false: Dr.GRPO (score - group mean only)
 
 
@@ -61,6 +63,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
@@ -98,7 +101,7 @@ def parse_args(argv: list[str]) -> Config:
         for part in path:
             obj = getattr(obj, part, None)
             if not is_dataclass(obj):
-                raise SystemExit(f"error: unknown option --{key}; sections: actor, ref, rollout, algorithm")
+                raise SystemExit(f"error: unknown option --{key}; sections: actor, ref, rollout, critic, algorithm")
         hints = typing.get_type_hints(type(obj))
         if name not in hints or is_dataclass(hints[name]):
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
@@ -127,8 +130,12 @@ def check_sizes(cfg: Config, world: int) -> int:
         raise SystemExit(f"error: actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if a.kl_loss_type not in actor.KL_TYPES:
         raise SystemExit(f"error: actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
-    if cfg.algorithm.adv_estimator != "grpo":
-        raise SystemExit(f"error: algorithm.adv_estimator={cfg.algorithm.adv_estimator}: only grpo is built")
+    if cfg.algorithm.adv_estimator not in ("grpo", "gae"):
+        raise SystemExit(f"error: algorithm.adv_estimator={cfg.algorithm.adv_estimator}: use grpo or gae")
+    if cfg.critic.mode not in ("separate", "shared"):
+        raise SystemExit(f"error: critic.mode={cfg.critic.mode}: use separate or shared")
+    if cfg.critic.loss_agg_mode not in actor.LOSS_AGG_MODES:
+        raise SystemExit(f"error: critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise SystemExit(f"error: fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     return mini
@@ -277,7 +284,7 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
     head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
     keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
             "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
-            "rollout/logp_diff_max"]
+            "rollout/logp_diff_max", "critic/vf_loss"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]
     keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
@@ -304,6 +311,10 @@ class Trainer:
     ref_stash: offload.Stash | None
     engine: rollout.Engine
     order: list                            # prompt order, the same on every rank
+    critic_model: torch.nn.Module | None = None   # PPO only: the value model, or the shared head
+    critic_opt: torch.optim.Optimizer | None = None
+    critic_out: list = field(default_factory=list)  # critic param stashes offloaded between uses
+    critic_opt_stash: offload.Stash | None = None
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
@@ -365,11 +376,42 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
         say(f"[rollout] vLLM engine built in {time.perf_counter() - t0:.1f} s; asleep it keeps "
             f"{engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    return Trainer(cfg, rank, world, device, mini_size, tokenizer, prompts, answers, reward_fn, model,
-                   optimizer, params_out, None, ref_model, ref_stash, engine or rollout.Engine("hf"), order)
+    t = Trainer(cfg, rank, world, device, mini_size, tokenizer, prompts, answers, reward_fn, model,
+                optimizer, params_out, None, ref_model, ref_stash, engine or rollout.Engine("hf"), order)
+    if cfg.algorithm.adv_estimator == "gae":        # PPO: the critic, and its own offload flags
+        c = cfg.critic
+        t.critic_model, t.critic_opt = critic.build(cfg.model, mesh, device, c, a.param_dtype, model, cfg.seed)
+        held = offload.param_stash("critic", t.critic_model).nbytes
+        say(f"[critic] mode={c.mode}: {held / offload.GB:.3f} GB of parameters"
+            + (" (a value head on the actor's trunk: no second model)" if c.mode == "shared" else ""))
+        if c.mode == "shared" and (c.param_offload or c.optimizer_offload):
+            say("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
+        say(offload.explain("critic.param_offload", held, c.param_offload and c.mode == "separate", device))
+        say(offload.explain("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held,
+                            c.optimizer_offload and c.mode == "separate", device))
+        t.critic_out = critic.stashes(t.critic_model, c)
+        for s in t.critic_out:
+            offload.offload(s)
+    return t
 
 
 # --------------------------------------------------------------------------- one step
+def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: str, m: dict, run):
+    """load params -> run(wait) -> offload params and Adam state. With optimizer offload the Adam
+    state is copied in on a side stream while the first forward/backward runs, and `wait` (called
+    before each optimizer step) makes the GPU wait for it; the host never blocks. Returns the Adam
+    stash, created after the first step (Adam allocates its state lazily)."""
+    with offload.loaded(params_out, m, modified=True):
+        opt_in = [opt_stash] if offload_opt and opt_stash is not None else []
+        for s in opt_in:
+            m.update(offload.reload(s, background=True))
+        m.update(run(lambda: [offload.wait(s) for s in opt_in]))
+        if offload_opt:                               # frees 2 x fp32 shard bytes until the next update
+            opt_stash = opt_stash or offload.optimizer_stash(name, optimizer)
+            m.update(offload.offload(opt_stash))
+    return opt_stash
+
+
 def train_step(t: Trainer, step: int) -> dict:
     """One GRPO step, stage by stage (module docstring); returns its metrics, reduced over ranks."""
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
@@ -385,7 +427,7 @@ def train_step(t: Trainer, step: int) -> dict:
                                  t.tokenizer.eos_token_id, device,
                                  cfg.seed * 1_000_003 + step * t.world + t.rank, t.params_out, m)
     # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
-    held = [t.model, t.optimizer] + ([t.ref_model] if t.ref_model is not None else [])
+    held = [x for x in (t.model, t.optimizer, t.ref_model, t.critic_model, t.critic_opt) if x is not None]
     m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*held) / offload.GB
 
     with offload.stage("reward", m, device):          # CPU: decode and score each response
@@ -410,22 +452,39 @@ def train_step(t: Trainer, step: int) -> dict:
             batch["ref_log_probs"] = ref.compute_ref_log_probs(
                 t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m)
 
+    if t.critic_model is not None:                    # PPO: values of the rollout states
+        with offload.stage("values", m, device):
+            c = cfg.critic
+            with offload.loaded(t.params_out if c.mode == "shared" else t.critic_out, m):
+                batch["values"], feats = critic.compute_values(t.critic_model, batch, c, t.model)
+            if feats is not None:
+                batch["features"] = feats
+
     with offload.stage("advantage", m, device):
-        batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
-                                             cfg.algorithm.norm_adv_by_std_in_grpo)
+        if t.critic_model is None:
+            batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
+                                                 cfg.algorithm.norm_adv_by_std_in_grpo)
+        else:                                         # the score sits on each response's last token
+            last = (mask.sum(-1) - 1).clamp(min=0).long()
+            rewards = torch.zeros_like(batch["values"]).scatter_(1, last[:, None], scores[:, None])
+            adv, batch["returns"] = critic.gae(rewards, batch["values"], mask.float(),
+                                               cfg.critic.gamma, cfg.critic.lam)
+            batch["advantages"] = critic.whiten(adv, mask.float())
+
+    if t.critic_model is not None:
+        with offload.stage("critic_update", m, device):
+            c = cfg.critic
+            t.critic_opt_stash = update_bracket(
+                t.critic_out, t.critic_opt, t.critic_opt_stash, c.optimizer_offload and c.mode == "separate",
+                "critic_optimizer", m, lambda wait: critic.update_critic(
+                    t.critic_model, t.critic_opt, batch, c, t.mini_size, a.ppo_epochs, before_step=wait))
+        batch.pop("features", None)                   # shared mode: the saved actor features, freed
 
     with offload.stage("update", m, device):
-        with offload.loaded(t.params_out, m, modified=True):
-            # Adam state: copied in on a side stream while the first forward/backward runs; the
-            # optimizer step waits for it (a GPU-side wait: the host never blocks here)
-            opt_in = [t.opt_stash] if a.optimizer_offload and t.opt_stash is not None else []
-            for s in opt_in:
-                m.update(offload.reload(s, background=True))
-            m.update(actor.update_policy(t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
-                                         before_step=lambda: [offload.wait(s) for s in opt_in]))
-            if a.optimizer_offload:                   # frees 2 x fp32 shard bytes until the next update
-                t.opt_stash = t.opt_stash or offload.optimizer_stash("actor_optimizer", t.optimizer)
-                m.update(offload.offload(t.opt_stash))
+        t.opt_stash = update_bracket(t.params_out, t.optimizer, t.opt_stash, a.optimizer_offload,
+                                     "actor_optimizer", m, lambda wait: actor.update_policy(
+                                         t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
+                                         before_step=wait))
 
     sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
                                       device=device, dtype=torch.float64)).tolist()

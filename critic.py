@@ -1,0 +1,192 @@
+"""The critic for PPO: a value per response token, GAE, a clipped value loss, its own offload flags.
+
+    python train_grpo.py --algorithm.adv_estimator=gae                          # PPO, separate critic
+    python train_grpo.py --algorithm.adv_estimator=gae --critic.mode=shared     # value head on the actor
+    python -m pytest test_critic.py -q
+
+Two modes:
+- "separate" (verl's critic): a causal-LM trunk with a scalar head per token
+  (`AutoModelForTokenClassification`, num_labels=1), initialised from the actor's checkpoint (or
+  the tiny default), FSDP2-sharded like the actor, with its own Adam, `param_offload` and
+  `optimizer_offload`. It costs a second model: params + grads + Adam state of a whole LM.
+- "shared" (what the second article calls `share_actor_weights`; verl has no such option): one
+  Linear(hidden, 1) head reads the actor's final hidden states; no second model is held. What
+  changes: the values come from the policy's features, and the head trains on them detached, so
+  the value loss never moves the trunk (the policy is trained by the policy loss alone, exactly
+  as with GRPO); the critic's capacity is one linear layer. The values stage is an extra actor
+  forward; the critic update reuses the features saved there and needs no forward at all.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import actor
+import offload
+
+
+@dataclass
+class CriticConfig:
+    mode: str = "separate"                 # separate | shared (see the module docstring)
+    lr: float = 1e-3                       # tiny model from scratch; real critics use ~1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    cliprange_value: float = 0.5           # new values stay within old +- this in the clipped loss
+    loss_agg_mode: str = "token-mean"
+    ppo_micro_batch_size_per_gpu: int = 16
+    forward_micro_batch_size_per_gpu: int = 32
+    gamma: float = 1.0
+    lam: float = 1.0
+    param_offload: bool = False            # separate mode: trunk shards to pinned host between uses
+    optimizer_offload: bool = False        # separate mode: Adam state to pinned host between updates
+
+
+# --------------------------------------------------------------------------- math
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """GAE over (B, R) token rewards and values. Masked positions are skipped: the next value and
+    the running advantage are carried through them unchanged. Returns (advantages, returns),
+    advantages not yet whitened; returns = advantages + values."""
+    next_value = torch.zeros_like(values[:, 0])
+    running = torch.zeros_like(values[:, 0])
+    out = []
+    for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        step = delta + gamma * lam * running
+        next_value = values[:, t] * m + (1 - m) * next_value
+        running = step * m + (1 - m) * running
+        out.append(running)
+    adv = torch.stack(out[::-1], dim=1)
+    return adv * mask, (adv + values) * mask
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the valid tokens of ALL ranks (unbiased variance), zero on padding."""
+    s = actor.all_sum(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double())
+    mean = s[0] / s[2]
+    var = (s[1] / s[2] - mean ** 2) * s[2] / (s[2] - 1).clamp(min=1)
+    return ((x - mean) * torch.rsqrt(var + eps)).float() * mask
+
+
+def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=None):
+    """0.5 * agg(max((v - R)^2, (clip(v, old +- c) - R)^2)) and the fraction where the clip bit."""
+    clipped = old_v + (v - old_v).clamp(-cfg.cliprange_value, cfg.cliprange_value)
+    l1, l2 = (v - returns).square(), (clipped - returns).square()
+    loss = 0.5 * actor.agg_loss(torch.maximum(l1, l2), mask, cfg.loss_agg_mode, tokens, seqs)
+    return loss, (l2 > l1).float()
+
+
+# --------------------------------------------------------------------------- build
+def build(model_path, mesh, device, cfg: CriticConfig, param_dtype: str, actor_model=None, seed: int = 0):
+    """Returns (model, optimizer). Separate: a token-classification LM; shared: the value head only."""
+    if cfg.mode == "shared":
+        torch.manual_seed(seed)
+        head = torch.nn.Linear(actor_model.config.hidden_size, 1)
+        torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)   # V = 0 at the start
+        fully_shard(head, mesh=mesh, reshard_after_forward=True)   # FSDP averages its grads over ranks
+        head.to(device)
+    elif cfg.mode == "separate":
+        head = actor.shard(load_value_model(model_path, seed), mesh, device, param_dtype=param_dtype)
+    else:
+        raise SystemExit(f"error: critic.mode={cfg.mode}: use separate or shared")
+    return head, torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def load_value_model(path, seed: int = 0):
+    """The actor's architecture with a 1-output head per token (fp32 host weights)."""
+    from transformers import AutoModelForTokenClassification, Qwen2ForTokenClassification
+    import tiny
+    torch.manual_seed(seed)
+    if path is None or path.startswith("random:"):
+        config = tiny.tiny_config() if path is None else tiny.qwen25_config(path[7:])
+        config.num_labels, config.classifier_dropout = 1, 0.0   # no dropout: values are deterministic
+        with torch.device("cuda" if path and torch.cuda.is_available() else "cpu"):
+            model = Qwen2ForTokenClassification(config)
+    else:
+        actor.check_model_path(path)
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32, local_files_only=True,
+            attn_implementation="sdpa")
+    return model
+
+
+# --------------------------------------------------------------------------- values
+def _features(actor_model, mb: dict) -> torch.Tensor:
+    """The actor's final normed hidden states at the positions that predict each response token
+    (B, R, H), from a forward whose logits are cut to one position (no (B, R, vocab) tensor)."""
+    R = mb["responses"].shape[1]
+    got = []
+    hook = actor_model.model.norm.register_forward_hook(lambda m, i, o: got.append(o))
+    try:
+        actor_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                    position_ids=mb["position_ids"], use_cache=False, logits_to_keep=1)
+    finally:
+        hook.remove()
+    return got[0][:, -R - 1:-1]
+
+
+def _values(model, mb: dict, cfg: CriticConfig, features=None) -> torch.Tensor:
+    """(B, R) values of the states before each response token, fp32."""
+    if cfg.mode == "shared":
+        return model(features.float())[..., 0]
+    R = mb["responses"].shape[1]
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
+                position_ids=mb["position_ids"], use_cache=False).logits
+    return out[:, -R - 1:-1, 0].float()
+
+
+@torch.no_grad()
+def compute_values(model, batch: dict, cfg: CriticConfig, actor_model=None):
+    """Micro-batched values (B, R); in shared mode also the features (bf16 or fp32), kept for the
+    critic update so that it needs no forward pass."""
+    vals, feats = [], []
+    for mb in actor.split(batch, cfg.forward_micro_batch_size_per_gpu):
+        f = _features(actor_model, mb) if cfg.mode == "shared" else None
+        vals.append(_values(model, mb, cfg, f) * mb["response_mask"])
+        if f is not None:
+            feats.append(f)
+    return torch.cat(vals), (torch.cat(feats) if feats else None)
+
+
+# --------------------------------------------------------------------------- update
+def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: int, epochs: int,
+                  before_step=None) -> dict:
+    """Clipped value loss over the same mini-batches as the actor, gradients accumulated over
+    micro-batches and normalised by global counts (invariant to micro-batch size and ranks)."""
+    device = batch["responses"].device
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sums, norms = torch.zeros(2, device=device, dtype=torch.float64), []
+    model.train()
+    for _ in range(epochs):
+        for mini in actor.split(batch, mini_size):
+            counts = actor.all_sum(torch.tensor([mini["response_mask"].sum().item(), len(mini["responses"])],
+                                                device=device, dtype=torch.float64))
+            optimizer.zero_grad(set_to_none=True)
+            for mb in actor.split(mini, cfg.ppo_micro_batch_size_per_gpu):
+                m = mb["response_mask"].float()
+                v = _values(model, mb, cfg, mb.get("features"))
+                loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, counts[0].item(),
+                                           counts[1].item())
+                (loss * world).backward()
+                with torch.no_grad():
+                    sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, counts[0].item(),
+                                                              counts[1].item())]).double()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            if torch.isfinite(norm):
+                if before_step is not None:
+                    before_step()
+                optimizer.step()
+            else:
+                print(f"[critic] grad norm {norm.item()} is not finite: optimizer step skipped")
+            norms.append(norm.item())
+    optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
+    sums = actor.all_sum(sums) / len(norms)
+    return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
+            "critic/grad_norm": sum(norms) / len(norms)}
+
+
+def stashes(model, cfg: CriticConfig):
+    """The critic's parameter stash when its offload flag is on (separate mode only)."""
+    return [offload.param_stash("critic_params", model)] if cfg.param_offload and cfg.mode == "separate" else []

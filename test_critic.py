@@ -1,0 +1,127 @@
+"""The critic: GAE and value-loss math by hand, offload round trip, the shared head, PPO learns.
+
+    python -m pytest test_critic.py -q
+"""
+import json
+import os
+
+import pytest
+import torch
+
+import actor
+import critic
+import offload
+import train_grpo
+from conftest import tiny_batch
+from test_train import run
+
+
+def test_gae_hand_values():
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.2, 0.7]])
+    m = torch.ones(1, 3)
+    adv, ret = critic.gae(r, v, m, 1.0, 1.0)
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.8, 0.3]])) and torch.allclose(ret, torch.ones(1, 3))
+    adv, _ = critic.gae(r, v, m, 0.9, 0.5)
+    assert torch.allclose(adv, torch.tensor([[-0.06575, 0.565, 0.3]]), atol=1e-6)
+
+
+def test_gae_skips_masked_positions():
+    r = torch.tensor([[0.0, 5.0, 1.0]])             # the masked reward and value must not count
+    v = torch.tensor([[0.5, 9.9, 0.7]])
+    m = torch.tensor([[1.0, 0.0, 1.0]])
+    adv, ret = critic.gae(r, v, m, 1.0, 1.0)
+    assert torch.allclose(adv, torch.tensor([[0.5, 0.0, 0.3]]))
+    assert torch.allclose(ret, torch.tensor([[1.0, 0.0, 1.0]]))
+
+
+def test_whiten_over_valid_tokens(dist_env):
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.allclose(critic.whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-4)
+
+
+def test_value_loss_clipping():
+    cfg = critic.CriticConfig(cliprange_value=0.5)
+    v, old, ret = torch.tensor([[1.0, 0.0, 0.2]]), torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.0, 1.0, 0.0]])
+    loss, clipped = critic.value_loss(v, old, ret, torch.ones(1, 3), cfg)
+    # per token max((v-R)^2, (clip(v)-R)^2): 1 (unclipped is worse), 1, 0.25 (the clip binds)
+    assert loss.item() == pytest.approx(0.5 * (1 + 1 + 0.25) / 3)
+    assert clipped.tolist() == [[0.0, 0.0, 1.0]]
+
+
+def _critic(dist_env, mode="separate"):
+    _, world, device = dist_env
+    mesh = train_grpo.build_mesh(device, world, -1)
+    act = actor.shard(actor.load_model(None, 0), mesh, device)
+    cfg = critic.CriticConfig(mode=mode)
+    model, opt = critic.build(None, mesh, device, cfg, "float32", act)
+    return act, model, opt, cfg, device
+
+
+def _ppo_batch(act, model, cfg, device, seed):
+    batch = tiny_batch(8, 5, device, seed=seed)
+    batch["values"], feats = critic.compute_values(model, batch, cfg, act)
+    if feats is not None:
+        batch["features"] = feats
+    batch["returns"] = torch.rand(8, 5, generator=torch.Generator().manual_seed(seed)).to(device)
+    return batch
+
+
+def test_critic_offload_round_trip_is_bit_exact(dist_env):
+    twins = [_critic(dist_env) for _ in range(2)]
+    for act, model, opt, cfg, device in twins:
+        critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 0), cfg, 8, 1)
+    act, model, opt, cfg, device = twins[0]
+    params, states = offload.param_stash("c", model), offload.optimizer_stash("co", opt)
+    snap = [v.clone() for v in params.views + states.views]
+    offload.offload(params), offload.offload(states)
+    assert all(st.nbytes() == 0 for st in params.storages + states.storages)
+    offload.reload(params), offload.reload(states)
+    assert all(torch.equal(a, b) for a, b in zip(snap, params.views + states.views))
+    s1 = critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 1), cfg, 8, 1)
+    a2, m2, o2, c2, _ = twins[1]
+    s2 = critic.update_critic(m2, o2, _ppo_batch(a2, m2, c2, device, 1), c2, 8, 1)
+    assert s1 == s2
+
+
+def test_critic_update_independent_of_micro_batch(dist_env):
+    results = []
+    for micro in (2, 8):
+        act, model, opt, cfg, device = _critic(dist_env)
+        cfg.ppo_micro_batch_size_per_gpu = micro
+        results.append(critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 2), cfg, 8, 1))
+    assert results[0]["critic/vf_loss"] == pytest.approx(results[1]["critic/vf_loss"], rel=1e-5)
+    assert results[0]["critic/grad_norm"] == pytest.approx(results[1]["critic/grad_norm"], rel=1e-4)
+
+
+def test_shared_head_trains_and_leaves_the_trunk_alone(dist_env):
+    act, head, opt, cfg, device = _critic(dist_env, "shared")
+    trunk = [p.detach().full_tensor().clone() for p in act.parameters()]
+    batch = _ppo_batch(act, head, cfg, device, 3)
+    assert batch["features"].shape == (8, 5, act.config.hidden_size)
+    before = [p.detach().full_tensor().clone() for p in head.parameters()]
+    critic.update_critic(head, opt, batch, cfg, 8, 1)
+    assert any(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, head.parameters()))
+    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(trunk, act.parameters()))
+    separate = offload.param_stash("s", _critic(dist_env)[1]).nbytes
+    shared = offload.param_stash("h", head).nbytes
+    assert shared == (act.config.hidden_size + 1) * 4 and separate > 1000 * shared
+
+
+@pytest.mark.parametrize("mode", ["separate", "shared"])
+def test_ppo_run_learns(tmp_path, mode):
+    out = str(tmp_path / "run")
+    r = run([f"--out_dir={out}", "--steps=60", "--save=false", "--algorithm.adv_estimator=gae",
+             f"--critic.mode={mode}", "--critic.param_offload=true", "--critic.optimizer_offload=true"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        m = [json.loads(line) for line in f]
+    first = sum(x["reward_mean"] for x in m[:10]) / 10
+    last = sum(x["reward_mean"] for x in m[-10:]) / 10
+    assert last > first + 0.1, (first, last)
+    for k in ("time/values", "time/critic_update", "mem/values/peak_gb", "mem/critic_update/peak_gb",
+              "critic/vf_loss"):
+        assert k in m[-1], k
+    if mode == "separate":
+        assert m[-1]["offload/critic_optimizer/offload_gb"] > 0 and "offload/critic_params/drop_s" in m[-1]
