@@ -20,13 +20,13 @@ from conftest import tiny_batch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _one_update(out_path: str):
+def _one_update(out_path: str, fsdp_size: int = -1):
     """Run under torchrun: two Adam steps (2 PPO epochs, off-policy) on a fixed 16-sample batch
     split over the ranks."""
     rank, world, device = train_grpo.init_distributed()
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = train_grpo.build_mesh(device, world, fsdp_size)
     model = actor.shard(actor.load_model(None, seed=0), mesh, device)
-    cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=4, entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
+    cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
     opt = actor.build_optimizer(model, cfg)
     full = tiny_batch(16, 5, device, seed=3)
     full["old_log_probs"] = actor.compute_log_probs(model, full, 16, 1.0).detach() + 0.05 * full["response_mask"]
@@ -34,30 +34,40 @@ def _one_update(out_path: str):
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(model, opt, mine, cfg, mini_size=n, temperature=1.0)  # 2 epochs: 2 Adam steps
     params = {k: p.detach().full_tensor().cpu() for k, p in model.named_parameters()}
+    shard = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
-        torch.save({"params": params, "stats": stats}, out_path)
+        torch.save({"params": params, "stats": stats, "shard_fraction": shard}, out_path)
     torch.distributed.destroy_process_group()
 
 
-def _launch(nproc: int, out_path: str):
+def _launch(nproc: int, out_path: str, fsdp_size: int = -1):
     # gloo on the CPU for both runs, so they differ only in the number of ranks
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={nproc}", os.path.join(HERE, "test_dist.py"), out_path],
+                        f"--nproc_per_node={nproc}", os.path.join(HERE, "test_dist.py"), out_path, str(fsdp_size)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
 
-def test_two_processes_equal_one(tmp_path):
-    one = _launch(1, str(tmp_path / "one.pt"))
-    two = _launch(2, str(tmp_path / "two.pt"))
+def _same(one, two):
     for k in ("pg_loss", "kl", "entropy", "grad_norm"):
         assert abs(one["stats"][k] - two["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), k
     for name, p in one["params"].items():
         assert torch.allclose(p, two["params"][name], atol=1e-6, rtol=1e-5), name
+
+
+def test_two_processes_equal_one(tmp_path):
+    one = _launch(1, str(tmp_path / "one.pt"))
+    two = _launch(2, str(tmp_path / "two.pt"))
+    _same(one, two)
     moved = sum((p - actor.load_model(None, 0).state_dict()[k]).abs().sum() for k, p in one["params"].items())
     assert moved > 0
+    # hybrid sharding: 4 ranks as 2 replicas x 2 shards (fsdp_size=2) make the same update
+    hsdp = _launch(4, str(tmp_path / "hsdp.pt"), fsdp_size=2)
+    _same(one, hsdp)
+    assert one["shard_fraction"] == 1.0 and abs(two["shard_fraction"] - 0.5) < 0.01
+    assert abs(hsdp["shard_fraction"] - 0.5) < 0.01       # each rank holds 1/fsdp_size, not 1/world
 
 
 def test_offload_round_trip_is_bit_exact(dist_env):
@@ -105,7 +115,7 @@ def test_host_buffers_are_reused(dist_env):
 
 
 if __name__ == "__main__":
-    _one_update(sys.argv[1])
+    _one_update(sys.argv[1], int(sys.argv[2]))
 
 
 def test_forward_only_bracket_skips_the_copy_back(dist_env):
