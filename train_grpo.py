@@ -11,7 +11,10 @@ One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/
     reward    : score each response on the CPU
     old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
     ref_logp  : ref params in -> micro-batched forward -> ref params out
-    advantage : GRPO: (score - group mean) / (group std + eps), the same for every token
+    values    : critic params in -> micro-batched values -> out             (PPO only)
+    advantage : GRPO: (score - group mean) / (group std + eps), the same for every token;
+                PPO (--algorithm.adv_estimator=gae): GAE on the critic's values, whitened
+    critic_update : critic params + Adam in -> clipped value loss -> both out (PPO only)
     update    : params + Adam state in -> mini/micro-batched clipped PG + KL -> both out
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
@@ -413,7 +416,7 @@ def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: st
 
 
 def train_step(t: Trainer, step: int) -> dict:
-    """One GRPO step, stage by stage (module docstring); returns its metrics, reduced over ranks."""
+    """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over ranks."""
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
