@@ -1,6 +1,6 @@
 """Every host<->device move, and the memory ledger that measures them.
 
-    python -m pytest test_offload.py test_memory.py     # round trips (CPU) and freed bytes (GPU)
+    python -m pytest test_dist.py test_memory.py        # round trips (CPU) and freed bytes (GPU)
 
 Manual offload (the default mode) works on storages, not on modules: each FSDP2 parameter's
 local shard (and each Adam state tensor) lives in one untyped storage. Offload copies that
@@ -26,9 +26,9 @@ GB = 1024 ** 3
 class Stash:
     """The device storages of one offloadable group and their pinned host mirrors."""
     name: str
-    storages: list = field(default_factory=list)   # torch.UntypedStorage on the device
-    views: list = field(default_factory=list)      # (nbytes,) uint8 view of each storage
-    host: list = field(default_factory=list)       # (nbytes,) uint8 host buffers, pinned on CUDA
+    storages: list = field(default_factory=list, repr=False)  # torch.UntypedStorage on the device
+    views: list = field(default_factory=list, repr=False)     # (nbytes,) uint8 view of each storage
+    host: list = field(default_factory=list, repr=False)      # (nbytes,) uint8 host mirrors, pinned on CUDA
     on_device: bool = True
     host_current: bool = False             # the host buffers hold the same bytes as the device
     pending: object = None                 # CUDA event of a background reload not yet waited for
@@ -48,9 +48,6 @@ def _add(stash: Stash, tensors) -> Stash:
         view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         stash.storages.append(st)
         stash.views.append(view)
-        # Allocated once and reused every step: no host allocation (and no RSS creep) later.
-        stash.host.append(torch.empty(st.nbytes(), dtype=torch.uint8,
-                                      pin_memory=t.device.type == "cuda"))
     return stash
 
 
@@ -84,6 +81,9 @@ def offload(stash: Stash, modified: bool = True) -> dict:
         return {}
     wait(stash)
     t0 = time.perf_counter()
+    if not stash.host:      # first offload: host buffers, allocated once and reused every step
+        stash.host = [torch.empty(v.numel(), dtype=torch.uint8, pin_memory=v.device.type == "cuda")
+                      for v in stash.views]
     copy = modified or not stash.host_current
     if copy:
         for view, host in zip(stash.views, stash.host):

@@ -104,6 +104,9 @@ def test_host_buffers_are_reused(dist_env):
     _, world, device = dist_env
     model = actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device)
     stash = offload.param_stash("p", model)
+    assert stash.host == []                                   # no host memory until the first offload
+    offload.offload(stash)
+    offload.reload(stash)
     ptrs = [h.data_ptr() for h in stash.host]
     for _ in range(3):
         offload.offload(stash)
