@@ -37,6 +37,7 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     shard = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
         torch.save({"params": params, "stats": stats, "shard_fraction": shard}, out_path)
+    torch.distributed.barrier()              # no rank tears gloo down while another still talks
     torch.distributed.destroy_process_group()
 
 
