@@ -8,6 +8,7 @@ Batches are dicts of tensors, one row per sample (prompt left-padded to P, respo
     responses, response_mask                 (B, R)
     old_log_probs, ref_log_probs, advantages (B, R)   when the stage that makes them has run
 """
+import math
 import os
 from dataclasses import dataclass
 
@@ -200,6 +201,20 @@ def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
     return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
 
 
+def clipped_step(model, optimizer, grad_clip: float, before_step, who: str) -> float:
+    """Clip the global grad norm and step; a non-finite norm skips the step (weights kept, the
+    gradients dropped by the caller's next zero_grad). Returns the norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+    if math.isfinite(norm):
+        if before_step is not None:
+            before_step()
+        optimizer.step()
+    else:
+        print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
+    return norm
+
+
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
                   temperature: float, before_step=None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
@@ -238,20 +253,13 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                 with torch.no_grad():
                     r = ratio.detach()
                     sums += torch.stack([pg, kl, ent_term, agg(clipped), agg(r - 1 - torch.log(r))]).double()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            if torch.isfinite(norm):
-                if before_step is not None:
-                    before_step()
-                optimizer.step()
-            else:                                   # drop this step's gradients, keep the weights
-                skipped += 1
-                print(f"[actor] grad norm {norm.item()} is not finite: optimizer step skipped")
-            norms.append(norm.item())
+            norms.append(clipped_step(model, optimizer, cfg.grad_clip, before_step, "actor"))
+            skipped += not math.isfinite(norms[-1])
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
     sums = all_sum(sums) / len(norms)               # mean over optimizer steps of global means
     out = dict(zip(names, sums.tolist()))
-    out.update(grad_norm=sum(norms) / len(norms), skipped_steps=skipped)
+    finite = [n for n in norms if math.isfinite(n)] or [float("nan")]
+    out.update(grad_norm=sum(finite) / len(finite), skipped_steps=skipped)
     if mismatch:
         out.update(logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
                                     {k: torch.cat([mb[k] for _, mb in mismatch])

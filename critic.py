@@ -172,15 +172,7 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: i
                 with torch.no_grad():
                     sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, counts[0].item(),
                                                               counts[1].item())]).double()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            if torch.isfinite(norm):
-                if before_step is not None:
-                    before_step()
-                optimizer.step()
-            else:
-                print(f"[critic] grad norm {norm.item()} is not finite: optimizer step skipped")
-            norms.append(norm.item())
+            norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, before_step, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
     sums = actor.all_sum(sums) / len(norms)
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),

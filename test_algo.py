@@ -150,7 +150,19 @@ def test_chat_template_is_applied():
     import tiny
     tok = tiny.build_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}#{% endif %}"
-    cfg = train_grpo.parse_args([])
-    cfg.data = None
-    prompts, _ = train_grpo.load_data(cfg, tok)
+    import data
+    prompts, _ = data.load_data(None, tok)
     assert prompts[0][-1] == tok.convert_tokens_to_ids("#")      # the generation prompt was added
+
+
+def test_non_finite_grad_norm_skips_the_step(dist_env, capsys):
+    _, world, device = dist_env
+    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
+    opt = actor.build_optimizer(model, actor.ActorConfig())
+    batch = tiny_batch(4, 5, device)
+    batch["advantages"] = batch["advantages"] * float("inf")      # -> inf/nan gradients
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    stats = actor.update_policy(model, opt, batch, actor.ActorConfig(), 4, 1.0)
+    assert stats["skipped_steps"] == 1 and "optimizer step skipped" in capsys.readouterr().out
+    assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())       # the bad gradients are gone

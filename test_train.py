@@ -87,15 +87,14 @@ def test_parquet_and_gsm8k_reward(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
     import tiny
-    import train_grpo
+    import data
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1=", "22="], "answer": ["x #### 1", "#### 22"]}), path)
-    cfg = train_grpo.parse_args([f"--data={path}"])
-    prompts, answers = train_grpo.load_data(cfg, tiny.build_tokenizer())
+    prompts, answers = data.load_data(path, tiny.build_tokenizer())
     assert prompts == [[3, 12], [4, 4, 12]] and answers == ["x #### 1", "#### 22"]
-    assert train_grpo.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
-    assert train_grpo.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
-    assert train_grpo.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response
+    assert data.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
+    assert data.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
+    assert data.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response
 
 
 def test_config_overrides_are_typed():

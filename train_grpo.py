@@ -19,10 +19,8 @@ One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
-import importlib
 import json
 import os
-import re
 import sys
 import time
 import typing
@@ -34,6 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import actor
 import critic
+import data as data_io
 import offload
 import ref
 import rollout
@@ -169,90 +168,6 @@ def build_mesh(device, world: int, fsdp_size: int):
                             mesh_dim_names=("replicate", "fsdp"))
 
 
-# --------------------------------------------------------------------------- data and rewards
-def load_tokenizer(path):
-    if path is None or path.startswith("random:"):   # random weights: the tiny tokenizer's ids suffice
-        import tiny
-        return tiny.build_tokenizer()
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def read_rows(path: str) -> list[dict]:
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: --data {path}: no such file")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path} line {i} is not valid JSON ({e.msg}); "
-                                 f"fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise SystemExit(f"error: {path} line {i} is not a JSON object")
-            rows.append(row)
-    return rows
-
-
-def load_data(cfg: Config, tokenizer) -> tuple[list[list[int]], list[str]]:
-    """Prompt token ids and answers. Chat prompts get the tokenizer's chat template."""
-    if cfg.data is None:
-        import tiny
-        rows = tiny.copy_task(seed=cfg.seed)
-    else:
-        rows = read_rows(cfg.data)
-    prompts, answers, dropped = [], [], 0
-    for i, row in enumerate(rows, 1):
-        for key in (cfg.prompt_key, cfg.answer_key):
-            if key not in row:
-                raise SystemExit(f"error: {cfg.data} row {i} has no {key!r} field (it has "
-                                 f"{sorted(row)}); set --prompt_key / --answer_key")
-        p = row[cfg.prompt_key]
-        if getattr(tokenizer, "chat_template", None):
-            msgs = p if isinstance(p, list) else [{"role": "user", "content": str(p)}]
-            p = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        elif isinstance(p, list):
-            p = "\n".join(m["content"] for m in p)
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        if len(ids) > cfg.max_prompt_length:
-            dropped += 1
-            continue
-        prompts.append(ids)
-        answers.append(str(row[cfg.answer_key]))
-    if not prompts:
-        raise SystemExit(f"error: no prompt fits max_prompt_length={cfg.max_prompt_length}; raise it")
-    if dropped:
-        print(f"[data] dropped {dropped} prompts longer than max_prompt_length={cfg.max_prompt_length}")
-    return prompts, answers
-
-
-def gsm8k_reward(response: str, answer: str) -> float:
-    """1.0 when the response's last `#### <number>` equals the answer's number, else 0.0."""
-    truth = answer.split("####")[-1].strip().replace(",", "")
-    found = re.findall(r"#### *(-?[0-9.,]+)", response)
-    return float(bool(found) and found[-1].replace(",", "").rstrip(".") == truth)
-
-
-def load_reward(cfg: Config):
-    if cfg.reward is None:
-        if cfg.data is None:
-            import tiny
-            return tiny.copy_reward
-        return gsm8k_reward
-    module, _, name = cfg.reward.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"error: --reward {cfg.reward}: cannot load it ({e}); "
-                         f"give module:function with the module on PYTHONPATH") from None
-
-
 # --------------------------------------------------------------------------- algorithm
 def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std: bool = True,
                    eps: float = 1e-6) -> torch.Tensor:
@@ -335,9 +250,10 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
                          "Adam state on the CPU; turn param_offload / optimizer_offload off")
     if device.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
         say("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-    tokenizer = load_tokenizer(cfg.model)
-    prompts, answers = data if data is not None else load_data(cfg, tokenizer)
-    reward_fn = load_reward(cfg)
+    tokenizer = data_io.load_tokenizer(cfg.model)
+    prompts, answers = data if data is not None else data_io.load_data(
+        cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    reward_fn = data_io.load_reward(cfg.reward, cfg.data)
     engine_kind = engine.kind if engine else rollout.resolve_engine(cfg.rollout, device)
     say(f"[data] {len(prompts)} prompts; rollout engine: {engine_kind}"
         + (" (auto: vLLM imports and CUDA is there)" if cfg.rollout.engine == "auto" and engine_kind == "vllm"
