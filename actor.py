@@ -215,6 +215,15 @@ def clipped_step(model, optimizer, grad_clip: float, before_step, who: str) -> f
     return norm
 
 
+def global_counts(mini: dict) -> tuple[float, float]:
+    """(valid tokens, sequences) of a mini-batch over all ranks: the loss denominators."""
+    m = mini["response_mask"]
+    c = all_sum(torch.stack([m.sum().double(), torch.tensor(float(m.shape[0]), device=m.device,
+                                                            dtype=torch.float64)]))
+    tokens, seqs = c.tolist()                   # one host sync per mini-batch
+    return tokens, seqs
+
+
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
                   temperature: float, before_step=None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
@@ -231,9 +240,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
-            counts = all_sum(torch.tensor([mini["response_mask"].sum().item(), len(mini["responses"])],
-                                          device=device, dtype=torch.float64))
-            tokens, seqs = counts[0].item(), counts[1].item()
+            tokens, seqs = global_counts(mini)
             optimizer.zero_grad(set_to_none=True)
             for mb in split(mini, cfg.ppo_micro_batch_size_per_gpu):
                 m = mb["response_mask"]

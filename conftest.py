@@ -25,3 +25,15 @@ def tiny_batch(B: int, R: int, device, seed: int = 0, vocab: int = 16) -> dict:
     batch["old_log_probs"] = (-torch.rand(B, R, generator=g) * 3).to(device) * mask
     batch["ref_log_probs"] = (-torch.rand(B, R, generator=g) * 3).to(device) * mask
     return batch
+
+
+def mid_model(seed: int = 0):
+    """The GPU tests' ~430M-parameter Qwen2 (random weights, built in code): large enough that
+    allocator rounding stays far below their 5 % tolerances."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
+                      architectures=["Qwen2ForCausalLM"])
+    return Qwen2ForCausalLM(cfg)

@@ -160,18 +160,15 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: i
     model.train()
     for _ in range(epochs):
         for mini in actor.split(batch, mini_size):
-            counts = actor.all_sum(torch.tensor([mini["response_mask"].sum().item(), len(mini["responses"])],
-                                                device=device, dtype=torch.float64))
+            tokens, seqs = actor.global_counts(mini)
             optimizer.zero_grad(set_to_none=True)
             for mb in actor.split(mini, cfg.ppo_micro_batch_size_per_gpu):
                 m = mb["response_mask"].float()
                 v = _values(model, mb, cfg, mb.get("features"))
-                loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, counts[0].item(),
-                                           counts[1].item())
+                loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, tokens, seqs)
                 (loss * world).backward()
                 with torch.no_grad():
-                    sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, counts[0].item(),
-                                                              counts[1].item())]).double()
+                    sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, tokens, seqs)]).double()
             norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, before_step, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
     sums = actor.all_sum(sums) / len(norms)

@@ -15,19 +15,10 @@ import actor
 import offload
 import ref
 import train_grpo
-from conftest import tiny_batch
+from conftest import mid_model, tiny_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MB = 1024 ** 2
-
-
-def _model(seed=0):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-                      tie_word_embeddings=True)
-    return Qwen2ForCausalLM(cfg)
 
 
 @pytest.fixture(autouse=True)
@@ -61,7 +52,7 @@ def _update(model, opt, device, seed=0, cfg=None):
 
 def test_param_offload_frees_shard_bytes_and_reload_restores(env):
     device, mesh = env
-    model = actor.shard(_model(), mesh, device)
+    model = actor.shard(mid_model(), mesh, device)
     stash = offload.param_stash("actor_params", model)
     before = _allocated()
     m = offload.offload(stash)
@@ -75,7 +66,7 @@ def test_param_offload_frees_shard_bytes_and_reload_restores(env):
 
 def test_optimizer_offload_frees_adam_state(env):
     device, mesh = env
-    model = actor.shard(_model(), mesh, device)
+    model = actor.shard(mid_model(), mesh, device)
     opt = actor.build_optimizer(model, actor.ActorConfig())
     _update(model, opt, device)                         # Adam state appears at the first step
     stash = offload.optimizer_stash("actor_optimizer", opt)
@@ -106,7 +97,7 @@ def test_ref_offload_frees_its_shard(env):
 def test_no_creep_over_20_offloaded_steps(env):
     """Load params + Adam -> update -> offload both, 20 times: device and host memory stay flat."""
     device, mesh = env
-    model = actor.shard(_model(), mesh, device)
+    model = actor.shard(mid_model(), mesh, device)
     opt = actor.build_optimizer(model, actor.ActorConfig())
     params = offload.param_stash("actor_params", model)
     opt_stash = None
@@ -134,7 +125,7 @@ def test_offload_changes_no_loss(env):
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8, param_dtype="float32")
     runs = []
     for do_offload in (False, True):
-        model = actor.shard(_model(), mesh, device, param_dtype="float32")
+        model = actor.shard(mid_model(), mesh, device, param_dtype="float32")
         opt = actor.build_optimizer(model, cfg)
         params, opt_stash, losses = offload.param_stash("p", model), None, []
         for step in range(3):
@@ -157,7 +148,7 @@ def test_offload_changes_no_loss(env):
 def test_cpu_offload_policy_keeps_params_off_the_gpu(env):
     device, mesh = env
     before = _allocated()
-    model = actor.shard(_model(), mesh, device, offload_policy=True)
+    model = actor.shard(mid_model(), mesh, device, offload_policy=True)
     assert _allocated() - before < 4 * MB               # only buffers (rotary tables) on the GPU
     assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
     opt = actor.build_optimizer(model, actor.ActorConfig())
@@ -171,7 +162,7 @@ def test_critic_offload_frees_its_bytes(env):
     from transformers import Qwen2ForTokenClassification
     import critic
     device, mesh = env
-    config = _model().config
+    config = mid_model().config
     config.num_labels, config.classifier_dropout = 1, 0.0
     torch.manual_seed(0)
     model = actor.shard(Qwen2ForTokenClassification(config), mesh, device)

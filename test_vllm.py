@@ -17,27 +17,18 @@ import actor
 import offload
 import rollout
 import train_grpo
+from conftest import mid_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs a CUDA GPU and vLLM")
 GB = offload.GB
 
 
-def _model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                      num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
-                      architectures=["Qwen2ForCausalLM"])
-    return Qwen2ForCausalLM(cfg)
-
-
 @pytest.fixture(scope="module")
 def env(dist_env, tmp_path_factory):
     rank, world, device = dist_env
     mesh = train_grpo.build_mesh(device, world, -1)
-    model = actor.shard(_model(), mesh, device)                     # bf16 compute, fp32 master
+    model = actor.shard(mid_model(), mesh, device)                     # bf16 compute, fp32 master
     vdir = str(tmp_path_factory.mktemp("vllm_cfg"))
     model.config.save_pretrained(vdir)
     cfg = rollout.RolloutConfig(n=2, response_length=16, gpu_memory_utilization=0.3, sync_bucket_mb=64)
