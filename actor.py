@@ -37,6 +37,10 @@ class ActorConfig:
     param_offload: bool = False            # shards to pinned host between uses (manual bracket)
     param_offload_layers: int = -1         # with param_offload: only the first k decoder layers (-1: all)
     optimizer_offload: bool = False        # Adam state to pinned host between updates
+    prefetch_update: bool = True           # GRPO with offload: params + Adam start coming in during the
+                                           # ref forward (hides the copies; the ref stage holds them too)
+    defer_param_offload: bool = True       # with param_offload: params stay after the update until the next
+                                           # weight sync, which copies them out (one reload fewer per step)
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = False   # recompute each layer's activations in backward
     param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
@@ -94,9 +98,12 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
     return model
 
 
-def build_optimizer(model, cfg: ActorConfig) -> torch.optim.Optimizer:
-    # Adam state (2 x fp32 shard bytes) appears at the first step, on the params' device.
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+def build_optimizer(model, cfg) -> torch.optim.Optimizer:
+    """AdamW for the actor or the critic (`cfg` has lr and weight_decay). Adam state (2 x fp32 shard
+    bytes) appears at the first step, on the params' device. fused: one kernel per step and no
+    temporaries; the default foreach path allocates several param-sized lists in the step (at 7B
+    those tens of GB did not fit beside params + grads + Adam on one H200)."""
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
 
 
 # --------------------------------------------------------------------------- math

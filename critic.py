@@ -90,7 +90,7 @@ def build(model_path, mesh, device, cfg: CriticConfig, param_dtype: str, actor_m
         head = actor.shard(load_value_model(model_path, seed), mesh, device, param_dtype=param_dtype)
     else:
         raise SystemExit(f"error: critic.mode={cfg.mode}: use separate or shared")
-    return head, torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return head, actor.build_optimizer(head, cfg)
 
 
 def load_value_model(path, seed: int = 0):

@@ -121,7 +121,9 @@ def reload(stash: Stash, background: bool = False) -> dict:
             view.copy_(host, non_blocking=True)
         _sync(device)
     stash.on_device = True
-    return _moved(stash, "reload_bg" if stash.pending is not None else "reload", time.perf_counter() - t0)
+    if background:                        # issued only (on CUDA): its cost shows where it is waited for
+        return {f"offload/{stash.name}/prefetch_gb": stash.nbytes / GB}
+    return _moved(stash, "reload", time.perf_counter() - t0)
 
 
 def wait(stash: Stash):
@@ -140,15 +142,21 @@ def _moved(stash: Stash, verb: str, seconds: float) -> dict:
 
 
 @contextlib.contextmanager
-def loaded(stashes, metrics: dict, modified: bool = False):
-    """The bracket: reload every enabled stash, run the body, offload them again.
+def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
+    """The bracket: reload every enabled stash (a no-op for one already in, e.g. prefetched:
+    then only its pending copy is waited for), run the body, offload them again.
     `stashes` holds only the groups whose offload flag is on; an empty list is a no-op.
-    `modified`: the body changes these tensors (the update), so they are copied back out."""
+    `modified`: the body changes these tensors (the update), so they are copied back out.
+    `keep`: leave them on the device; the next bracket's offload copies them out (if modified)."""
     for s in stashes:
         metrics.update(reload(s))
+        wait(s)
     yield
     for s in stashes:
-        metrics.update(offload(s, modified))
+        if keep:
+            s.host_current = s.host_current and not modified
+        else:
+            metrics.update(offload(s, modified))
 
 
 # --------------------------------------------------------------------------- the ledger

@@ -36,7 +36,11 @@ def build(model_path, mesh, device, cfg: RefConfig, param_dtype: str, seed: int 
 
 
 def compute_ref_log_probs(model, stash, batch: dict, cfg: RefConfig, temperature: float,
-                          metrics: dict) -> torch.Tensor:
-    """load -> micro-batched forward -> offload (the bracket is a no-op when param_offload is off)."""
+                          metrics: dict, prefetch=()) -> torch.Tensor:
+    """load -> micro-batched forward -> offload (the bracket is a no-op when param_offload is off).
+    `prefetch`: stashes of the next stage copied in on a side stream while this forward runs
+    (issued after the ref's own reload, so they do not share the link with it)."""
     with offload.loaded([stash] if cfg.param_offload else [], metrics):
+        for s in prefetch:
+            metrics.update(offload.reload(s, background=True))
         return actor.compute_log_probs(model, batch, cfg.log_prob_micro_batch_size_per_gpu, temperature)

@@ -231,7 +231,8 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     phase("sync", t)
     t = time.perf_counter()
     for s in stashes:
-        metrics.update(offload.offload(s, modified=False))   # unchanged since loaded: free, no copy
+        # freed; copied out only if the last update left them here (actor.defer_param_offload)
+        metrics.update(offload.offload(s, modified=False))
     torch.cuda.empty_cache()
     phase("offload_params", t)
     t = time.perf_counter(); llm.wake_up(tags=["kv_cache"]); phase("wake_kv", t)

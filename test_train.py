@@ -60,6 +60,28 @@ def test_offload_flags_and_off_policy_path_run(tmp_path):
     assert "[offload] actor.param_offload: ON" in r.stdout
 
 
+def test_copy_levers_change_no_number_and_save_a_copy(tmp_path):
+    """prefetch_update and defer_param_offload only move copies in time: the same run with them off
+    gives the same numbers. On: per step one copy in (prefetched during the ref forward, so the
+    update has nothing left to reload) and one out (after the next sync), not two in and one out."""
+    runs = {}
+    for on in ("true", "false"):
+        out = str(tmp_path / on)
+        r = run([f"--out_dir={out}", "--steps=3", "--save=false", "--actor.param_offload=true",
+                 "--actor.optimizer_offload=true", "--ref.param_offload=true",
+                 f"--actor.prefetch_update={on}", f"--actor.defer_param_offload={on}"])
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[on] = metrics(out)
+    for a, b in zip(runs["true"], runs["false"]):
+        assert [a[k] for k in ("reward_mean", "pg_loss", "kl", "grad_norm")] == \
+            [b[k] for k in ("reward_mean", "pg_loss", "kl", "grad_norm")]
+    on, off = runs["true"][-1], runs["false"][-1]
+    assert on["offload/actor_params/prefetch_gb"] > 0 and on["offload/actor_optimizer/prefetch_gb"] > 0
+    assert "offload/actor_params/reload_s" not in on and "offload/actor_params/drop_s" not in on
+    assert on["offload/actor_params/offload_gb"] > 0                # copied out by the generate bracket
+    assert off["offload/actor_params/reload_gb"] > 0 and "offload/actor_params/drop_s" in off
+
+
 def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     """Save the embedded policy, load it with from_pretrained, then train from it on a jsonl file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

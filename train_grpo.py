@@ -8,9 +8,11 @@
 
 One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/metrics.jsonl:
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
+                (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
     old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
     ref_logp  : ref params in -> micro-batched forward -> ref params out
+                (actor.prefetch_update: meanwhile the actor's params + Adam come in on a side stream)
     values    : critic params in -> micro-batched values -> out             (PPO only)
     advantage : GRPO: (score - group mean) / (group std + eps), the same for every token;
                 PPO (--algorithm.adv_estimator=gae): GAE on the critic's values, whitened
@@ -315,12 +317,14 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
 
 
 # --------------------------------------------------------------------------- one step
-def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: str, m: dict, run):
+def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: str, m: dict, run,
+                   keep_params: bool = False):
     """load params -> run(wait) -> offload params and Adam state. With optimizer offload the Adam
-    state is copied in on a side stream while the first forward/backward runs, and `wait` (called
-    before each optimizer step) makes the GPU wait for it; the host never blocks. Returns the Adam
-    stash, created after the first step (Adam allocates its state lazily)."""
-    with offload.loaded(params_out, m, modified=True):
+    state is copied in on a side stream while the first forward/backward runs (unless it was
+    prefetched already), and `wait` (called before each optimizer step) makes the GPU wait for it;
+    the host never blocks. `keep_params`: params stay for the next weight sync to copy out.
+    Returns the Adam stash, created after the first step (Adam allocates its state lazily)."""
+    with offload.loaded(params_out, m, modified=True, keep=keep_params):
         opt_in = [opt_stash] if offload_opt and opt_stash is not None else []
         for s in opt_in:
             m.update(offload.reload(s, background=True))
@@ -368,8 +372,12 @@ def train_step(t: Trainer, step: int) -> dict:
 
     with offload.stage("ref_logp", m, device):
         if t.ref_model is not None:
+            # GRPO: the update's offloaded params + Adam come in while the ref forward runs (PPO: the
+            # critic stages come between, which would then hold both models' state at once)
+            ahead = t.params_out + ([t.opt_stash] if a.optimizer_offload and t.opt_stash else []) \
+                if a.prefetch_update and t.critic_model is None else []
             batch["ref_log_probs"] = ref.compute_ref_log_probs(
-                t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m)
+                t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m, ahead)
 
     if t.critic_model is not None:                    # PPO: values of the rollout states
         with offload.stage("values", m, device):
@@ -403,7 +411,7 @@ def train_step(t: Trainer, step: int) -> dict:
         t.opt_stash = update_bracket(t.params_out, t.optimizer, t.opt_stash, a.optimizer_offload,
                                      "actor_optimizer", m, lambda wait: actor.update_policy(
                                          t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
-                                         before_step=wait))
+                                         before_step=wait), keep_params=a.defer_param_offload)
 
     sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
                                       device=device, dtype=torch.float64)).tolist()
