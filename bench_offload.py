@@ -1,13 +1,16 @@
 """Offload on/off table: what each flag saves and costs per stage, against the copy bandwidth limit.
 
-    python bench_offload.py --model=random:qwen2.5-1.5b --out=offload_1.5b.json --plot=offload_1.5b.png
-    python bench_offload.py --model=random:qwen2.5-7b --prompts=4 --n=4 --out=offload_7b.json
+    python bench_offload.py --model=random:qwen2.5-1.5b --levers --out=offload_1.5b.json --plot=offload_1.5b.png
+    python bench_offload.py --model=random:qwen2.5-7b --configs=none,param,optim,ref,all \
+        --actor.gradient_checkpointing=true --out=offload_7b.json      # other options go to train_grpo
 
 One process per model size: the host<->device copy bandwidth (pinned and pageable) is measured
-first, then every configuration runs the same GRPO steps (fixed prompt and response lengths,
-random Qwen2.5 weights, one shared vLLM engine) and reports, for its last step, each stage's
-peak allocated / reserved memory and time, and the bytes and bandwidth of every offload copy.
-Ratios are against the "none" configuration of the same run.
+first, then every configuration runs the same GRPO (or PPO) steps (fixed prompt and response
+lengths, random Qwen2.5 weights, one shared vLLM engine) and reports each stage's peak
+allocated / reserved memory and time (medians over the steps after a warm-up), and the bytes and
+bandwidth of every offload copy. Ratios are against the "none" (PPO: "ppo_none") configuration
+of the same run. `--levers` adds the copy levers one by one: pageable vs pinned, new vs
+persistent buffers, a synchronize per copy vs per bracket, and where the Adam state comes in.
 """
 import argparse
 import gc
@@ -16,20 +19,33 @@ import time
 
 import torch
 
+import actor
+import offload
 import rollout
 import tiny
 import train_grpo
 
-STAGES = ("generate", "reward", "old_logp", "ref_logp", "advantage", "update")
-CONFIGS = {  # name: overrides of the actor / ref configs
+STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantage", "critic_update", "update")
+ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
+NO_LEVERS = {"actor.prefetch_update": False, "actor.defer_param_offload": False}
+PPO = {"algorithm.adv_estimator": "gae"}
+CONFIGS = {  # name: overrides of the role configs (the copy levers are on unless a name says otherwise)
     "none": {},
     "param": {"actor.param_offload": True},
     "optim": {"actor.optimizer_offload": True},
     "both": {"actor.param_offload": True, "actor.optimizer_offload": True},
     "ref": {"ref.param_offload": True},
-    "all": {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True},
+    "all": ALL,
+    "all_no_prefetch": {**ALL, "actor.prefetch_update": False},   # what the prefetch lever buys
+    "all_no_levers": {**ALL, **NO_LEVERS},                          # ... and the deferred offload
+    "param_no_levers": {"actor.param_offload": True, **NO_LEVERS},
+    "optim_no_levers": {"actor.optimizer_offload": True, **NO_LEVERS},
     "policy": {"actor.offload_policy": True, "ref.offload_policy": True},
     "partial": {"actor.param_offload": True},        # first half of the layers; set below
+    "ppo_none": PPO,                                 # separate critic
+    "ppo_all": {**PPO, **ALL, "critic.param_offload": True, "critic.optimizer_offload": True},
+    "ppo_shared": {**PPO, "critic.mode": "shared"},  # value head on the actor's trunk
+    "ppo_shared_all": {**PPO, **ALL, "critic.mode": "shared"},
 }
 
 
@@ -50,27 +66,34 @@ def copy_bandwidth(nbytes: int = 2 ** 30) -> dict:
     return out
 
 
-def run_config(name, args, engine, data, layers):
+def bench_cfg(name, args, extra):
     cfg = train_grpo.parse_args([f"--model={args.model}", f"--train_batch_size={args.prompts}",
                                  f"--actor.ppo_mini_batch_size={args.prompts}", f"--rollout.n={args.n}",
                                  f"--rollout.response_length={args.response_len}", "--save=false",
                                  f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
                                  f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}",
-                                 "--out_dir=/tmp/bench_offload", "--reward=bench_offload:zero_reward"])
+                                 f"--critic.ppo_micro_batch_size_per_gpu={args.micro}",
+                                 f"--critic.forward_micro_batch_size_per_gpu={args.micro}",
+                                 "--out_dir=/tmp/bench_offload", "--reward=bench_offload:zero_reward"] + extra)
     for key, value in CONFIGS[name].items():
         section, field = key.split(".")
         setattr(getattr(cfg, section), field, value)
-    if name == "partial":
-        cfg.actor.param_offload_layers = layers // 2
-    try:
-        t = train_grpo.setup(cfg, engine=engine, data=data)
-        steps = [train_grpo.train_step(t, s) for s in range(args.steps)]
-        m = steps[-1]
-        m["ok"] = True
-    except torch.OutOfMemoryError as e:
-        m = {"ok": False, "error": f"OOM: {str(e).splitlines()[0][:160]}"}
-    t = steps = None
+    return cfg
+
+
+def median_of_steps(steps: list) -> dict:
+    """Each number's median over the measured steps (the first is a warm-up: Adam state is born
+    there, and the caches fill); everything else from the last step."""
+    m = dict(steps[-1])
+    for k, v in m.items():
+        if isinstance(v, float) and len(steps) > 1:
+            vals = sorted(s[k] for s in steps[1:] if k in s)
+            m[k] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+    return m
+
+
+def release():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -78,7 +101,109 @@ def run_config(name, args, engine, data, layers):
             if hasattr(torch._C, name):    # pinned host blocks go back to the OS between configurations
                 getattr(torch._C, name)()
                 break
+
+
+def run_config(name, args, extra, engine, data, layers):
+    cfg = bench_cfg(name, args, extra)
+    if name == "partial":
+        cfg.actor.param_offload_layers = layers // 2
+    try:
+        t = train_grpo.setup(cfg, engine=engine, data=data)
+        m = median_of_steps([train_grpo.train_step(t, s) for s in range(args.steps)])
+        m["ok"] = True
+    except torch.OutOfMemoryError as e:
+        m = {"ok": False, "error": f"OOM: {str(e).splitlines()[0][:160]}"}
+    t = None
+    release()
     return m
+
+
+# --------------------------------------------------------------------------- levers one by one
+def synthetic_batch(args, vocab, device, seed=0):
+    """A rollout batch of the benchmark's shape (random tokens), with advantages and ref log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    B = args.prompts * args.n
+    prompts = torch.randint(2, vocab - 1, (B, args.prompt_len), generator=g).tolist()
+    responses = torch.randint(2, vocab - 1, (B, args.response_len), generator=g).tolist()
+    batch = rollout.make_batch(prompts, responses, args.response_len, 0, 1, device)
+    mask = batch["response_mask"].float()
+    batch["advantages"] = torch.randn(B, 1, generator=g).to(device) * mask
+    batch["ref_log_probs"] = torch.zeros_like(mask)
+    return batch
+
+
+def timed(fn, device):
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0, torch.cuda.max_memory_allocated(device) / offload.GB
+
+
+def copy_levers(stash, device) -> dict:
+    """The actor's param shards out and back in four ways: what pinned, persistent buffers and one
+    synchronize per bracket each buy. Copies only (the device storages stay allocated)."""
+    views, gb, out = stash.views, stash.nbytes / offload.GB, {}
+    persistent = [torch.empty(v.numel(), dtype=torch.uint8, pin_memory=True) for v in views]
+    fresh = []
+
+    def ways():
+        yield "pageable_new_buffers_blocking", (lambda: fresh.extend(v.cpu() for v in views)), \
+            (lambda: [v.copy_(h) for v, h in zip(views, fresh)])
+        yield "pinned_new_buffers_one_sync", (lambda: fresh.extend(
+            torch.empty(v.numel(), dtype=torch.uint8, pin_memory=True).copy_(v, non_blocking=True) for v in views)), \
+            (lambda: [v.copy_(h, non_blocking=True) for v, h in zip(views, fresh)])
+        yield "pinned_persistent_sync_per_copy", (lambda: [h.copy_(v) for v, h in zip(views, persistent)]), \
+            (lambda: [v.copy_(h) for v, h in zip(views, persistent)])
+        yield "pinned_persistent_one_sync", (lambda: [h.copy_(v, non_blocking=True) for v, h in zip(views, persistent)]), \
+            (lambda: [v.copy_(h, non_blocking=True) for v, h in zip(views, persistent)])
+
+    for name, d2h, h2d in ways():
+        for _ in range(2):                              # the second pass is reported
+            fresh.clear()
+            s_out, _ = timed(d2h, device)
+            s_in, _ = timed(h2d, device)
+        out[name] = {"out_s": s_out, "in_s": s_in, "out_gbps": gb * offload.GB / 1e9 / s_out,
+                     "in_gbps": gb * offload.GB / 1e9 / s_in}
+        fresh.clear()
+        release()
+    return out
+
+
+def adam_placement(t, batch, args) -> dict:
+    """The update stage with the Adam state on the host before it, three ways: copied in blocking
+    before the update; on a side stream overlapped with the forward/backward (train_step's way);
+    blocking just before optimizer.step (verl issue #5282: lower peak, exposed copy)."""
+    opt, out = offload.optimizer_stash("adam", t.optimizer), {}
+    device = t.device
+
+    def update(before):
+        actor.update_policy(t.model, t.optimizer, batch, t.cfg.actor, t.mini_size, 1.0, before_step=before)
+        offload.offload(opt)
+
+    ways = {"blocking_before_update": lambda: (offload.reload(opt), update(None)),
+            "side_stream_during_forward": lambda: (offload.reload(opt, background=True),
+                                                   update(lambda: offload.wait(opt))),
+            "blocking_at_step": lambda: update(lambda: offload.reload(opt))}
+    offload.offload(opt)
+    for name, fn in ways.items():
+        runs = [timed(fn, device) for _ in range(2)]
+        out[name] = {"update_s": runs[-1][0], "peak_gb": runs[-1][1], "adam_gb": opt.nbytes / offload.GB}
+    offload.reload(opt)
+    return out
+
+
+def levers(args, extra, engine, data) -> dict:
+    cfg = bench_cfg("none", args, extra)
+    t = train_grpo.setup(cfg, engine=engine, data=data)
+    for s in range(2):
+        train_grpo.train_step(t, s)                  # Adam state exists after the first
+    res = {"copy": copy_levers(offload.param_stash("actor_params", t.model), t.device),
+           "adam": adam_placement(t, synthetic_batch(args, t.model.config.vocab_size, t.device), args)}
+    t = None
+    release()
+    return res
 
 
 def zero_reward(response: str, answer: str) -> float:
@@ -94,12 +219,13 @@ def main():
     ap.add_argument("--prompt_len", type=int, default=128)
     ap.add_argument("--response_len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="the first is a warm-up; medians of the rest")
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.15)
     ap.add_argument("--engine", default="vllm", help="vllm, or hf (no engine build: quicker at 7B)")
+    ap.add_argument("--levers", action="store_true", help="also time the copy levers one by one")
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--plot", default="")
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
 
     rank, world, device = train_grpo.init_distributed()
     cuda = device.type == "cuda"
@@ -119,7 +245,7 @@ def main():
              for _ in range(64)], ["0"] * 64)
     for name in args.configs.split(","):
         t0 = time.perf_counter()
-        m = run_config(name, args, engine, data, hf.num_hidden_layers)
+        m = run_config(name, args, extra, engine, data, hf.num_hidden_layers)
         res["configs"][name] = m
         if rank == 0:
             with open(args.out, "w") as f:           # after every configuration: a cut-off run keeps its rows
@@ -128,12 +254,15 @@ def main():
                     (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k)}
             print(f"[{name}] {time.perf_counter() - t0:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",
                   flush=True)
-    base = res["configs"].get("none", {})
+    if args.levers:
+        res["levers"] = levers(args, extra, engine, data)
+        if rank == 0:
+            print("[levers]", json.dumps(res["levers"]), flush=True)
     for name, m in res["configs"].items():
+        base = res["configs"].get("ppo_none" if name.startswith("ppo") else "none", {})
         if m.get("ok") and base.get("ok"):
             m["step_time_cost_pct"] = 100 * (m["time/step"] / base["time/step"] - 1)
-            m["peak_saved_gb"] = max(base[f"mem/{s}/peak_gb"] for s in STAGES) - \
-                max(m[f"mem/{s}/peak_gb"] for s in STAGES)
+            m["peak_saved_gb"] = peak(base) - peak(m)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
@@ -142,17 +271,22 @@ def main():
     torch.distributed.destroy_process_group()
 
 
+def peak(m: dict) -> float:
+    return max(m[f"mem/{s}/peak_gb"] for s in STAGES if f"mem/{s}/peak_gb" in m)
+
+
 def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [n for n, m in res["configs"].items() if m.get("ok")]
-    fig, ax = plt.subplots(figsize=(11, 4.5))
+    stages = [s for s in STAGES if any(f"mem/{s}/peak_gb" in res["configs"][n] for n in names)]
+    fig, ax = plt.subplots(figsize=(13, 4.5))
     w = 0.8 / max(len(names), 1)
     for i, n in enumerate(names):
         m = res["configs"][n]
-        ax.bar([s + i * w for s in range(len(STAGES))], [m[f"mem/{st}/peak_gb"] for st in STAGES], w, label=n)
-    ax.set_xticks([s + 0.4 - w / 2 for s in range(len(STAGES))], STAGES)
+        ax.bar([s + i * w for s in range(len(stages))], [m.get(f"mem/{st}/peak_gb", 0) for st in stages], w, label=n)
+    ax.set_xticks([s + 0.4 - w / 2 for s in range(len(stages))], stages)
     ax.set_ylabel("trainer peak allocated (GB)")
     ax.set_title(f"{res['model']} on {res['gpu']}: peak memory per stage")
     ax.legend(ncol=4, fontsize=8)

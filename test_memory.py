@@ -8,6 +8,8 @@ The model is a Qwen2 architecture of ~430M parameters built from a config in cod
 weights, no download), large enough that the caching allocator's block rounding (up to 1 MiB
 per large tensor) stays far below the 5 % tolerance.
 """
+import os
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ from conftest import mid_model, tiny_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MB = 1024 ** 2
+# deterministic cuBLAS for the bit-exact test: read when the first handle is made, i.e. after import
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 @pytest.fixture(autouse=True)
@@ -118,9 +122,17 @@ def test_no_creep_over_20_offloaded_steps(env):
     assert rss[-1] - rss[4] < 64, rss                   # MiB: host buffers are reused, not re-made
 
 
-def test_offload_changes_no_loss(env):
+@pytest.fixture
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_offload_changes_no_loss(env, deterministic):
     """Three updates with every offload on (Adam state prefetched on a side stream, as in
-    train_step) equal three with none, in fp32 compute on the GPU."""
+    train_step) equal three with none, bit for bit, in fp32 compute on the GPU (deterministic
+    kernels: otherwise the embedding's backward sums in a varying order)."""
     device, mesh = env
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8, param_dtype="float32")
     runs = []
@@ -142,7 +154,50 @@ def test_offload_changes_no_loss(env):
                 offload.offload(params)
                 offload.reload(params)
         runs.append(losses)
-    assert runs[0] == pytest.approx(runs[1], rel=1e-6, abs=1e-7)
+    assert runs[0] == runs[1]
+
+
+def test_grpo_steps_with_every_flag_match_none_in_bf16(env):
+    """Three GRPO steps through train_step (bf16 compute, levers on): all offload flags == none."""
+    runs = []
+    for extra in ([], ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]):
+        t = train_grpo.setup(train_grpo.parse_args(["--rollout.engine=hf", "--save=false",
+                                                    "--out_dir=/tmp/bf16_offload_test"] + extra))
+        runs.append([train_grpo.train_step(t, s) for s in range(3)])
+        t = None
+    for a, b in zip(*runs):
+        for k in ("reward_mean", "pg_loss", "kl", "grad_norm"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
+
+
+def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
+    """Two GRPO steps at Qwen2.5-0.5B shapes (HF engine): at the end of each stage, a run with one
+    flag on holds that flag's bytes (params; 2 x params for Adam; the bf16 ref) less than a run
+    with none, within 5 %, wherever the flag has them on the host; 0 where the copy levers bring
+    them in early (prefetch during the ref forward) or keep them (deferred param offload)."""
+    base = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--train_batch_size=4",
+            "--actor.ppo_mini_batch_size=4", "--rollout.n=2", "--rollout.response_length=8",
+            "--out_dir=/tmp/stage_bytes_test"]
+
+    def run(extra):
+        t = train_grpo.setup(train_grpo.parse_args(base + extra))
+        m = [train_grpo.train_step(t, s) for s in range(2)][-1]
+        p = offload.param_stash("p", t.model).nbytes
+        sizes = {"param": p, "optim": 2 * p, "ref": offload.param_stash("r", t.ref_model).nbytes}
+        return m, sizes
+
+    none, sizes = run([])
+    stages = ("generate", "reward", "ref_logp", "advantage", "update")
+    for levers in (True, False):
+        off = 0 if levers else 1           # with the levers, from the ref stage on the actor's bytes are in
+        on_host = {"param": (1, 1, off, off, off), "optim": (1, 1, off, off, 1), "ref": (1, 1, 1, 1, 1)}
+        for flag, arg in (("param", "--actor.param_offload=true"), ("optim", "--actor.optimizer_offload=true"),
+                          ("ref", "--ref.param_offload=true")):
+            m, _ = run([arg, f"--actor.prefetch_update={levers}", f"--actor.defer_param_offload={levers}"])
+            for stage, where in zip(stages, on_host[flag]):
+                freed = (none[f"mem/{stage}/allocated_gb"] - m[f"mem/{stage}/allocated_gb"]) * offload.GB
+                assert abs(freed - where * sizes[flag]) <= 0.05 * sizes[flag], \
+                    (flag, levers, stage, round(freed / MB, 1), round(where * sizes[flag] / MB, 1))
 
 
 def test_cpu_offload_policy_keeps_params_off_the_gpu(env):
