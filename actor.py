@@ -37,8 +37,8 @@ class ActorConfig:
     param_offload: bool = False            # shards to pinned host between uses (manual bracket)
     param_offload_layers: int = -1         # with param_offload: only the first k decoder layers (-1: all)
     optimizer_offload: bool = False        # Adam state to pinned host between updates
-    prefetch_update: bool = True           # GRPO with offload: params + Adam start coming in during the
-                                           # ref forward (hides the copies; the ref stage holds them too)
+    prefetch_update: bool = True           # GRPO with param_offload: params come in during the ref
+                                           # forward (hides the copy; the ref stage holds them too)
     defer_param_offload: bool = True       # with param_offload: params stay after the update until the next
                                            # weight sync, which copies them out (one reload fewer per step)
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU

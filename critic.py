@@ -102,7 +102,8 @@ def load_value_model(path, seed: int = 0):
         config = tiny.tiny_config() if path is None else tiny.qwen25_config(path[7:])
         config.num_labels, config.classifier_dropout = 1, 0.0   # no dropout: values are deterministic
         with torch.device("cuda" if path and torch.cuda.is_available() else "cpu"):
-            model = Qwen2ForTokenClassification(config)
+            # fp32 master weights: the config's bf16 dtype reaches the trunk but not the new head
+            model = Qwen2ForTokenClassification(config).float()
     else:
         actor.check_model_path(path)
         model = AutoModelForTokenClassification.from_pretrained(

@@ -174,12 +174,14 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
     """Two GRPO steps at Qwen2.5-0.5B shapes (HF engine): at the end of each stage, a run with one
     flag on holds that flag's bytes (params; 2 x params for Adam; the bf16 ref) less than a run
     with none, within 5 %, wherever the flag has them on the host; 0 where the copy levers bring
-    them in early (prefetch during the ref forward) or keep them (deferred param offload)."""
+    the params in early (prefetch during the ref forward) or keep them (deferred offload)."""
     base = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--train_batch_size=4",
             "--actor.ppo_mini_batch_size=4", "--rollout.n=2", "--rollout.response_length=8",
             "--out_dir=/tmp/stage_bytes_test"]
 
     def run(extra):
+        import gc
+        gc.collect()                       # the last run's models sit in reference cycles until collected
         t = train_grpo.setup(train_grpo.parse_args(base + extra))
         m = [train_grpo.train_step(t, s) for s in range(2)][-1]
         p = offload.param_stash("p", t.model).nbytes
@@ -189,8 +191,8 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
     none, sizes = run([])
     stages = ("generate", "reward", "ref_logp", "advantage", "update")
     for levers in (True, False):
-        off = 0 if levers else 1           # with the levers, from the ref stage on the actor's bytes are in
-        on_host = {"param": (1, 1, off, off, off), "optim": (1, 1, off, off, 1), "ref": (1, 1, 1, 1, 1)}
+        off = 0 if levers else 1           # with the levers, from the ref stage on the params are in
+        on_host = {"param": (1, 1, off, off, off), "optim": (1, 1, 1, 1, 1), "ref": (1, 1, 1, 1, 1)}
         for flag, arg in (("param", "--actor.param_offload=true"), ("optim", "--actor.optimizer_offload=true"),
                           ("ref", "--ref.param_offload=true")):
             m, _ = run([arg, f"--actor.prefetch_update={levers}", f"--actor.defer_param_offload={levers}"])

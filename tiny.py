@@ -61,7 +61,7 @@ def qwen25_config(name: str) -> Qwen2Config:
 
 def build_random_model(name: str, seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(qwen25_config(name))
+    return Qwen2ForCausalLM(qwen25_config(name)).float()     # fp32 master weights whatever the config says
 
 
 def copy_task(num_items: int = 4096, digits: int = 3, seed: int = 0) -> list[dict]:

@@ -12,7 +12,7 @@ One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/
     reward    : score each response on the CPU
     old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
     ref_logp  : ref params in -> micro-batched forward -> ref params out
-                (actor.prefetch_update: meanwhile the actor's params + Adam come in on a side stream)
+                (actor.prefetch_update: meanwhile the actor's params come in on a side stream)
     values    : critic params in -> micro-batched values -> out             (PPO only)
     advantage : GRPO: (score - group mean) / (group std + eps), the same for every token;
                 PPO (--algorithm.adv_estimator=gae): GAE on the critic's values, whitened
@@ -372,10 +372,10 @@ def train_step(t: Trainer, step: int) -> dict:
 
     with offload.stage("ref_logp", m, device):
         if t.ref_model is not None:
-            # GRPO: the update's offloaded params + Adam come in while the ref forward runs (PPO: the
-            # critic stages come between, which would then hold both models' state at once)
-            ahead = t.params_out + ([t.opt_stash] if a.optimizer_offload and t.opt_stash else []) \
-                if a.prefetch_update and t.critic_model is None else []
+            # GRPO: the update's offloaded params come in while the ref forward runs (PPO: the critic
+            # stages come between, which would then hold both models' state at once). Not Adam: it
+            # is twice the bytes, outlasts the ref forward, and the update hides it already.
+            ahead = t.params_out if a.prefetch_update and t.critic_model is None else []
             batch["ref_log_probs"] = ref.compute_ref_log_probs(
                 t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m, ahead)
 
