@@ -41,6 +41,9 @@ class ActorConfig:
                                            # forward (hides the copy; the ref stage holds them too)
     defer_param_offload: bool = True       # with param_offload: params stay after the update until the next
                                            # weight sync, which copies them out (one reload fewer per step)
+    optimizer_load_at_step: bool = False   # with optimizer_offload: Adam comes in just before optimizer.step
+                                           # (verl #5282): the update's peak loses the activations, the copy
+                                           # is no longer hidden behind the forward/backward
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = False   # recompute each layer's activations in backward
     param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)

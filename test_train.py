@@ -61,20 +61,23 @@ def test_offload_flags_and_off_policy_path_run(tmp_path):
 
 
 def test_copy_levers_change_no_number_and_save_a_copy(tmp_path):
-    """prefetch_update and defer_param_offload only move copies in time: the same run with them off
-    gives the same numbers. On: per step one param copy in (prefetched during the ref forward, so
+    """prefetch_update, defer_param_offload and optimizer_load_at_step only move copies in time:
+    the same run with them off gives the same numbers. On: per step one param copy in (prefetched during the ref forward, so
     the update has nothing left to reload) and one out (after the next sync), not two in and one out."""
     runs = {}
-    for on in ("true", "false"):
+    for on in ("true", "false", "at_step"):      # at_step: levers off, Adam in just before the step
         out = str(tmp_path / on)
+        lever = "true" if on == "true" else "false"
         r = run([f"--out_dir={out}", "--steps=3", "--save=false", "--actor.param_offload=true",
                  "--actor.optimizer_offload=true", "--ref.param_offload=true",
-                 f"--actor.prefetch_update={on}", f"--actor.defer_param_offload={on}"])
+                 f"--actor.prefetch_update={lever}", f"--actor.defer_param_offload={lever}",
+                 f"--actor.optimizer_load_at_step={on == 'at_step'}"])
         assert r.returncode == 0, r.stderr[-3000:]
         runs[on] = metrics(out)
-    for a, b in zip(runs["true"], runs["false"]):
-        assert [a[k] for k in ("reward_mean", "pg_loss", "kl", "grad_norm")] == \
-            [b[k] for k in ("reward_mean", "pg_loss", "kl", "grad_norm")]
+    keys = ("reward_mean", "pg_loss", "kl", "grad_norm")
+    for a, b, c in zip(runs["true"], runs["false"], runs["at_step"]):
+        assert [a[k] for k in keys] == [b[k] for k in keys] == [c[k] for k in keys]
+    assert runs["at_step"][-1]["offload/actor_optimizer/reload_gb"] > 0    # a blocking copy, at the step
     on, off = runs["true"][-1], runs["false"][-1]
     assert on["offload/actor_params/prefetch_gb"] > 0
     assert "offload/actor_params/reload_s" not in on and "offload/actor_params/drop_s" not in on

@@ -318,17 +318,22 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
 
 # --------------------------------------------------------------------------- one step
 def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: str, m: dict, run,
-                   keep_params: bool = False):
-    """load params -> run(wait) -> offload params and Adam state. With optimizer offload the Adam
-    state is copied in on a side stream while the first forward/backward runs (unless it was
-    prefetched already), and `wait` (called before each optimizer step) makes the GPU wait for it;
-    the host never blocks. `keep_params`: params stay for the next weight sync to copy out.
-    Returns the Adam stash, created after the first step (Adam allocates its state lazily)."""
+                   keep_params: bool = False, adam_at_step: bool = False):
+    """load params -> run(before_step) -> offload params and Adam state. With optimizer offload the
+    Adam state is copied in on a side stream while the first forward/backward runs, and
+    `before_step` makes the GPU wait for it; the host never blocks. `adam_at_step`: copied in only
+    by `before_step` instead (lower peak, exposed copy). `keep_params`: params stay for the next
+    weight sync to copy out. Returns the Adam stash, created after the first step (Adam allocates
+    its state lazily)."""
     with offload.loaded(params_out, m, modified=True, keep=keep_params):
         opt_in = [opt_stash] if offload_opt and opt_stash is not None else []
-        for s in opt_in:
-            m.update(offload.reload(s, background=True))
-        m.update(run(lambda: [offload.wait(s) for s in opt_in]))
+        if adam_at_step:
+            before_step = lambda: [m.update(offload.reload(s)) for s in opt_in]  # noqa: E731
+        else:
+            for s in opt_in:
+                m.update(offload.reload(s, background=True))
+            before_step = lambda: [offload.wait(s) for s in opt_in]  # noqa: E731
+        m.update(run(before_step))
         if offload_opt:                               # frees 2 x fp32 shard bytes until the next update
             opt_stash = opt_stash or offload.optimizer_stash(name, optimizer)
             m.update(offload.offload(opt_stash))
@@ -411,7 +416,8 @@ def train_step(t: Trainer, step: int) -> dict:
         t.opt_stash = update_bracket(t.params_out, t.optimizer, t.opt_stash, a.optimizer_offload,
                                      "actor_optimizer", m, lambda wait: actor.update_policy(
                                          t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
-                                         before_step=wait), keep_params=a.defer_param_offload)
+                                         before_step=wait), keep_params=a.defer_param_offload,
+                                     adam_at_step=a.optimizer_load_at_step)
 
     sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
                                       device=device, dtype=torch.float64)).tolist()
