@@ -18,6 +18,8 @@ One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/
                 PPO (--algorithm.adv_estimator=gae): GAE on the critic's values, whitened
     critic_update : critic params + Adam in -> clipped value loss -> both out (PPO only)
     update    : params + Adam state in -> mini/micro-batched clipped PG + KL -> both out
+                (Adam in on a side stream during the forward/backward, or just before the step
+                with actor.optimizer_load_at_step; params kept for the next sync: defer_param_offload)
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
