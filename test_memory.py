@@ -68,6 +68,22 @@ def test_param_offload_frees_shard_bytes_and_reload_restores(env):
     assert abs(_allocated() - before) < MB
 
 
+def test_host_mirrors_are_exact_size_and_page_locked(env):
+    """The first offload grows host RSS by the stash's bytes (one exact-size allocation, page-locked),
+    not by the power-of-two sizes torch's pinned allocator rounds each tensor up to (+30 % here)."""
+    device, mesh = env
+    model = actor.shard(mid_model(), mesh, device)
+    stash = offload.param_stash("p", model)
+    rounded = sum(1 << (v.numel() - 1).bit_length() for v in stash.views)
+    assert rounded > 1.2 * stash.nbytes                 # this model's sizes would show the rounding
+    rss = offload.host_rss_gb()
+    offload.offload(stash)
+    grown = (offload.host_rss_gb() - rss) * offload.GB
+    assert all(h.is_pinned() for h in stash.host)
+    _close(grown, stash.nbytes)
+    offload.reload(stash)
+
+
 def test_optimizer_offload_frees_adam_state(env):
     device, mesh = env
     model = actor.shard(mid_model(), mesh, device)
