@@ -91,7 +91,8 @@ def host_buffers(stash: Stash) -> list:
             print(f"[offload] warning: cudaHostRegister of {arena.numel() / GB:.2f} GB failed (cudaError "
                   f"{err}); {stash.name} falls back to torch's pinned allocator (sizes rounded up to 2^k)")
             return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
-        weakref.finalize(stash, cudart.cudaHostUnregister, arena.data_ptr())   # before the free
+        unpin = weakref.finalize(stash, cudart.cudaHostUnregister, arena.data_ptr())  # before the free
+        unpin.atexit = False             # at exit the process's memory goes anyway; CUDA may be gone
     return [arena[o:o + n] for o, n in zip(offsets, sizes)]
 
 
