@@ -277,6 +277,16 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     say(offload.explain("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
                         param_stash.nbytes, a.param_offload, device))
     say(offload.explain("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * whole, a.optimizer_offload, device))
+    timing = []                                       # the copy levers: when each offloaded group moves
+    if a.param_offload:
+        timing.append("params leave " + ("at the next weight sync (not after the update)" if a.defer_param_offload
+                                         else "after the update") +
+                      (" and return during the ref forward" if a.prefetch_update else ""))
+    if a.optimizer_offload:
+        timing.append("Adam returns " + ("just before optimizer.step" if a.optimizer_load_at_step
+                                         else "on a side stream during the forward/backward"))
+    if timing:
+        say("[offload] timing: " + "; ".join(timing))
     if ref_stash is not None:
         say(offload.explain("ref.param_offload", ref_stash.nbytes, cfg.ref.param_offload, device))
     if a.offload_policy or cfg.ref.offload_policy:
