@@ -15,6 +15,7 @@ persistent buffers, a synchronize per copy vs per bracket, and where the Adam st
 import argparse
 import gc
 import json
+import statistics
 import time
 
 import torch
@@ -90,8 +91,7 @@ def median_of_steps(steps: list) -> dict:
     m = dict(steps[-1])
     for k, v in m.items():
         if isinstance(v, float) and len(steps) > 1:
-            vals = sorted(s[k] for s in steps[1:] if k in s)
-            m[k] = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            m[k] = statistics.median(s[k] for s in steps[1:] if k in s)
     return m
 
 
@@ -174,7 +174,7 @@ def copy_levers(stash, device) -> dict:
     return out
 
 
-def adam_placement(t, batch, args) -> dict:
+def adam_placement(t, batch) -> dict:
     """The update stage with the Adam state on the host before it, three ways: copied in blocking
     before the update; on a side stream overlapped with the forward/backward (train_step's way);
     blocking just before optimizer.step (verl issue #5282: lower peak, exposed copy)."""
@@ -203,7 +203,7 @@ def levers(args, extra, engine, data) -> dict:
     for s in range(2):
         train_grpo.train_step(t, s)                  # Adam state exists after the first
     res = {"copy": copy_levers(offload.param_stash("actor_params", t.model), t.device),
-           "adam": adam_placement(t, synthetic_batch(args, t.model.config.vocab_size, t.device), args)}
+           "adam": adam_placement(t, synthetic_batch(args, t.model.config.vocab_size, t.device))}
     t = None
     release()
     return res
