@@ -38,6 +38,8 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "ref": {"ref.param_offload": True},
     "ref_param": {"ref.param_offload": True, "actor.param_offload": True},     # 7B: "ref" is the base
     "ref_optim": {"ref.param_offload": True, "actor.optimizer_offload": True},
+    "ref_optim_at_step": {"ref.param_offload": True, "actor.optimizer_offload": True,
+                          "actor.optimizer_load_at_step": True},   # Adam in after the backward: lower peak
     "all": ALL,
     "all_no_prefetch": {**ALL, "actor.prefetch_update": False},   # what the prefetch lever buys
     "all_no_levers": {**ALL, **NO_LEVERS},                          # ... and the deferred offload
@@ -258,7 +260,7 @@ def main():
             with open(args.out, "w") as f:           # after every configuration: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
             line = {k: round(v, 4) for k, v in m.items() if isinstance(v, float) and
-                    (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k)}
+                    (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k or "alloc" in k)}
             print(f"[{name}] {time.perf_counter() - t0:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",
                   flush=True)
     for name, m in res["configs"].items():

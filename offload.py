@@ -12,6 +12,7 @@ Why not `model.cpu()`: it lands in pageable memory and allocates new host tensor
 (slower, and host RSS creeps), and a live `state_dict()` result keeps the GPU shard alive.
 """
 import contextlib
+import mmap
 import resource
 import time
 import weakref
@@ -78,10 +79,9 @@ def host_buffers(stash: Stash) -> list:
     offsets = [0]
     for n in sizes:
         offsets.append(offsets[-1] + -(-n // 512) * 512)          # each view 512-byte aligned
-    page = resource.getpagesize()
-    whole = torch.empty(offsets[-1] + 2 * page, dtype=torch.uint8)
-    skip = -whole.data_ptr() % page                                # register whole pages of our own
-    arena = whole[skip:skip + -(-offsets[-1] // page) * page]
+    # an anonymous mapping: page-aligned pages of its own (no neighbour can have registered them), and
+    # the tensor's storage starts where the registration does, which is what is_pinned() looks at
+    arena = torch.frombuffer(mmap.mmap(-1, max(offsets[-1], 1)), dtype=torch.uint8)
     cuda = stash.views[0].device.type == "cuda"
     if cuda:
         cudart = torch.cuda.cudart()
@@ -90,8 +90,12 @@ def host_buffers(stash: Stash) -> list:
         if err:     # keep going at full speed on torch's pinned allocator, at its rounded size
             print(f"[offload] warning: cudaHostRegister of {arena.numel() / GB:.2f} GB failed (cudaError "
                   f"{err}); {stash.name} falls back to torch's pinned allocator (sizes rounded up to 2^k)")
+            try:    # the failed call left CUDA's last-error set: let one checked launch read and clear it
+                torch.zeros(1, device=stash.views[0].device).add_(1)
+            except RuntimeError:
+                pass
             return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
-        unpin = weakref.finalize(stash, cudart.cudaHostUnregister, arena.data_ptr())  # before the free
+        unpin = weakref.finalize(stash, cudart.cudaHostUnregister, arena.data_ptr())  # before the unmap
         unpin.atexit = False             # at exit the process's memory goes anyway; CUDA may be gone
     return [arena[o:o + n] for o, n in zip(offsets, sizes)]
 
@@ -148,8 +152,9 @@ def reload(stash: Stash, background: bool = False) -> dict:
             view.copy_(host, non_blocking=True)
         _sync(device)
     stash.on_device = True
-    if background:                        # issued only (on CUDA): its cost shows where it is waited for
-        return {f"offload/{stash.name}/prefetch_gb": stash.nbytes / GB}
+    if background:                        # issued only (on CUDA): the host's time is the allocations
+        return {f"offload/{stash.name}/prefetch_gb": stash.nbytes / GB,
+                f"offload/{stash.name}/prefetch_issue_s": time.perf_counter() - t0}
     return _moved(stash, "reload", time.perf_counter() - t0)
 
 
@@ -219,12 +224,23 @@ def stage(name: str, metrics: dict, device: torch.device):
     """Time a stage and record memory at its end, with the peak reached inside it."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        before = _allocator_counts(device)
     t0 = time.perf_counter()
     yield
     _sync(device)                          # so the time covers the stage's kernels
     metrics[f"time/{name}"] = time.perf_counter() - t0
+    if device.type == "cuda":              # near the memory limit a stage slows down here, not in a copy
+        for k, v in _allocator_counts(device).items():
+            metrics[f"mem/{name}/{k}"] = float(v - before[k])
     for k, v in memory(device).items():
         metrics[f"mem/{name}/{k}"] = v
+
+
+def _allocator_counts(device) -> dict:
+    """cudaMalloc calls, and retries: a failed cudaMalloc that made the allocator free its whole
+    cache (synchronizing the device) and try again: the cost of running close to the limit."""
+    s = torch.cuda.memory_stats(device)
+    return {"cuda_mallocs": s.get("num_device_alloc", 0), "alloc_retries": s.get("num_alloc_retries", 0)}
 
 
 def gpu_bytes(*objs) -> int:

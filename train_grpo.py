@@ -342,14 +342,31 @@ def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: st
         if adam_at_step:
             before_step = lambda: [m.update(offload.reload(s)) for s in opt_in]  # noqa: E731
         else:
+            # GPU clock marks (CUDA only): update start, forward/backward done, Adam copy waited for
+            events = [] if not opt_in or opt_in[0].views[0].device.type != "cuda" else [_event()]
             for s in opt_in:
                 m.update(offload.reload(s, background=True))
-            before_step = lambda: [offload.wait(s) for s in opt_in]  # noqa: E731
+
+            def before_step():
+                events.extend([_event()] if events else [])
+                for s in opt_in:
+                    offload.wait(s)
+                events.extend([_event()] if events else [])
         m.update(run(before_step))
         if offload_opt:                               # frees 2 x fp32 shard bytes until the next update
             opt_stash = opt_stash or offload.optimizer_stash(name, optimizer)
-            m.update(offload.offload(opt_stash))
+            m.update(offload.offload(opt_stash))      # synchronizes: the marks are complete
+        if not adam_at_step and len(events) >= 3:     # did the side-stream copy hide behind the compute?
+            m[f"offload/{name}/forward_backward_gpu_s"] = events[0].elapsed_time(events[1]) / 1e3
+            m[f"offload/{name}/step_waited_s"] = events[1].elapsed_time(events[2]) / 1e3
     return opt_stash
+
+
+def _event():
+    """A timing event recorded now on the current CUDA stream."""
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
 
 
 def train_step(t: Trainer, step: int) -> dict:
