@@ -209,6 +209,7 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
             "rollout/logp_diff_max", "critic/vf_loss"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]
     keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
+    keys += [k for k in m if k.endswith("/alloc_retries") and m[k]]   # a stage at the memory limit
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
 
 
@@ -339,26 +340,27 @@ def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: st
     its state lazily)."""
     with offload.loaded(params_out, m, modified=True, keep=keep_params):
         opt_in = [opt_stash] if offload_opt and opt_stash is not None else []
+        # GPU clock marks for the side-stream copy: update start, forward/backward done, copy waited for
+        timed = bool(opt_in) and not adam_at_step and opt_in[0].views[0].device.type == "cuda"
+        marks = [_event()] if timed else []
         if adam_at_step:
             before_step = lambda: [m.update(offload.reload(s)) for s in opt_in]  # noqa: E731
         else:
-            # GPU clock marks (CUDA only): update start, forward/backward done, Adam copy waited for
-            events = [] if not opt_in or opt_in[0].views[0].device.type != "cuda" else [_event()]
             for s in opt_in:
                 m.update(offload.reload(s, background=True))
 
             def before_step():
-                events.extend([_event()] if events else [])
+                marks.extend([_event()] if timed else [])
                 for s in opt_in:
                     offload.wait(s)
-                events.extend([_event()] if events else [])
+                marks.extend([_event()] if timed else [])
         m.update(run(before_step))
         if offload_opt:                               # frees 2 x fp32 shard bytes until the next update
             opt_stash = opt_stash or offload.optimizer_stash(name, optimizer)
             m.update(offload.offload(opt_stash))      # synchronizes: the marks are complete
-        if not adam_at_step and len(events) >= 3:     # did the side-stream copy hide behind the compute?
-            m[f"offload/{name}/forward_backward_gpu_s"] = events[0].elapsed_time(events[1]) / 1e3
-            m[f"offload/{name}/step_waited_s"] = events[1].elapsed_time(events[2]) / 1e3
+        if len(marks) >= 3:                           # did the copy hide behind the (first) forward/backward?
+            m[f"offload/{name}/forward_backward_gpu_s"] = marks[0].elapsed_time(marks[1]) / 1e3
+            m[f"offload/{name}/step_waited_s"] = marks[1].elapsed_time(marks[2]) / 1e3
     return opt_stash
 
 
