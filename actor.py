@@ -1,13 +1,27 @@
-"""The policy: build, FSDP2-shard, micro-batched log-probs, and the clipped policy-gradient update.
+"""The policy: build, FSDP2-shard, micro-batched log-probs, the clipped policy-gradient update, and
+every move of the actor's own bytes.
 
     python -m pytest test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest test_dist.py   # 2 ranks == 1 rank
+
+What the actor moves, and when (its two offload groups, `Actor.params` and `Actor.adam`):
+    param_offload       fp32 shards live in pinned host memory between uses. In for the weight sync
+                        (rollout.py loads and frees `offloaded(a)`), for old log-probs
+                        (`compute_old_log_probs`) and for the update (`update`); forward-only uses
+                        free them without a copy back.
+    optimizer_offload   Adam's exp_avg + exp_avg_sq (2 x the fp32 shards) live on the host outside
+                        `update`. They come back on a side stream while the first forward/backward
+                        runs; `clipped_step` waits for them right before `optimizer.step()`.
+    the levers          prefetch_update (`prefetch_update`, called during the ref forward),
+                        defer_param_offload (`update` keeps the params; the next sync copies them
+                        out), optimizer_load_at_step (Adam copied in at the step, not before).
 
 Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
     input_ids, attention_mask, position_ids  (B, P+R)
     responses, response_mask                 (B, R)
     old_log_probs, ref_log_probs, advantages (B, R)   when the stage that makes them has run
 """
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -15,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+import offload
 
 
 @dataclass
@@ -56,8 +72,8 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # --------------------------------------------------------------------------- build
 def check_model_path(path: str | None):
     if path is not None and not path.startswith("random:") and not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"error: --model {path}: no config.json there; pass a local Hugging Face "
-                         f"model directory (nothing is downloaded)")
+        raise FileNotFoundError(f"--model {path}: no config.json there; pass a local Hugging Face "
+                                f"model directory (nothing is downloaded)")
 
 
 def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
@@ -211,14 +227,15 @@ def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
     return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
 
 
-def clipped_step(model, optimizer, grad_clip: float, before_step, who: str) -> float:
+def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None, metrics: dict,
+                 who: str) -> float:
     """Clip the global grad norm and step; a non-finite norm skips the step (weights kept, the
-    gradients dropped by the caller's next zero_grad). Returns the norm."""
+    gradients dropped by the caller's next zero_grad). `adam`: the optimizer state's stash when
+    it is offloaded (None otherwise). Returns the norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
     if math.isfinite(norm):
-        if before_step is not None:
-            before_step()
+        metrics.update(offload.ready(adam))   # Adam state: wait for its side-stream copy (or copy it in now)
         optimizer.step()
     else:
         print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
@@ -235,18 +252,18 @@ def global_counts(mini: dict) -> tuple[float, float]:
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
-                  temperature: float, before_step=None) -> dict:
+                  temperature: float, adam: offload.Stash | None = None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
     micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
     sequence counts, times the world size because FSDP averages gradients over ranks, so the
     update is the same for any micro-batch size and any number of ranks.
-    `before_step()` runs before each optimizer step (waits for Adam state copied in the background)."""
+    `adam`: the offloaded optimizer state, made ready right before each optimizer step."""
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
     names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
     sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs
-    norms, skipped, mismatch = [], 0, []
+    norms, skipped, mismatch, moved = [], 0, [], {}
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
@@ -270,18 +287,92 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                 with torch.no_grad():
                     r = ratio.detach()
                     sums += torch.stack([pg, kl, ent_term, agg(clipped), agg(r - 1 - torch.log(r))]).double()
-            norms.append(clipped_step(model, optimizer, cfg.grad_clip, before_step, "actor"))
+            norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
             skipped += not math.isfinite(norms[-1])
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
     sums = all_sum(sums) / len(norms)               # mean over optimizer steps of global means
     out = dict(zip(names, sums.tolist()))
     finite = [n for n in norms if math.isfinite(n)] or [float("nan")]
-    out.update(grad_norm=sum(finite) / len(finite), skipped_steps=skipped)
+    out.update(grad_norm=sum(finite) / len(finite), skipped_steps=skipped, **moved)
     if mismatch:
         out.update(logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
                                     {k: torch.cat([mb[k] for _, mb in mismatch])
                                      for k in ("response_mask", "rollout_log_probs")}))
     return out
+
+
+# --------------------------------------------------------------------------- the actor and its moves
+@dataclass
+class Actor:
+    """The policy's state (made by `build`): the FSDP2 model, AdamW, and its two offload groups."""
+    cfg: ActorConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: offload.Stash                  # local shards: all, or the first k layers' (param_offload_layers)
+    adam: offload.Stash                    # exp_avg + exp_avg_sq: empty until Adam's first step
+
+
+def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | None = None, seed: int = 0,
+          model: torch.nn.Module | None = None) -> Actor:
+    """Load (or take `model`, an HF causal LM already built, fp32), shard, make the optimizer;
+    with param_offload the shards leave the GPU at once."""
+    if cfg.offload_policy and (cfg.param_offload or cfg.optimizer_offload):
+        raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
+                         "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+    model = shard(model if model is not None else load_model(model_path, seed), mesh, device,
+                  cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
+    k = cfg.param_offload_layers           # partial offload: only the first k decoder layers' shards
+    optimizer = build_optimizer(model, cfg)
+    a = Actor(cfg, model, optimizer, offload.param_stash("actor_params", *([model] if k < 0 else model.model.layers[:k])),
+              offload.optimizer_stash("actor_optimizer", optimizer))
+    for s in offloaded(a):
+        offload.offload(s)                 # frees the shard bytes until their first use
+    return a
+
+
+def offloaded(a: Actor) -> list:
+    """The parameter groups that live on the host between uses (empty when param_offload is off)."""
+    return [a.params] if a.cfg.param_offload else []
+
+
+@contextlib.contextmanager
+def resident(a: Actor, metrics: dict):
+    """Params on the GPU for a forward-only use, freed after it (the host copy is current: no copy back)."""
+    with offload.loaded(offloaded(a), metrics):
+        yield
+
+
+def compute_old_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict) -> torch.Tensor:
+    with resident(a, metrics):
+        return compute_log_probs(a.model, batch, a.cfg.log_prob_micro_batch_size_per_gpu, temperature)
+
+
+def prefetch_update(a: Actor, metrics: dict):
+    """The prefetch_update lever: the update's params start coming in on a side stream now (the
+    loop calls this while the ref forward runs); `update` then only waits for the copy. They stay
+    on the GPU from here on. Not Adam: twice the bytes, and the update hides its copy already."""
+    if a.cfg.prefetch_update:
+        for s in offloaded(a):
+            metrics.update(offload.reload(s, background=True))
+
+
+def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict) -> dict:
+    """The update stage's bracket: params in -> Adam in on a side stream (waited for right before
+    the optimizer step, in `clipped_step`) -> update -> Adam out -> params out, or kept on the GPU
+    until the next weight sync has read them (defer_param_offload: one reload fewer per step)."""
+    adam = a.adam if a.cfg.optimizer_offload else None
+    with offload.loaded(offloaded(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
+        if adam is not None and not a.cfg.optimizer_load_at_step:
+            metrics.update(offload.reload(adam, background=True))   # overlaps the first forward/backward
+        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, adam)
+        if adam is not None:
+            metrics.update(offload.offload(adam))   # frees 2 x fp32 shard bytes until the next update
+    return stats
+
+
+def save(a: Actor, tokenizer, path: str, rank: int):
+    with resident(a, {}):
+        save_hf(a.model, tokenizer, path, rank)
 
 
 # --------------------------------------------------------------------------- save

@@ -26,7 +26,7 @@ import rollout
 import tiny
 import train_grpo
 
-STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantage", "critic_update", "update")
+STAGES = train_grpo.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
 NO_LEVERS = {"actor.prefetch_update": False, "actor.defer_param_offload": False}
 PPO = {"algorithm.adv_estimator": "gae"}
@@ -177,25 +177,26 @@ def copy_levers(stash, device) -> dict:
 
 
 def adam_placement(t, batch) -> dict:
-    """The update stage with the Adam state on the host before it, three ways: copied in blocking
-    before the update; on a side stream overlapped with the forward/backward (train_step's way);
-    blocking just before optimizer.step (verl issue #5282: lower peak, exposed copy)."""
-    opt, out = offload.optimizer_stash("adam", t.optimizer), {}
-    device = t.device
+    """The update stage with the Adam state on the host before it, three ways, all through the
+    production `actor.update`: copied in blocking before the update; on a side stream overlapped
+    with the forward/backward (the default); blocking just before optimizer.step
+    (actor.optimizer_load_at_step, verl issue #5282: lower peak, exposed copy)."""
+    a, out = t.actor, {}
+    a.cfg.optimizer_offload = True
+    offload.offload(a.adam)
+    ways = {"blocking_before_update": (True, False), "side_stream_during_forward": (False, False),
+            "blocking_at_step": (False, True)}
+    for name, (before, at_step) in ways.items():
+        a.cfg.optimizer_load_at_step = at_step
 
-    def update(before):
-        actor.update_policy(t.model, t.optimizer, batch, t.cfg.actor, t.mini_size, 1.0, before_step=before)
-        offload.offload(opt)
+        def fn():
+            if before:
+                offload.reload(a.adam)
+            actor.update(a, batch, t.mini_size, 1.0, {})    # Adam leaves again at its end
 
-    ways = {"blocking_before_update": lambda: (offload.reload(opt), update(None)),
-            "side_stream_during_forward": lambda: (offload.reload(opt, background=True),
-                                                   update(lambda: offload.wait(opt))),
-            "blocking_at_step": lambda: update(lambda: offload.reload(opt))}
-    offload.offload(opt)
-    for name, fn in ways.items():
-        runs = [timed(fn, device) for _ in range(2)]
-        out[name] = {"update_s": runs[-1][0], "peak_gb": runs[-1][1], "adam_gb": opt.nbytes / offload.GB}
-    offload.reload(opt)
+        runs = [timed(fn, t.device) for _ in range(2)]
+        out[name] = {"update_s": runs[-1][0], "peak_gb": runs[-1][1], "adam_gb": a.adam.nbytes / offload.GB}
+    offload.reload(a.adam)
     return out
 
 
@@ -204,8 +205,8 @@ def levers(args, extra, engine, data) -> dict:
     t = train_grpo.setup(cfg, engine=engine, data=data)
     for s in range(2):
         train_grpo.train_step(t, s)                  # Adam state exists after the first
-    res = {"copy": copy_levers(offload.param_stash("actor_params", t.model), t.device),
-           "adam": adam_placement(t, synthetic_batch(args, t.model.config.vocab_size, t.device))}
+    res = {"copy": copy_levers(offload.param_stash("actor_params", t.actor.model), t.device),
+           "adam": adam_placement(t, synthetic_batch(args, t.actor.model.config.vocab_size, t.device))}
     t = None
     release()
     return res
@@ -238,13 +239,10 @@ def main():
            "torch": torch.__version__, "args": vars(args), "bandwidth": copy_bandwidth() if cuda else {},
            "configs": {}}
     hf = tiny.qwen25_config(args.model.split(":")[1])
-    vdir = f"/tmp/bench_offload_cfg_{rank}"
-    hf.architectures = ["Qwen2ForCausalLM"]
-    hf.save_pretrained(vdir)
     rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
                                  gpu_memory_utilization=args.gpu_memory_utilization)
-    engine = rollout.build_vllm(rcfg, vdir, args.prompt_len + args.response_len, "bfloat16", rank) \
-        if rollout.resolve_engine(rcfg, device) == "vllm" else rollout.Engine("hf")
+    engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
+                           max_model_len=args.prompt_len + args.response_len, dtype="bfloat16", seed=rank, rank=rank)
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
              for _ in range(64)], ["0"] * 64)

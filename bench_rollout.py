@@ -40,15 +40,12 @@ def main():
     g = torch.Generator().manual_seed(rank)
     V = model.config.vocab_size
     prompts = [torch.randint(2, V - 1, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    cfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len,
+    cfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine="vllm",
                                 gpu_memory_utilization=args.gpu_memory_utilization)
     eos = V - 1                                        # rarely sampled: responses run to full length
-    vdir = f"/tmp/bench_vllm_cfg_{rank}"
-    model.config.architectures = ["Qwen2ForCausalLM"]
-    model.config.save_pretrained(vdir)
-    t0 = time.perf_counter()
-    engine = rollout.build_vllm(cfg, vdir, args.prompt_len + args.response_len, "bfloat16", rank)
-    build_s = time.perf_counter() - t0
+    engine = rollout.build(cfg, device=device, model_path=args.model, config=model.config,
+                           out_dir="/tmp/bench_rollout", max_model_len=args.prompt_len + args.response_len,
+                           dtype="bfloat16", seed=rank, rank=rank)
     stashes = [stash] if args.param_offload else []
     if args.param_offload:
         offload.offload(stash)
@@ -74,7 +71,7 @@ def main():
     overhead = sum(v[f"rollout/{p}_s"] for p in PHASES)
     res = {
         "model": args.model, "world": world, "prompts": args.prompts, "n": args.n,
-        "prompt_len": args.prompt_len, "response_len": args.response_len, "engine_build_s": build_s,
+        "prompt_len": args.prompt_len, "response_len": args.response_len, "engine_build_s": engine.build_s,
         "asleep_device_gb": engine.asleep_device_gb,
         "vllm_tokens_per_s": v["tokens"] / v["rollout/generate_s"], "hf_tokens_per_s": hf_tokens / hf_s,
         "sync_s": v["rollout/sync_s"], "sync_transient_gb": v["rollout/sync_transient_gb"],

@@ -15,7 +15,15 @@ Two modes:
   the value loss never moves the trunk (the policy is trained by the policy loss alone, exactly
   as with GRPO); the critic's capacity is one linear layer. The values stage is an extra actor
   forward; the critic update reuses the features saved there and needs no forward at all.
+
+What it moves (separate mode; the shared head is a few KB and never moves): with param_offload
+its fp32 shards come in for the values stage (freed after, no copy back) and for the critic
+update (copied back out); with optimizer_offload its Adam state comes in on a side stream
+during the update's forward/backward and is waited for right before the step, like the actor's.
+In shared mode the values stage needs the actor's trunk: it asks the actor for it
+(`actor.resident`).
 """
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +86,20 @@ def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=Non
 
 
 # --------------------------------------------------------------------------- build
-def build(model_path, mesh, device, cfg: CriticConfig, param_dtype: str, actor_model=None, seed: int = 0):
-    """Returns (model, optimizer). Separate: a token-classification LM; shared: the value head only."""
+@dataclass
+class Critic:
+    """The critic's state (made by `build`): the value model (or the shared head), its AdamW, and
+    its offload groups."""
+    cfg: CriticConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: offload.Stash
+    adam: offload.Stash                    # empty until Adam's first step
+
+
+def build(cfg: CriticConfig, *, model_path, mesh, device, param_dtype: str, actor_model=None,
+          seed: int = 0) -> Critic:
+    """Separate: a token-classification LM; shared: the value head only (on `actor_model`'s features)."""
     if cfg.mode == "shared":
         torch.manual_seed(seed)
         head = torch.nn.Linear(actor_model.config.hidden_size, 1)
@@ -89,8 +109,18 @@ def build(model_path, mesh, device, cfg: CriticConfig, param_dtype: str, actor_m
     elif cfg.mode == "separate":
         head = actor.shard(load_value_model(model_path, seed), mesh, device, param_dtype=param_dtype)
     else:
-        raise SystemExit(f"error: critic.mode={cfg.mode}: use separate or shared")
-    return head, actor.build_optimizer(head, cfg)
+        raise ValueError(f"critic.mode={cfg.mode}: use separate or shared")
+    optimizer = actor.build_optimizer(head, cfg)
+    c = Critic(cfg, head, optimizer, offload.param_stash("critic_params", head),
+               offload.optimizer_stash("critic_optimizer", optimizer))
+    for s in offloaded(c):
+        offload.offload(s)                 # frees the critic's shard bytes until the values stage
+    return c
+
+
+def offloaded(c: Critic) -> list:
+    """The critic's parameter groups that live on the host between uses (separate mode only)."""
+    return [c.params] if c.cfg.param_offload and c.cfg.mode == "separate" else []
 
 
 def load_value_model(path, seed: int = 0):
@@ -137,8 +167,15 @@ def _values(model, mb: dict, cfg: CriticConfig, features=None) -> torch.Tensor:
     return out[:, -R - 1:-1, 0].float()
 
 
+def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
+    """The values stage's bracket: the critic's shards in (shared mode: the actor's trunk), values,
+    then freed again without a copy back."""
+    with actor.resident(a, metrics) if c.cfg.mode == "shared" else offload.loaded(offloaded(c), metrics):
+        return values(c.model, batch, c.cfg, a.model)
+
+
 @torch.no_grad()
-def compute_values(model, batch: dict, cfg: CriticConfig, actor_model=None):
+def values(model, batch: dict, cfg: CriticConfig, actor_model=None):
     """Micro-batched values (B, R); in shared mode also the features (bf16 or fp32), kept for the
     critic update so that it needs no forward pass."""
     vals, feats = [], []
@@ -151,13 +188,27 @@ def compute_values(model, batch: dict, cfg: CriticConfig, actor_model=None):
 
 
 # --------------------------------------------------------------------------- update
+def update(c: Critic, batch: dict, mini_size: int, epochs: int, metrics: dict) -> dict:
+    """The critic update's bracket: params in -> Adam in on a side stream (waited for right before
+    the step) -> clipped value loss -> both out again (separate mode)."""
+    adam = c.adam if c.cfg.optimizer_offload and c.cfg.mode == "separate" else None
+    with offload.loaded(offloaded(c), metrics, modified=True):
+        if adam is not None:
+            metrics.update(offload.reload(adam, background=True))   # overlaps the first forward/backward
+        stats = update_critic(c.model, c.optimizer, batch, c.cfg, mini_size, epochs, adam)
+        if adam is not None:
+            metrics.update(offload.offload(adam))   # frees 2 x fp32 shard bytes until the next update
+    return stats
+
+
 def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: int, epochs: int,
-                  before_step=None) -> dict:
+                  adam: offload.Stash | None = None) -> dict:
     """Clipped value loss over the same mini-batches as the actor, gradients accumulated over
-    micro-batches and normalised by global counts (invariant to micro-batch size and ranks)."""
+    micro-batches and normalised by global counts (invariant to micro-batch size and ranks).
+    `adam`: the offloaded optimizer state, made ready right before each optimizer step."""
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
-    sums, norms = torch.zeros(2, device=device, dtype=torch.float64), []
+    sums, norms, moved = torch.zeros(2, device=device, dtype=torch.float64), [], {}
     model.train()
     for _ in range(epochs):
         for mini in actor.split(batch, mini_size):
@@ -170,13 +221,8 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: i
                 (loss * world).backward()
                 with torch.no_grad():
                     sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, tokens, seqs)]).double()
-            norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, before_step, "critic"))
+            norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
     sums = actor.all_sum(sums) / len(norms)
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
-            "critic/grad_norm": sum(norms) / len(norms)}
-
-
-def stashes(model, cfg: CriticConfig):
-    """The critic's parameter stash when its offload flag is on (separate mode only)."""
-    return [offload.param_stash("critic_params", model)] if cfg.param_offload and cfg.mode == "separate" else []
+            "critic/grad_norm": sum(norms) / len(norms), **moved}

@@ -21,7 +21,7 @@ def load_tokenizer(path):
 
 def read_rows(path: str) -> list[dict]:
     if not os.path.isfile(path):
-        raise SystemExit(f"error: --data {path}: no such file")
+        raise FileNotFoundError(f"--data {path}: no such file")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
@@ -33,10 +33,10 @@ def read_rows(path: str) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {path} line {i} is not valid JSON ({e.msg}); "
+                raise ValueError(f"{path} line {i} is not valid JSON ({e.msg}); "
                                  f"fix or remove that line") from None
             if not isinstance(row, dict):
-                raise SystemExit(f"error: {path} line {i} is not a JSON object")
+                raise ValueError(f"{path} line {i} is not a JSON object")
             rows.append(row)
     return rows
 
@@ -54,7 +54,7 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
     for i, row in enumerate(rows, 1):
         for key in (prompt_key, answer_key):
             if key not in row:
-                raise SystemExit(f"error: {path} row {i} has no {key!r} field (it has "
+                raise ValueError(f"{path} row {i} has no {key!r} field (it has "
                                  f"{sorted(row)}); set --prompt_key / --answer_key")
         p = row[prompt_key]
         if getattr(tokenizer, "chat_template", None):
@@ -69,7 +69,7 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
         prompts.append(ids)
         answers.append(str(row[answer_key]))
     if not prompts:
-        raise SystemExit(f"error: no prompt fits max_prompt_length={max_prompt_length}; raise it")
+        raise ValueError(f"no prompt fits max_prompt_length={max_prompt_length}; raise it")
     if dropped:
         print(f"[data] dropped {dropped} prompts longer than max_prompt_length={max_prompt_length}")
     return prompts, answers
@@ -93,5 +93,5 @@ def load_reward(spec: str | None, data_path: str | None):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise SystemExit(f"error: --reward {spec}: cannot load it ({e}); "
+        raise ValueError(f"--reward {spec}: cannot load it ({e}); "
                          f"give module:function with the module on PYTHONPATH") from None

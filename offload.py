@@ -34,6 +34,8 @@ class Stash:
     on_device: bool = True
     host_current: bool = False             # the host buffers hold the same bytes as the device
     pending: object = None                 # CUDA event of a background reload not yet waited for
+    source: object = None                  # an optimizer whose state is born later (filled at first use)
+    marks: list = field(default_factory=list, repr=False)  # CUDA events: reload issued, use reached, wait done
 
     @property
     def nbytes(self) -> int:
@@ -57,17 +59,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # DTensor -> this rank's shard
 
 
-def param_stash(name: str, model: torch.nn.Module) -> Stash:
+def param_stash(name: str, *modules: torch.nn.Module) -> Stash:
     """Each parameter's local FSDP2 shard (padding included: it shares the shard's storage)."""
-    return _add(Stash(name), [_local(p) for p in model.parameters()])
+    return _add(Stash(name), [_local(p) for m in modules for p in m.parameters()])
 
 
 def optimizer_stash(name: str, optimizer: torch.optim.Optimizer) -> Stash:
-    """Adam's exp_avg / exp_avg_sq (created lazily at the first step, so call after it).
+    """Adam's exp_avg / exp_avg_sq. Adam creates them at its first step, so the stash starts empty
+    (every move a no-op) and takes the state in at its first offload after that step.
     The 0-d `step` counters (on the device with fused AdamW, 4 bytes each) stay where they are."""
-    tensors = [_local(v) for st in optimizer.state.values() for v in st.values()
-               if torch.is_tensor(v) and v.dim() > 0]
-    return _add(Stash(name), tensors)
+    return _fill(Stash(name, source=optimizer))
+
+
+def _fill(stash: Stash) -> Stash:
+    if stash.source is not None and not stash.views:
+        _add(stash, [_local(v) for st in stash.source.state.values() for v in st.values()
+                     if torch.is_tensor(v) and v.dim() > 0])
+    return stash
 
 
 def host_buffers(stash: Stash) -> list:
@@ -109,9 +117,9 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory.
     `modified=False` (a forward-only bracket: generate, old/ref log-probs) skips the copy back when
     the host buffers already hold these bytes: only the free remains, no PCIe traffic."""
-    if not stash.on_device or not stash.views:
+    if not stash.on_device or not _fill(stash).views:
         return {}
-    wait(stash)
+    _wait(stash, marked=False)
     t0 = time.perf_counter()
     if not stash.host:      # first offload: host buffers, allocated once and reused every step
         stash.host = host_buffers(stash)
@@ -123,7 +131,7 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     for st in stash.storages:
         st.resize_(0)                     # returns the block to the caching allocator now
     stash.on_device, stash.host_current = False, True
-    return _moved(stash, "offload" if copy else "drop", time.perf_counter() - t0)
+    return {**_moved(stash, "offload" if copy else "drop", time.perf_counter() - t0), **_overlap(stash)}
 
 
 _copy_stream = None
@@ -131,7 +139,7 @@ _copy_stream = None
 
 def reload(stash: Stash, background: bool = False) -> dict:
     """Pinned host -> device into the same storages, so every view (Parameter, DTensor) is valid again.
-    `background=True` (CUDA): the copies run on a side stream and this returns at once; `wait(stash)`
+    `background=True` (CUDA): the copies run on a side stream and this returns at once; `ready(stash)`
     makes the current stream wait for them (a GPU-side wait) before the tensors are used."""
     global _copy_stream
     if stash.on_device or not stash.views:
@@ -141,6 +149,7 @@ def reload(stash: Stash, background: bool = False) -> dict:
     for st, host in zip(stash.storages, stash.host):
         st.resize_(host.numel())          # allocated on the current stream, like every other tensor
     if background and device.type == "cuda":
+        stash.marks = [_event()]          # GPU clock: the copy is issued (the update starts)
         _copy_stream = _copy_stream or torch.cuda.Stream(device)
         _copy_stream.wait_stream(torch.cuda.current_stream(device))   # the memory is free to write now
         with torch.cuda.stream(_copy_stream):
@@ -158,11 +167,44 @@ def reload(stash: Stash, background: bool = False) -> dict:
     return _moved(stash, "reload", time.perf_counter() - t0)
 
 
-def wait(stash: Stash):
-    """Order the current stream after a background reload of `stash` (no-op if none is pending)."""
+def ready(stash: Stash | None) -> dict:
+    """Make the stash's tensors usable on the current stream, right where they are needed: wait
+    for a background reload (a GPU-side wait; the host does not block), or copy in now if it is
+    still on the host. A no-op for None or a stash already in."""
+    if stash is None:
+        return {}
     if stash.pending is not None:
-        torch.cuda.current_stream(stash.views[0].device).wait_event(stash.pending)
-        stash.pending = None
+        _wait(stash, marked=True)
+        return {}
+    return reload(stash)
+
+
+def _wait(stash: Stash, marked: bool):
+    if stash.pending is None:
+        return
+    if marked:
+        stash.marks.append(_event())      # GPU clock: the work before the wait (forward/backward) is queued
+    torch.cuda.current_stream(stash.views[0].device).wait_event(stash.pending)
+    if marked:
+        stash.marks.append(_event())      # ... and the copy has landed
+    stash.pending = None
+
+
+def _event():
+    """A timing event recorded now on the current CUDA stream."""
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _overlap(stash: Stash) -> dict:
+    """Did the background reload hide behind the work before its wait? (After a synchronize.)"""
+    if len(stash.marks) != 3:
+        return {}
+    issued, reached, landed = stash.marks
+    stash.marks = []
+    return {f"offload/{stash.name}/forward_backward_gpu_s": issued.elapsed_time(reached) / 1e3,
+            f"offload/{stash.name}/step_waited_s": reached.elapsed_time(landed) / 1e3}
 
 
 def _moved(stash: Stash, verb: str, seconds: float) -> dict:
@@ -182,7 +224,7 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
     `keep`: leave them on the device; the next bracket's offload copies them out (if modified)."""
     for s in stashes:
         metrics.update(reload(s))
-        wait(s)
+        _wait(s, marked=False)
     yield
     for s in stashes:
         if keep:
@@ -197,19 +239,16 @@ def host_rss_gb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / GB
 
 
-# Bytes of PyTorch-allocator memory that belong to vLLM's sleep-mode pool. They stay "allocated"
-# for PyTorch while vLLM sleeps (the pool unmaps them itself), so the ledger subtracts them to
-# show the trainer's own figures; rollout.build_vllm sets this once.
-EXTERNAL_POOL_BYTES = 0
-
-
-def memory(device: torch.device) -> dict:
-    """Allocated / peak / reserved by PyTorch's allocator for the trainer (vLLM's pool taken out),
-    and the whole device's use from `mem_get_info` (the only figure that sees vLLM's mapped pool). On CPU: host figures (RSS, and the
-    process's lifetime peak RSS, since a per-stage peak cannot be reset there)."""
+def memory(device: torch.device, external: int = 0) -> dict:
+    """Allocated / peak / reserved by PyTorch's allocator for the trainer, and the whole device's
+    use from `mem_get_info` (the only figure that sees vLLM's mapped pool). `external`: bytes of
+    the allocator's count that belong to another engine's pool (vLLM's sleep-mode pool stays
+    "allocated" for PyTorch while it sleeps; its Engine reports the figure), taken out.
+    On CPU: host figures (RSS, and the process's lifetime peak RSS: a per-stage peak cannot be
+    reset there)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        ext = EXTERNAL_POOL_BYTES
+        ext = external
         return {"allocated_gb": (torch.cuda.memory_allocated(device) - ext) / GB,
                 "peak_gb": (torch.cuda.max_memory_allocated(device) - ext) / GB,
                 "reserved_gb": (torch.cuda.memory_reserved(device) - ext) / GB,
@@ -220,8 +259,8 @@ def memory(device: torch.device) -> dict:
 
 
 @contextlib.contextmanager
-def stage(name: str, metrics: dict, device: torch.device):
-    """Time a stage and record memory at its end, with the peak reached inside it."""
+def stage(name: str, metrics: dict, device: torch.device, external: int = 0):
+    """Time a stage and record memory at its end, with the peak reached inside it (`external`: see memory)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         before = _allocator_counts(device)
@@ -232,7 +271,7 @@ def stage(name: str, metrics: dict, device: torch.device):
     if device.type == "cuda":              # near the memory limit a stage slows down here, not in a copy
         for k, v in _allocator_counts(device).items():
             metrics[f"mem/{name}/{k}"] = float(v - before[k])
-    for k, v in memory(device).items():
+    for k, v in memory(device, external).items():
         metrics[f"mem/{name}/{k}"] = v
 
 
@@ -260,12 +299,3 @@ def gpu_bytes(*objs) -> int:
         if t.device.type == "cuda" and st.nbytes():
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-# --------------------------------------------------------------------------- the planner
-def explain(name: str, nbytes: int, on: bool, device: torch.device) -> str:
-    """One line per offload flag: what it moves and whether it is on."""
-    where = "pinned host" if device.type == "cuda" else "host (CPU run: no device memory to save)"
-    verb = f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on else \
-        f"off: keeps {nbytes / GB:.3f} GB on {device.type}"
-    return f"[offload] {name}: {verb}"

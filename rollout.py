@@ -55,18 +55,40 @@ class Engine:
     llm: object = None                     # the vllm.LLM when kind == "vllm"
     dtype: torch.dtype = torch.bfloat16    # vLLM's weight dtype (the sync casts to it)
     asleep_device_gb: float = 0.0          # what vLLM keeps on the GPU while asleep (CUDA graphs, ...)
+    pool_bytes: int = 0                    # vLLM's sleep pool, counted as "allocated" by PyTorch even
+                                           # while asleep: the ledger takes it out of the trainer's figures
+    build_s: float = 0.0
 
 
 def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
     if cfg.engine not in ("hf", "vllm", "auto"):
-        raise SystemExit(f"error: --rollout.engine={cfg.engine}: use vllm, hf or auto")
+        raise ValueError(f"--rollout.engine={cfg.engine}: use vllm, hf or auto")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
-        raise SystemExit("error: --rollout.engine=vllm needs a CUDA GPU and vLLM installed "
+        raise ValueError("--rollout.engine=vllm needs a CUDA GPU and vLLM installed "
                          "(README: vLLM on a GPU node); use --rollout.engine=hf")
     if cfg.engine == "auto":
         return "vllm" if has_vllm and device.type == "cuda" else "hf"
     return cfg.engine
+
+
+def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str,
+          max_model_len: int, dtype: str, seed: int, rank: int = 0) -> Engine:
+    """The engine `cfg.engine` resolves to: HF generate needs nothing built; vLLM gets one
+    in-process engine on this rank, asleep when returned. `config`: the actor's HF config."""
+    if resolve_engine(cfg, device) == "hf":
+        return Engine("hf")
+    return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed)
+
+
+def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> str:
+    """What vLLM reads at build: only a config.json (the weights come from the first sync). A local
+    checkpoint is used as it is; the built-in and random models get theirs written here."""
+    if model_path is not None and not model_path.startswith("random:"):
+        return model_path
+    path = os.path.join(out_dir, "vllm_config", f"rank{rank}")
+    config.save_pretrained(path)
+    return path
 
 
 # --------------------------------------------------------------------------- batch layout
@@ -140,22 +162,22 @@ def _used_gb() -> float:
 
 
 def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int) -> Engine:
-    """`dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise)."""
     """One engine per rank, in this process, asleep when returned. `model_dir` needs only a
-    config.json: the weights are random until the first sync (nothing is read from disk twice)."""
+    config.json: the weights are random until the first sync (nothing is read from disk twice).
+    `dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
     if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        raise SystemExit("error: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
                          "vLLM's sleep pool; unset it")
     from vllm import LLM
     dtype = dtype if cfg.dtype == "auto" else cfg.dtype
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
-    before, alloc_before = _used_gb(), torch.cuda.memory_allocated()
+    before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
               distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
               dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
@@ -164,8 +186,8 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
-    offload.EXTERNAL_POOL_BYTES = torch.cuda.memory_allocated() - alloc_before
-    return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before)
+    return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
+                  pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0)
 
 
 def vllm_model(llm):
@@ -206,47 +228,52 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     return sent
 
 
+@contextlib.contextmanager
+def _phase(name: str, metrics: dict):
+    """One phase of the bracket: its seconds and the device's used memory after it."""
+    t0 = time.perf_counter()
+    yield
+    metrics[f"rollout/{name}_s"] = time.perf_counter() - t0
+    metrics[f"rollout/{name}_device_gb"] = _used_gb()
+
+
 def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int,
                   eos_id: int, device, seed: int, stashes: list, metrics: dict) -> dict:
     """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs."""
     from vllm import SamplingParams
     llm = engine.llm
 
-    def phase(name, t0):
-        metrics[f"rollout/{name}_s"] = time.perf_counter() - t0
-        metrics[f"rollout/{name}_device_gb"] = _used_gb()
-
-    t = time.perf_counter(); torch.cuda.empty_cache(); phase("empty_cache", t)
-    t = time.perf_counter()
-    for s in stashes:
-        metrics.update(offload.reload(s))
-    phase("load_params", t)
-    t = time.perf_counter(); llm.wake_up(tags=["weights"]); phase("wake_weights", t)
-    t = time.perf_counter()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    metrics["rollout/sync_gb"] = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, device) / offload.GB
-    torch.cuda.synchronize()
-    metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
-    phase("sync", t)
-    t = time.perf_counter()
-    for s in stashes:
-        # freed; copied out only if the last update left them here (actor.defer_param_offload)
-        metrics.update(offload.offload(s, modified=False))
-    torch.cuda.empty_cache()
-    phase("offload_params", t)
-    t = time.perf_counter(); llm.wake_up(tags=["kv_cache"]); phase("wake_kv", t)
-    t = time.perf_counter()
-    greedy = cfg.temperature == 0           # vLLM samples greedily only with n=1: send n copies instead
-    per_req, copies = (1, cfg.n) if greedy else (cfg.n, 1)
-    reqs = [p for p in prompts for _ in range(copies)]
-    params = [SamplingParams(n=per_req, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
-                             max_tokens=cfg.response_length, logprobs=0, stop_token_ids=[eos_id],
-                             detokenize=False, seed=seed * 10007 + i * cfg.n)
-              for i in range(len(reqs))]
-    outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
-    phase("generate", t)
-    t = time.perf_counter(); llm.sleep(level=cfg.sleep_level); torch.cuda.empty_cache(); phase("sleep", t)
+    with _phase("empty_cache", metrics):
+        torch.cuda.empty_cache()
+    with _phase("load_params", metrics):
+        for s in stashes:
+            metrics.update(offload.reload(s))
+    with _phase("wake_weights", metrics):
+        llm.wake_up(tags=["weights"])
+    with _phase("sync", metrics):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        metrics["rollout/sync_gb"] = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, device) / offload.GB
+        torch.cuda.synchronize()
+        metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
+    with _phase("offload_params", metrics):
+        for s in stashes:       # freed; copied out only if the last update left them here (defer_param_offload)
+            metrics.update(offload.offload(s, modified=False))
+        torch.cuda.empty_cache()
+    with _phase("wake_kv", metrics):
+        llm.wake_up(tags=["kv_cache"])
+    with _phase("generate", metrics):
+        greedy = cfg.temperature == 0       # vLLM samples greedily only with n=1: send n copies instead
+        per_req, copies = (1, cfg.n) if greedy else (cfg.n, 1)
+        reqs = [p for p in prompts for _ in range(copies)]
+        params = [SamplingParams(n=per_req, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
+                                 max_tokens=cfg.response_length, logprobs=0, stop_token_ids=[eos_id],
+                                 detokenize=False, seed=seed * 10007 + i * cfg.n)
+                  for i in range(len(reqs))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
+    with _phase("sleep", metrics):
+        llm.sleep(level=cfg.sleep_level)
+        torch.cuda.empty_cache()
 
     rows, responses, logps = [], [], []
     for p, out in zip(reqs, outs):

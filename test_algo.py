@@ -140,9 +140,9 @@ def test_gradient_checkpointing_gives_the_same_update(dist_env):
 def test_batch_size_checks():
     cfg = train_grpo.parse_args([])
     assert train_grpo.check_sizes(cfg, 2) == cfg.actor.ppo_mini_batch_size * cfg.rollout.n // 2
-    with pytest.raises(SystemExit, match="fsdp_size=3 does not divide the world size 4"):
+    with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 4"):
         train_grpo.check_sizes(train_grpo.parse_args(["--fsdp_size=3"]), 4)
-    with pytest.raises(SystemExit, match="not divisible by the world size 3"):
+    with pytest.raises(ValueError, match="not divisible by the world size 3"):
         train_grpo.check_sizes(cfg, 3)
 
 

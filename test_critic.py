@@ -55,13 +55,13 @@ def _critic(dist_env, mode="separate"):
     mesh = train_grpo.build_mesh(device, world, -1)
     act = actor.shard(actor.load_model(None, 0), mesh, device)
     cfg = critic.CriticConfig(mode=mode)
-    model, opt = critic.build(None, mesh, device, cfg, "float32", act)
-    return act, model, opt, cfg, device
+    c = critic.build(cfg, model_path=None, mesh=mesh, device=device, param_dtype="float32", actor_model=act)
+    return act, c.model, c.optimizer, cfg, device
 
 
 def _ppo_batch(act, model, cfg, device, seed):
     batch = tiny_batch(8, 5, device, seed=seed)
-    batch["values"], feats = critic.compute_values(model, batch, cfg, act)
+    batch["values"], feats = critic.values(model, batch, cfg, act)
     if feats is not None:
         batch["features"] = feats
     batch["returns"] = torch.rand(8, 5, generator=torch.Generator().manual_seed(seed)).to(device)

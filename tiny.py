@@ -31,7 +31,8 @@ def tiny_config() -> Qwen2Config:
     return Qwen2Config(vocab_size=len(VOCAB), hidden_size=256, intermediate_size=768,
                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=64, tie_word_embeddings=True,
-                       pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32")
+                       pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32",
+                       architectures=["Qwen2ForCausalLM"])
 
 
 def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
@@ -52,11 +53,12 @@ QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings
 
 def qwen25_config(name: str) -> Qwen2Config:
     if name not in QWEN25:
-        raise SystemExit(f"error: --model=random:{name}: known sizes are {', '.join(QWEN25)}")
+        raise ValueError(f"--model=random:{name}: known sizes are {', '.join(QWEN25)}")
     h, i, n, heads, kv, tied = QWEN25[name]
     return Qwen2Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
                        num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
-                       tie_word_embeddings=tied, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16")
+                       tie_word_embeddings=tied, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
+                       architectures=["Qwen2ForCausalLM"])
 
 
 def build_random_model(name: str, seed: int = 0) -> Qwen2ForCausalLM:

@@ -6,7 +6,9 @@
         --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
 
-One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/metrics.jsonl:
+One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
+bytes happens inside that role's own file (actor.py, ref.py, critic.py; rollout.py loads and frees
+the actor's params around the weight sync): this file orders the stages and keeps the ledger.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -20,9 +22,15 @@ One step (DESIGN.md section 2); each stage's seconds and memory go to <out_dir>/
     update    : params + Adam state in -> mini/micro-batched clipped PG + KL -> both out
                 (Adam in on a side stream during the forward/backward, or just before the step
                 with actor.optimizer_load_at_step; params kept for the next sync: defer_param_offload)
+Why this order: vLLM's KV cache is the largest block, so it is woken last, once the trainer's
+shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
+classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
+(a live state_dict() result keeps GPU shards alive after an offload).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
+from __future__ import annotations
+
 import json
 import os
 import sys
@@ -80,13 +88,13 @@ def _convert(text: str, typ, key: str):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
-        raise SystemExit(f"error: --{key}={text}: expected true or false")
+        raise ValueError(f"--{key}={text}: expected true or false")
     if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return None if text.lower() in ("none", "null", "") else text
     try:
         return typ(text)
     except ValueError:
-        raise SystemExit(f"error: --{key}={text}: expected {typ.__name__}") from None
+        raise ValueError(f"--{key}={text}: expected {typ.__name__}") from None
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -96,22 +104,22 @@ def parse_args(argv: list[str]) -> Config:
     while args:
         arg = args.pop(0)
         if not arg.startswith("--"):
-            raise SystemExit(f"error: unexpected argument {arg!r}; options look like --actor.lr=1e-6")
+            raise ValueError(f"unexpected argument {arg!r}; options look like --actor.lr=1e-6")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if not args:
-                raise SystemExit(f"error: --{key} needs a value")
+                raise ValueError(f"--{key} needs a value")
             value = args.pop(0)
         *path, name = key.split(".")
         obj = cfg
         for part in path:
             obj = getattr(obj, part, None)
             if not is_dataclass(obj):
-                raise SystemExit(f"error: unknown option --{key}; sections: actor, ref, rollout, critic, algorithm")
+                raise ValueError(f"unknown option --{key}; sections: actor, ref, rollout, critic, algorithm")
         hints = typing.get_type_hints(type(obj))
         if name not in hints or is_dataclass(hints[name]):
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
-            raise SystemExit(f"error: unknown option --{key}; known here: {known}")
+            raise ValueError(f"unknown option --{key}; known here: {known}")
         setattr(obj, name, _convert(value, hints[name], key))
     return cfg
 
@@ -120,30 +128,30 @@ def check_sizes(cfg: Config, world: int) -> int:
     """Validate the batch arithmetic once, up front; returns the mini-batch size per rank (samples)."""
     a, n = cfg.actor, cfg.rollout.n
     if cfg.train_batch_size % world:
-        raise SystemExit(f"error: train_batch_size={cfg.train_batch_size} is not divisible by the "
+        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not divisible by the "
                          f"world size {world}; make it a multiple of {world}")
     if cfg.train_batch_size % a.ppo_mini_batch_size:
-        raise SystemExit(f"error: train_batch_size={cfg.train_batch_size} is not a multiple of "
+        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
     if (a.ppo_mini_batch_size * n) % world:
-        raise SystemExit(f"error: actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
+        raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
                          f"samples do not split over {world} ranks; change either")
     mini = a.ppo_mini_batch_size * n // world
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
-        raise SystemExit(f"error: actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
+        raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
                          f"does not divide the {mini} samples per rank of a mini-batch")
     if a.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise SystemExit(f"error: actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
+        raise ValueError(f"actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if a.kl_loss_type not in actor.KL_TYPES:
-        raise SystemExit(f"error: actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
+        raise ValueError(f"actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
     if cfg.algorithm.adv_estimator not in ("grpo", "gae"):
-        raise SystemExit(f"error: algorithm.adv_estimator={cfg.algorithm.adv_estimator}: use grpo or gae")
+        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: use grpo or gae")
     if cfg.critic.mode not in ("separate", "shared"):
-        raise SystemExit(f"error: critic.mode={cfg.critic.mode}: use separate or shared")
+        raise ValueError(f"critic.mode={cfg.critic.mode}: use separate or shared")
     if cfg.critic.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise SystemExit(f"error: critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
+        raise ValueError(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
-        raise SystemExit(f"error: fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
+        raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     return mini
 
 
@@ -216,164 +224,117 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
 # --------------------------------------------------------------------------- setup
 @dataclass
 class Trainer:
-    """Everything one run holds (state only; the step is a free function)."""
+    """Everything one run holds (state only; the step is a free function). Each role holds its own
+    offload groups and moves them itself; the loop only orders the stages."""
     cfg: Config
     rank: int
     world: int
     device: torch.device
     mini_size: int                         # samples per rank in one mini-batch
     tokenizer: object
-    prompts: list
+    prompts: list                          # prompt token ids
     answers: list
     reward_fn: object
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    params_out: list                       # the actor stashes that live on the host between uses
-    opt_stash: offload.Stash | None        # Adam state (exists after the first step)
-    ref_model: torch.nn.Module | None
-    ref_stash: offload.Stash | None
-    engine: rollout.Engine
     order: list                            # prompt order, the same on every rank
-    critic_model: torch.nn.Module | None = None   # PPO only: the value model, or the shared head
-    critic_opt: torch.optim.Optimizer | None = None
-    critic_out: list = field(default_factory=list)  # critic param stashes offloaded between uses
-    critic_opt_stash: offload.Stash | None = None
+    actor: actor.Actor
+    engine: rollout.Engine
+    ref: ref.Ref | None = None             # only for the KL loss
+    critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
-    """Build models, offload what the flags say, build the rollout engine (or reuse `engine`).
-    `data`: (prompt ids, answers) instead of cfg.data (benchmarks)."""
+    """Build every role (each offloads what its flags say), then the rollout engine (or reuse
+    `engine`). `data`: (prompt ids, answers) instead of cfg.data (benchmarks)."""
     actor.check_model_path(cfg.model)
     rank, world, device = init_distributed()
     mini_size = check_sizes(cfg, world)
-    say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(device, world, cfg.fsdp_size)
-    a = cfg.actor
-    if a.offload_policy and (a.param_offload or a.optimizer_offload):
-        raise SystemExit("error: actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and "
-                         "Adam state on the CPU; turn param_offload / optimizer_offload off")
-    if device.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
-        say("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
     tokenizer = data_io.load_tokenizer(cfg.model)
     prompts, answers = data if data is not None else data_io.load_data(
         cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
-    reward_fn = data_io.load_reward(cfg.reward, cfg.data)
-    engine_kind = engine.kind if engine else rollout.resolve_engine(cfg.rollout, device)
-    say(f"[data] {len(prompts)} prompts; rollout engine: {engine_kind}"
-        + (" (auto: vLLM imports and CUDA is there)" if cfg.rollout.engine == "auto" and engine_kind == "vllm"
-           else " (auto: no vLLM or no CUDA)" if cfg.rollout.engine == "auto" else ""))
+    where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
+    dtype = cfg.actor.param_dtype
+    a = actor.build(cfg.actor, **where)
+    r = ref.build(cfg.ref, param_dtype=dtype, **where) if cfg.actor.use_kl_loss else None
+    c = critic.build(cfg.critic, param_dtype=dtype, actor_model=a.model, **where) \
+        if cfg.algorithm.adv_estimator == "gae" else None
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
+        engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
+                               out_dir=cfg.out_dir, max_model_len=max(map(len, prompts)) + cfg.rollout.response_length,
+                               dtype=dtype, seed=cfg.seed + rank, rank=rank)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
+                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
+                order=order, actor=a, engine=engine, ref=r, critic=c)
+    if rank == 0:
+        print("\n".join(report(t)), flush=True)
+    return t
 
-    # ---- models: actor (+ optimizer) and, for the KL loss, the reference
-    model = actor.shard(actor.load_model(cfg.model, cfg.seed), mesh, device, a.offload_policy,
-                        a.param_dtype, a.gradient_checkpointing)
-    optimizer = actor.build_optimizer(model, a)
-    ref_model, ref_stash = None, None
-    if a.use_kl_loss:
-        ref_model, ref_stash = ref.build(cfg.model, mesh, device, cfg.ref, a.param_dtype, cfg.seed)
-    # partial offload: only the first k decoder layers' shards (the rest stay on the GPU)
+
+def report(t: Trainer) -> list[str]:
+    """The run's set-up in a few lines: the engine, and for each offload flag what it moves and when."""
+    cfg, a, dev = t.cfg, t.cfg.actor, t.device
+    GB, where = offload.GB, "pinned host" if dev.type == "cuda" else "host (CPU run: no device memory to save)"
+
+    def flag(name, nbytes, on):
+        return f"[offload] {name}: " + (f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on
+                                        else f"off: keeps {nbytes / GB:.3f} GB on {dev.type}")
+    auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
+    lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
+             + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
+    if t.engine.kind == "vllm":
+        lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; asleep it keeps "
+                     f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
+    if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
+        lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
+    whole = offload.param_stash("actor_all", t.actor.model).nbytes
     k = a.param_offload_layers
-    param_stash = offload.param_stash("actor_params", model if k < 0 else model.model.layers[:k])
-    whole = offload.param_stash("actor_all", model).nbytes if k >= 0 else param_stash.nbytes
-    say(offload.explain("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
-                        param_stash.nbytes, a.param_offload, device))
-    say(offload.explain("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * whole, a.optimizer_offload, device))
-    timing = []                                       # the copy levers: when each offloaded group moves
+    lines.append(flag("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
+                      t.actor.params.nbytes, a.param_offload))
+    lines.append(flag("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * whole, a.optimizer_offload))
+    timing = []                            # the copy levers: when each offloaded group moves
     if a.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if a.defer_param_offload
-                                         else "after the update") +
-                      (" and return during the ref forward" if a.prefetch_update else ""))
+                                         else "after the update")
+                      + (" and return during the ref forward" if a.prefetch_update and t.ref and not t.critic else ""))
     if a.optimizer_offload:
         timing.append("Adam returns " + ("just before optimizer.step" if a.optimizer_load_at_step
                                          else "on a side stream during the forward/backward"))
     if timing:
-        say("[offload] timing: " + "; ".join(timing))
-    if ref_stash is not None:
-        say(offload.explain("ref.param_offload", ref_stash.nbytes, cfg.ref.param_offload, device))
+        lines.append("[offload] timing: " + "; ".join(timing))
+    if t.ref is not None:
+        lines.append(flag("ref.param_offload", t.ref.params.nbytes, cfg.ref.param_offload))
     if a.offload_policy or cfg.ref.offload_policy:
-        say("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
-            "copied per layer at all-gather; the optimizer steps on the CPU")
-    params_out = [param_stash] if a.param_offload else []
-    for s in params_out:
-        offload.offload(s)                            # frees the shard bytes until first use
-
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    if engine is None and engine_kind == "vllm":     # after the offloads: vLLM sizes itself from free memory
-        vdir = cfg.model
-        if cfg.model is None or cfg.model.startswith("random:"):   # vLLM needs only a config.json
-            vdir = os.path.join(cfg.out_dir, "vllm_config", f"rank{rank}")
-            model.config.architectures = ["Qwen2ForCausalLM"]
-            model.config.save_pretrained(vdir)
-        max_len = max(len(p) for p in prompts) + cfg.rollout.response_length
-        t0 = time.perf_counter()
-        engine = rollout.build_vllm(cfg.rollout, vdir, max_len, a.param_dtype, cfg.seed + rank)
-        say(f"[rollout] vLLM engine built in {time.perf_counter() - t0:.1f} s; asleep it keeps "
-            f"{engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    t = Trainer(cfg, rank, world, device, mini_size, tokenizer, prompts, answers, reward_fn, model,
-                optimizer, params_out, None, ref_model, ref_stash, engine or rollout.Engine("hf"), order)
-    if cfg.algorithm.adv_estimator == "gae":        # PPO: the critic, and its own offload flags
-        c = cfg.critic
-        t.critic_model, t.critic_opt = critic.build(cfg.model, mesh, device, c, a.param_dtype, model, cfg.seed)
-        held = offload.param_stash("critic", t.critic_model).nbytes
-        say(f"[critic] mode={c.mode}: {held / offload.GB:.3f} GB of parameters"
-            + (" (a value head on the actor's trunk: no second model)" if c.mode == "shared" else ""))
+        lines.append("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
+                     "copied per layer at all-gather; the optimizer steps on the CPU")
+    if t.critic is not None:
+        c, held = cfg.critic, t.critic.params.nbytes
+        lines.append(f"[critic] mode={c.mode}: {held / GB:.3f} GB of parameters"
+                     + (" (a value head on the actor's trunk: no second model)" if c.mode == "shared" else ""))
         if c.mode == "shared" and (c.param_offload or c.optimizer_offload):
-            say("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
-        say(offload.explain("critic.param_offload", held, c.param_offload and c.mode == "separate", device))
-        say(offload.explain("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held,
-                            c.optimizer_offload and c.mode == "separate", device))
-        t.critic_out = critic.stashes(t.critic_model, c)
-        for s in t.critic_out:
-            offload.offload(s)
-    return t
+            lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
+        lines.append(flag("critic.param_offload", held, c.param_offload and c.mode == "separate"))
+        lines.append(flag("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held,
+                          c.optimizer_offload and c.mode == "separate"))
+    return lines
 
 
 # --------------------------------------------------------------------------- one step
-def update_bracket(params_out, optimizer, opt_stash, offload_opt: bool, name: str, m: dict, run,
-                   keep_params: bool = False, adam_at_step: bool = False):
-    """load params -> run(before_step) -> offload params and Adam state. With optimizer offload the
-    Adam state is copied in on a side stream while the first forward/backward runs, and
-    `before_step` makes the GPU wait for it; the host never blocks. `adam_at_step`: copied in only
-    by `before_step` instead (lower peak, exposed copy). `keep_params`: params stay for the next
-    weight sync to copy out. Returns the Adam stash, created after the first step (Adam allocates
-    its state lazily)."""
-    with offload.loaded(params_out, m, modified=True, keep=keep_params):
-        opt_in = [opt_stash] if offload_opt and opt_stash is not None else []
-        # GPU clock marks for the side-stream copy: update start, forward/backward done, copy waited for
-        timed = bool(opt_in) and not adam_at_step and opt_in[0].views[0].device.type == "cuda"
-        marks = [_event()] if timed else []
-        if adam_at_step:
-            before_step = lambda: [m.update(offload.reload(s)) for s in opt_in]  # noqa: E731
-        else:
-            for s in opt_in:
-                m.update(offload.reload(s, background=True))
-
-            def before_step():
-                marks.extend([_event()] if timed else [])
-                for s in opt_in:
-                    offload.wait(s)
-                marks.extend([_event()] if timed else [])
-        m.update(run(before_step))
-        if offload_opt:                               # frees 2 x fp32 shard bytes until the next update
-            opt_stash = opt_stash or offload.optimizer_stash(name, optimizer)
-            m.update(offload.offload(opt_stash))      # synchronizes: the marks are complete
-        if len(marks) >= 3:                           # did the copy hide behind the (first) forward/backward?
-            m[f"offload/{name}/forward_backward_gpu_s"] = marks[0].elapsed_time(marks[1]) / 1e3
-            m[f"offload/{name}/step_waited_s"] = marks[1].elapsed_time(marks[2]) / 1e3
-    return opt_stash
-
-
-def _event():
-    """A timing event recorded now on the current CUDA stream."""
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
+STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantage", "critic_update", "update")
 
 
 def train_step(t: Trainer, step: int) -> dict:
-    """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over ranks."""
+    """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
+    ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
+    temperature = cfg.rollout.temperature
+
+    def stage(name):                      # the ledger: time and memory of each stage, vLLM's pool taken out
+        assert name in STAGES, name
+        return offload.stage(name, m, device, t.engine.pool_bytes)
+
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
     local_bs = cfg.train_batch_size // t.world
@@ -381,15 +342,16 @@ def train_step(t: Trainer, step: int) -> dict:
     idx = [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
 
-    with offload.stage("generate", m, device):
-        batch = rollout.generate(t.engine, t.model, [t.prompts[i] for i in idx], cfg.rollout, pad_id,
+    with stage("generate"):                # the actor's offloaded params come in for the sync only
+        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx], cfg.rollout, pad_id,
                                  t.tokenizer.eos_token_id, device,
-                                 cfg.seed * 1_000_003 + step * t.world + t.rank, t.params_out, m)
+                                 cfg.seed * 1_000_003 + step * t.world + t.rank, actor.offloaded(t.actor), m)
     # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
-    held = [x for x in (t.model, t.optimizer, t.ref_model, t.critic_model, t.critic_opt) if x is not None]
+    held = [t.actor.model, t.actor.optimizer] + ([t.ref.model] if t.ref else []) + \
+        ([t.critic.model, t.critic.optimizer] if t.critic else [])
     m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*held) / offload.GB
 
-    with offload.stage("reward", m, device):          # CPU: decode and score each response
+    with stage("reward"):                  # CPU: decode and score each response
         mask = batch["response_mask"]
         texts = t.tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
                                                                       mask.sum(-1).tolist())],
@@ -398,57 +360,43 @@ def train_step(t: Trainer, step: int) -> dict:
                                zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
                               dtype=torch.float32, device=device)
 
-    with offload.stage("old_logp", m, device):
-        if not on_policy:           # on-policy: the update's first forward is the old policy
-            with offload.loaded(t.params_out, m):
-                batch["old_log_probs"] = actor.compute_log_probs(
-                    t.model, batch, a.log_prob_micro_batch_size_per_gpu, cfg.rollout.temperature)
+    with stage("old_logp"):
+        if not on_policy:                  # on-policy: the update's first forward is the old policy
+            batch["old_log_probs"] = actor.compute_old_log_probs(t.actor, batch, temperature, m)
             if "rollout_log_probs" in batch:
                 m.update(actor.logprob_mismatch(batch["old_log_probs"], batch))
 
-    with offload.stage("ref_logp", m, device):
-        if t.ref_model is not None:
-            # GRPO: the update's offloaded params come in while the ref forward runs (PPO: the critic
-            # stages come between, which would then hold both models' state at once). Not Adam: it
-            # is twice the bytes, outlasts the ref forward, and the update hides it already.
-            ahead = t.params_out if a.prefetch_update and t.critic_model is None else []
-            batch["ref_log_probs"] = ref.compute_ref_log_probs(
-                t.ref_model, t.ref_stash, batch, cfg.ref, cfg.rollout.temperature, m, ahead)
+    with stage("ref_logp"):
+        if t.ref is not None:
+            with ref.resident(t.ref, m):
+                if t.critic is None:       # GRPO: the update comes next (PPO: the critic's stages do)
+                    actor.prefetch_update(t.actor, m)
+                batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, temperature)
 
-    if t.critic_model is not None:                    # PPO: values of the rollout states
-        with offload.stage("values", m, device):
-            c = cfg.critic
-            with offload.loaded(t.params_out if c.mode == "shared" else t.critic_out, m):
-                batch["values"], feats = critic.compute_values(t.critic_model, batch, c, t.model)
+    if t.critic is not None:               # PPO: values of the rollout states
+        with stage("values"):
+            batch["values"], feats = critic.compute_values(t.critic, batch, t.actor, m)
             if feats is not None:
                 batch["features"] = feats
 
-    with offload.stage("advantage", m, device):
-        if t.critic_model is None:
+    with stage("advantage"):
+        if t.critic is None:
             batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
                                                  cfg.algorithm.norm_adv_by_std_in_grpo)
-        else:                                         # the score sits on each response's last token
+        else:                              # the score sits on each response's last token
             last = (mask.sum(-1) - 1).clamp(min=0).long()
             rewards = torch.zeros_like(batch["values"]).scatter_(1, last[:, None], scores[:, None])
             adv, batch["returns"] = critic.gae(rewards, batch["values"], mask.float(),
                                                cfg.critic.gamma, cfg.critic.lam)
             batch["advantages"] = critic.whiten(adv, mask.float())
 
-    if t.critic_model is not None:
-        with offload.stage("critic_update", m, device):
-            c = cfg.critic
-            t.critic_opt_stash = update_bracket(
-                t.critic_out, t.critic_opt, t.critic_opt_stash, c.optimizer_offload and c.mode == "separate",
-                "critic_optimizer", m, lambda wait: critic.update_critic(
-                    t.critic_model, t.critic_opt, batch, c, t.mini_size, a.ppo_epochs, before_step=wait))
-        batch.pop("features", None)                   # shared mode: the saved actor features, freed
+    if t.critic is not None:
+        with stage("critic_update"):
+            m.update(critic.update(t.critic, batch, t.mini_size, a.ppo_epochs, m))
+        batch.pop("features", None)        # shared mode: the saved actor features, freed
 
-    with offload.stage("update", m, device):
-        t.opt_stash = update_bracket(t.params_out, t.optimizer, t.opt_stash, a.optimizer_offload,
-                                     "actor_optimizer", m, lambda wait: actor.update_policy(
-                                         t.model, t.optimizer, batch, a, t.mini_size, cfg.rollout.temperature,
-                                         before_step=wait), keep_params=a.defer_param_offload,
-                                     adam_at_step=a.optimizer_load_at_step)
+    with stage("update"):
+        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
 
     sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
                                       device=device, dtype=torch.float64)).tolist()
@@ -460,8 +408,12 @@ def train_step(t: Trainer, step: int) -> dict:
 
 # --------------------------------------------------------------------------- main
 def main(argv=None):
-    cfg = parse_args(sys.argv[1:] if argv is None else argv)
-    t = setup(cfg)
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        t = setup(cfg)
+    except (ValueError, FileNotFoundError) as e:   # bad input: one line that says what to change
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if t.rank == 0:
         print(json.dumps({"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)},
                          indent=1))
@@ -476,8 +428,7 @@ def main(argv=None):
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, step, cfg.steps, t_start), flush=True)
     if cfg.save:
-        with offload.loaded(t.params_out, {}):
-            actor.save_hf(t.model, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
+        actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
         if t.rank == 0:
             print(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
     dist.barrier()
