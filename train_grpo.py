@@ -289,11 +289,13 @@ def report(t: Trainer) -> list[str]:
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-    whole = offload.param_stash("actor_all", t.actor.model).nbytes
+    # Adam holds exp_avg + exp_avg_sq shaped like each local shard (counted from shapes: the shards
+    # themselves may be on the host already)
+    adam_bytes = 2 * sum(p.to_local().numel() * 4 for p in t.actor.model.parameters())
     k = a.param_offload_layers
     lines.append(flag("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
                       t.actor.params.nbytes, a.param_offload))
-    lines.append(flag("actor.optimizer_offload (Adam, 2 x fp32 shard)", 2 * whole, a.optimizer_offload))
+    lines.append(flag("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, a.optimizer_offload))
     timing = []                            # the copy levers: when each offloaded group moves
     if a.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if a.defer_param_offload
@@ -310,7 +312,7 @@ def report(t: Trainer) -> list[str]:
         lines.append("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
                      "copied per layer at all-gather; the optimizer steps on the CPU")
     if t.critic is not None:
-        c, held = cfg.critic, t.critic.params.nbytes
+        c, held = cfg.critic, sum(p.to_local().numel() * 4 for p in t.critic.model.parameters())
         lines.append(f"[critic] mode={c.mode}: {held / GB:.3f} GB of parameters"
                      + (" (a value head on the actor's trunk: no second model)" if c.mode == "shared" else ""))
         if c.mode == "shared" and (c.param_offload or c.optimizer_offload):
