@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 import offload
+import packing
 
 
 @dataclass
@@ -63,6 +64,14 @@ class ActorConfig:
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = False   # recompute each layer's activations in backward
     param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
+    # how samples go through the model (packing.py); remove_padding, logits_chunk_tokens and
+    # use_dynamic_bsz apply to every role that runs this architecture (ref, critic)
+    remove_padding: bool = True            # pack each micro-batch into one row: no compute on padding
+    logits_chunk_tokens: int = 2048        # LM head on response tokens only, this many at a time: one
+                                           # (chunk, vocab) fp32 block alive (0: all at once)
+    use_dynamic_bsz: bool = False          # micro-batches filled to a token budget instead of a sample count
+    ppo_max_token_len_per_gpu: int = 16384     # with use_dynamic_bsz: tokens per update micro-batch
+    log_prob_max_token_len_per_gpu: int = 32768  # with use_dynamic_bsz: tokens per old-log-prob forward
 
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -99,6 +108,7 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
     With a 2-D mesh ("replicate", "fsdp") this is hybrid sharding. Moves the shards to `device`
     (or to pinned host memory with CPUOffloadPolicy)."""
     cuda = device.type == "cuda"
+    packing.use_packed_attention(model)    # SDPA for padded rows, varlen attention for packed ones
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) \
         if cuda else MixedPrecisionPolicy()
     policy = CPUOffloadPolicy(pin_memory=True) if offload_policy and cuda else OffloadPolicy()
@@ -177,35 +187,36 @@ def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
 
 
 # --------------------------------------------------------------------------- forward
+def make_layout(cfg: ActorConfig, micro: int, max_tokens: int) -> packing.Layout:
+    """How a role splits and runs its batch: `micro` samples, or `max_tokens` with use_dynamic_bsz."""
+    return packing.Layout(micro=micro, max_tokens=max_tokens if cfg.use_dynamic_bsz else 0,
+                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens)
+
+
 def split(batch: dict, size: int):
     n = next(iter(batch.values())).shape[0]
     for i in range(0, n, size):
         yield {k: v[i:i + size] for k, v in batch.items()}
 
 
-def forward(model, mb: dict, temperature: float, entropy: str = "none"):
-    """Log-probs (and entropy) of the response tokens, (B, R). Only the last R+1 positions'
-    logits are computed (`logits_to_keep`): the (B, T, V) tensor never exists.
+def forward(model, mb: dict, temperature: float, layout: packing.Layout, entropy: str = "none"):
+    """Log-probs (and entropy) of the response tokens, (B, R), zero on padding. Only the positions
+    that predict a response token reach the LM head, a chunk at a time (packing.py).
     entropy: "none"; "log" (no graph: nothing extra kept for backward); "grad" (in the loss)."""
-    R = mb["responses"].shape[1]
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                   position_ids=mb["position_ids"], use_cache=False, logits_to_keep=R + 1).logits
-    logits = logits[:, :-1].float().div_(temperature)             # (B, R, V), fp32 for the softmax
-    logp = logprobs_from_logits(logits, mb["responses"])
-    ent = None
-    if entropy == "grad":
-        ent = entropy_from_logits(logits)
-    elif entropy == "log":
-        with torch.no_grad():
-            ent = entropy_from_logits(logits.detach())
-    return logp, ent
+    logp, ent = packing.response_logprobs(model, mb, temperature, layout, entropy_grad=entropy == "grad")
+    return logp, (None if entropy == "none" else ent)
 
 
 @torch.no_grad()
-def compute_log_probs(model, batch: dict, micro_batch_size: int, temperature: float) -> torch.Tensor:
-    """(B, R) log-probs in micro-batches: peak activation memory scales with the micro-batch."""
-    return torch.cat([forward(model, mb, temperature)[0]
-                      for mb in split(batch, micro_batch_size)])
+def compute_log_probs(model, batch: dict, layout: packing.Layout, temperature: float) -> torch.Tensor:
+    """(B, R) log-probs in micro-batches (peak activation memory scales with the micro-batch),
+    returned in the batch's row order whatever order the token-budget bins took."""
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float32, device=batch["responses"].device)
+    for rows in packing.micro_batches(batch, layout):
+        logp = forward(model, packing.take(batch, rows), temperature, layout)[0]
+        if rows.numel():
+            out[rows.to(out.device)] = logp
+    return out
 
 
 # --------------------------------------------------------------------------- update
@@ -261,6 +272,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
+    layout = make_layout(cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
     names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
     sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs
     norms, skipped, mismatch, moved = [], 0, [], {}
@@ -269,10 +281,11 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
         for mini in split(batch, mini_size):
             tokens, seqs = global_counts(mini)
             optimizer.zero_grad(set_to_none=True)
-            for mb in split(mini, cfg.ppo_micro_batch_size_per_gpu):
+            for rows in packing.micro_batches(mini, layout):
+                mb = packing.take(mini, rows)
                 m = mb["response_mask"]
                 agg = lambda x: agg_loss(x, m, cfg.loss_agg_mode, tokens, seqs)  # noqa: E731
-                logp, ent = forward(model, mb, temperature, "grad" if cfg.entropy_coeff else "log")
+                logp, ent = forward(model, mb, temperature, layout, "grad" if cfg.entropy_coeff else "log")
                 old = logp.detach() if on_policy else mb["old_log_probs"]
                 if on_policy and "rollout_log_probs" in mb:   # this forward is the rollout policy
                     mismatch.append((logp.detach(), mb))
@@ -343,8 +356,9 @@ def resident(a: Actor, metrics: dict):
 
 
 def compute_old_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict) -> torch.Tensor:
+    layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
     with resident(a, metrics):
-        return compute_log_probs(a.model, batch, a.cfg.log_prob_micro_batch_size_per_gpu, temperature)
+        return compute_log_probs(a.model, batch, layout, temperature)
 
 
 def prefetch_update(a: Actor, metrics: dict):

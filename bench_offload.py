@@ -242,7 +242,8 @@ def main():
     rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
                                  gpu_memory_utilization=args.gpu_memory_utilization)
     engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
-                           max_model_len=args.prompt_len + args.response_len, dtype="bfloat16", seed=rank, rank=rank)
+                           max_model_len=args.prompt_len + args.response_len,
+                           max_num_seqs=args.prompts * args.n, dtype="bfloat16", seed=rank, rank=rank)
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
              for _ in range(64)], ["0"] * 64)

@@ -30,7 +30,7 @@ def main():
     ap.add_argument("--response_len", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--param_offload", type=int, default=1)
-    ap.add_argument("--gpu_memory_utilization", type=float, default=0.5)
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.0, help="0: KV cache sized from the batch")
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
 
@@ -45,6 +45,7 @@ def main():
     eos = V - 1                                        # rarely sampled: responses run to full length
     engine = rollout.build(cfg, device=device, model_path=args.model, config=model.config,
                            out_dir="/tmp/bench_rollout", max_model_len=args.prompt_len + args.response_len,
+                           max_num_seqs=args.prompts * args.n,
                            dtype="bfloat16", seed=rank, rank=rank)
     stashes = [stash] if args.param_offload else []
     if args.param_offload:

@@ -37,3 +37,11 @@ def mid_model(seed: int = 0):
                       tie_word_embeddings=True, eos_token_id=1, pad_token_id=0,
                       architectures=["Qwen2ForCausalLM"])
     return Qwen2ForCausalLM(cfg)
+
+
+def layout(micro: int, **actor_cfg):
+    """How the default actor config runs a batch, with `micro` samples per micro-batch
+    (ActorConfig fields such as remove_padding or use_dynamic_bsz overridable)."""
+    import actor
+    cfg = actor.ActorConfig(**actor_cfg)
+    return actor.make_layout(cfg, micro, cfg.log_prob_max_token_len_per_gpu)

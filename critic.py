@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 
 import actor
 import offload
+import packing
 
 
 @dataclass
@@ -44,6 +45,8 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     ppo_micro_batch_size_per_gpu: int = 16
     forward_micro_batch_size_per_gpu: int = 32
+    ppo_max_token_len_per_gpu: int = 16384     # with actor.use_dynamic_bsz: tokens per update micro-batch
+    forward_max_token_len_per_gpu: int = 32768  # with actor.use_dynamic_bsz: tokens per values forward
     gamma: float = 1.0
     lam: float = 1.0
     param_offload: bool = False            # separate mode: trunk shards to pinned host between uses
@@ -95,11 +98,15 @@ class Critic:
     optimizer: torch.optim.Optimizer
     params: offload.Stash
     adam: offload.Stash                    # empty until Adam's first step
+    forward_layout: packing.Layout         # the values stage's micro-batches (and packing)
+    update_layout: packing.Layout          # the update's
 
 
-def build(cfg: CriticConfig, *, model_path, mesh, device, param_dtype: str, actor_model=None,
+def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, actor_model=None,
           seed: int = 0) -> Critic:
-    """Separate: a token-classification LM; shared: the value head only (on `actor_model`'s features)."""
+    """Separate: a token-classification LM; shared: the value head only (on `actor_model`'s features).
+    Compute dtype and forward settings (packing, token budgets) come from the actor's config."""
+    param_dtype = actor_cfg.param_dtype
     if cfg.mode == "shared":
         torch.manual_seed(seed)
         head = torch.nn.Linear(actor_model.config.hidden_size, 1)
@@ -112,7 +119,9 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, param_dtype: str, acto
         raise ValueError(f"critic.mode={cfg.mode}: use separate or shared")
     optimizer = actor.build_optimizer(head, cfg)
     c = Critic(cfg, head, optimizer, offload.param_stash("critic_params", head),
-               offload.optimizer_stash("critic_optimizer", optimizer))
+               offload.optimizer_stash("critic_optimizer", optimizer),
+               actor.make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
+               actor.make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu))
     for s in offloaded(c):
         offload.offload(s)                 # frees the critic's shard bytes until the values stage
     return c
@@ -143,48 +152,57 @@ def load_value_model(path, seed: int = 0):
 
 
 # --------------------------------------------------------------------------- values
-def _features(actor_model, mb: dict) -> torch.Tensor:
+def _features(actor_model, mb: dict, packed: bool) -> torch.Tensor:
     """The actor's final normed hidden states at the positions that predict each response token
-    (B, R, H), from a forward whose logits are cut to one position (no (B, R, vocab) tensor)."""
-    R = mb["responses"].shape[1]
+    (B, R, H), zero on padding, from a forward whose logits are cut to one position (no vocab-sized
+    tensor)."""
+    kw, pick = packing.model_inputs(mb, packed)
     got = []
     hook = actor_model.model.norm.register_forward_hook(lambda m, i, o: got.append(o))
     try:
-        actor_model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                    position_ids=mb["position_ids"], use_cache=False, logits_to_keep=1)
+        actor_model(**kw, use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
-    return got[0][:, -R - 1:-1]
+    resp = mb["response_mask"].bool()
+    feats = got[0].new_zeros(*resp.shape, got[0].shape[-1])
+    feats[resp] = got[0][pick]
+    return feats
 
 
-def _values(model, mb: dict, cfg: CriticConfig, features=None) -> torch.Tensor:
-    """(B, R) values of the states before each response token, fp32."""
+def _values(model, mb: dict, cfg: CriticConfig, packed: bool, features=None) -> torch.Tensor:
+    """(B, R) values of the states before each response token, fp32, zero on padding."""
     if cfg.mode == "shared":
-        return model(features.float())[..., 0]
-    R = mb["responses"].shape[1]
-    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-                position_ids=mb["position_ids"], use_cache=False).logits
-    return out[:, -R - 1:-1, 0].float()
+        return model(features.float())[..., 0] * mb["response_mask"]
+    kw, pick = packing.model_inputs(mb, packed)
+    out = model(**kw, use_cache=False).logits                  # (B or 1, T, 1): one number per position
+    resp = mb["response_mask"].bool()
+    return torch.zeros(resp.shape, dtype=torch.float32, device=resp.device).masked_scatter(resp, out[pick][:, 0].float())
 
 
 def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
     """The values stage's bracket: the critic's shards in (shared mode: the actor's trunk), values,
     then freed again without a copy back."""
     with actor.resident(a, metrics) if c.cfg.mode == "shared" else offload.loaded(offloaded(c), metrics):
-        return values(c.model, batch, c.cfg, a.model)
+        return values(c.model, batch, c.cfg, c.forward_layout, a.model)
 
 
 @torch.no_grad()
-def values(model, batch: dict, cfg: CriticConfig, actor_model=None):
-    """Micro-batched values (B, R); in shared mode also the features (bf16 or fp32), kept for the
-    critic update so that it needs no forward pass."""
-    vals, feats = [], []
-    for mb in actor.split(batch, cfg.forward_micro_batch_size_per_gpu):
-        f = _features(actor_model, mb) if cfg.mode == "shared" else None
-        vals.append(_values(model, mb, cfg, f) * mb["response_mask"])
-        if f is not None:
-            feats.append(f)
-    return torch.cat(vals), (torch.cat(feats) if feats else None)
+def values(model, batch: dict, cfg: CriticConfig, layout: packing.Layout, actor_model=None):
+    """Micro-batched values (B, R), in the batch's row order; in shared mode also the features
+    (B, R, H; bf16 or fp32), kept for the critic update so that it needs no forward pass."""
+    resp = batch["response_mask"]
+    vals = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
+    feats = None
+    for rows in packing.micro_batches(batch, layout):
+        mb = packing.take(batch, rows)
+        f = _features(actor_model, mb, layout.pack) if cfg.mode == "shared" else None
+        v = _values(model, mb, cfg, layout.pack, f)
+        if rows.numel():
+            vals[rows.to(vals.device)] = v
+            if f is not None:
+                feats = feats if feats is not None else f.new_zeros(*resp.shape, f.shape[-1])
+                feats[rows.to(vals.device)] = f
+    return vals, feats
 
 
 # --------------------------------------------------------------------------- update
@@ -195,14 +213,14 @@ def update(c: Critic, batch: dict, mini_size: int, epochs: int, metrics: dict) -
     with offload.loaded(offloaded(c), metrics, modified=True):
         if adam is not None:
             metrics.update(offload.reload(adam, background=True))   # overlaps the first forward/backward
-        stats = update_critic(c.model, c.optimizer, batch, c.cfg, mini_size, epochs, adam)
+        stats = update_critic(c.model, c.optimizer, batch, c.cfg, c.update_layout, mini_size, epochs, adam)
         if adam is not None:
             metrics.update(offload.offload(adam))   # frees 2 x fp32 shard bytes until the next update
     return stats
 
 
-def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: int, epochs: int,
-                  adam: offload.Stash | None = None) -> dict:
+def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, layout: packing.Layout, mini_size: int,
+                  epochs: int, adam: offload.Stash | None = None) -> dict:
     """Clipped value loss over the same mini-batches as the actor, gradients accumulated over
     micro-batches and normalised by global counts (invariant to micro-batch size and ranks).
     `adam`: the offloaded optimizer state, made ready right before each optimizer step."""
@@ -214,9 +232,10 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, mini_size: i
         for mini in actor.split(batch, mini_size):
             tokens, seqs = actor.global_counts(mini)
             optimizer.zero_grad(set_to_none=True)
-            for mb in actor.split(mini, cfg.ppo_micro_batch_size_per_gpu):
+            for rows in packing.micro_batches(mini, layout):
+                mb = packing.take(mini, rows)
                 m = mb["response_mask"].float()
-                v = _values(model, mb, cfg, mb.get("features"))
+                v = _values(model, mb, cfg, layout.pack, mb.get("features"))
                 loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, tokens, seqs)
                 (loss * world).backward()
                 with torch.no_grad():

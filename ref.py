@@ -17,11 +17,13 @@ import torch
 
 import actor
 import offload
+import packing
 
 
 @dataclass
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward: bounds the (B, R, vocab) logits
+    log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward: bounds the activations
+    log_prob_max_token_len_per_gpu: int = 32768  # with actor.use_dynamic_bsz: tokens per forward instead
     param_offload: bool = False            # shards to pinned host except during the ref forward
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead (per-layer copy at all-gather)
 
@@ -32,15 +34,19 @@ class Ref:
     cfg: RefConfig
     model: torch.nn.Module
     params: offload.Stash                  # its local shards, in the compute dtype
+    layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
 
 
-def build(cfg: RefConfig, *, model_path, mesh, device, param_dtype: str, seed: int = 0) -> Ref:
+def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, seed: int = 0) -> Ref:
+    """The actor's architecture and initial weights, frozen; its compute dtype and forward
+    settings (packing, chunked head, token budgets) come from the actor's config."""
     model = actor.load_model(model_path, seed)
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     if device.type == "cuda":
-        model.to(getattr(torch, param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
-    model = actor.shard(model, mesh, device, cfg.offload_policy, param_dtype)
-    r = Ref(cfg, model, offload.param_stash("ref_params", model))
+        model.to(getattr(torch, actor_cfg.param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
+    model = actor.shard(model, mesh, device, cfg.offload_policy, actor_cfg.param_dtype)
+    layout = actor.make_layout(actor_cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
+    r = Ref(cfg, model, offload.param_stash("ref_params", model), layout)
     if cfg.param_offload:
         offload.offload(r.params)          # frees the ref's shard bytes until the first ref stage
     return r
@@ -55,4 +61,4 @@ def resident(r: Ref, metrics: dict):
 
 def compute_log_probs(r: Ref, batch: dict, temperature: float) -> torch.Tensor:
     """(B, R) log-probs in micro-batches (inside `resident` when the shards are offloaded)."""
-    return actor.compute_log_probs(r.model, batch, r.cfg.log_prob_micro_batch_size_per_gpu, temperature)
+    return actor.compute_log_probs(r.model, batch, r.layout, temperature)

@@ -41,7 +41,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                         # 0: off
-    gpu_memory_utilization: float = 0.5    # vLLM: share of the WHOLE GPU for its weights + KV cache
+    gpu_memory_utilization: float = 0.0    # vLLM: share of the WHOLE GPU for weights + KV cache; 0: the KV
+                                           # cache is sized from the batch instead (kv_cache_bytes)
+    kv_cache_margin: float = 0.1           # vLLM, sized from the batch: this much more KV than the batch needs
     sleep_level: int = 2                   # vLLM: 1 keeps weights in host RAM while asleep, 2 drops them
     enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
@@ -58,6 +60,7 @@ class Engine:
     pool_bytes: int = 0                    # vLLM's sleep pool, counted as "allocated" by PyTorch even
                                            # while asleep: the ledger takes it out of the trainer's figures
     build_s: float = 0.0
+    kv_cache_bytes: int = 0                # the KV budget asked for (0: vLLM sized it from gpu_memory_utilization)
 
 
 def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
@@ -73,12 +76,29 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
 
 
 def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str,
-          max_model_len: int, dtype: str, seed: int, rank: int = 0) -> Engine:
+          max_model_len: int, max_num_seqs: int, dtype: str, seed: int, rank: int = 0) -> Engine:
     """The engine `cfg.engine` resolves to: HF generate needs nothing built; vLLM gets one
-    in-process engine on this rank, asleep when returned. `config`: the actor's HF config."""
+    in-process engine on this rank, asleep when returned. `config`: the actor's HF config;
+    `max_num_seqs`: the sequences one generate call sends (prompts per rank x n)."""
     if resolve_engine(cfg, device) == "hf":
         return Engine("hf")
-    return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed)
+    kv = 0 if cfg.gpu_memory_utilization > 0 else kv_cache_bytes(
+        config, max_num_seqs, max_model_len, torch.finfo(getattr(torch, dtype)).bits // 8,
+        cfg.tensor_parallel_size, cfg.kv_cache_margin)
+    return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed,
+                      kv_bytes=kv, max_num_seqs=max_num_seqs)
+
+
+def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: int, margin: float) -> int:
+    """The KV cache one GPU needs for `seqs` sequences of up to max_model_len tokens at once:
+    K and V per layer, per KV head on this GPU (tensor parallel splits them, replicating when
+    there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`. The share of
+    the GPU vLLM would take instead is sized for the GPU, not for the batch: waking and sleeping
+    that much costs time every step, and it is memory the trainer could have used."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = max(1, config.num_key_value_heads // tp)
+    per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
+    return int(seqs * -(-max_model_len // 16) * 16 * per_token * (1 + margin))
 
 
 def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> str:
@@ -161,10 +181,12 @@ def _used_gb() -> float:
     return (total - free) / offload.GB
 
 
-def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int) -> Engine:
+def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int, *,
+               kv_bytes: int, max_num_seqs: int) -> Engine:
     """One engine per rank, in this process, asleep when returned. `model_dir` needs only a
     config.json: the weights are random until the first sync (nothing is read from disk twice).
-    `dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise)."""
+    `dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise).
+    `kv_bytes` > 0: vLLM's KV cache is exactly that (vLLM then ignores gpu_memory_utilization)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -178,16 +200,18 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
     before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
+    budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
     llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
               distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
-              dtype=dtype, gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-              max_model_len=max_model_len, seed=seed, logprobs_mode="processed_logprobs")
+              dtype=dtype, enforce_eager=cfg.enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+              seed=seed, logprobs_mode="processed_logprobs", **budget)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
     llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
     return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
-                  pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0)
+                  pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
+                  kv_cache_bytes=kv_bytes)
 
 
 def vllm_model(llm):

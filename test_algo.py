@@ -9,7 +9,7 @@ import torch
 
 import actor
 import train_grpo
-from conftest import tiny_batch
+from conftest import layout, tiny_batch
 
 
 # --------------------------------------------------------------------------- advantage
@@ -90,11 +90,11 @@ def test_log_probs_independent_of_micro_batch(dist_env):
     _, world, device = dist_env
     model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
     batch = tiny_batch(12, 5, device)
-    ref = actor.compute_log_probs(model, batch, 12, 1.0)
+    ref = actor.compute_log_probs(model, batch, layout(12), 1.0)
     for mb in (1, 5, 7):
-        assert torch.allclose(actor.compute_log_probs(model, batch, mb, 1.0), ref, atol=1e-5)
+        assert torch.allclose(actor.compute_log_probs(model, batch, layout(mb), 1.0), ref, atol=1e-5)
     # a left-padded row sees the same log-probs as when it is alone in its batch
-    alone = actor.compute_log_probs(model, {k: v[3:4] for k, v in batch.items()}, 1, 1.0)
+    alone = actor.compute_log_probs(model, {k: v[3:4] for k, v in batch.items()}, layout(1), 1.0)
     assert torch.allclose(alone, ref[3:4], atol=1e-5)
 
 

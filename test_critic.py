@@ -12,7 +12,7 @@ import actor
 import critic
 import offload
 import train_grpo
-from conftest import tiny_batch
+from conftest import layout, tiny_batch
 from test_train import run
 
 
@@ -55,13 +55,17 @@ def _critic(dist_env, mode="separate"):
     mesh = train_grpo.build_mesh(device, world, -1)
     act = actor.shard(actor.load_model(None, 0), mesh, device)
     cfg = critic.CriticConfig(mode=mode)
-    c = critic.build(cfg, model_path=None, mesh=mesh, device=device, param_dtype="float32", actor_model=act)
-    return act, c.model, c.optimizer, cfg, device
+    c = critic.build(cfg, model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig(), actor_model=act)
+    return act, c, cfg, device
 
 
-def _ppo_batch(act, model, cfg, device, seed):
+def _update(c, batch):
+    return critic.update_critic(c.model, c.optimizer, batch, c.cfg, c.update_layout, 8, 1)
+
+
+def _ppo_batch(act, c, device, seed):
     batch = tiny_batch(8, 5, device, seed=seed)
-    batch["values"], feats = critic.values(model, batch, cfg, act)
+    batch["values"], feats = critic.values(c.model, batch, c.cfg, c.forward_layout, act)
     if feats is not None:
         batch["features"] = feats
     batch["returns"] = torch.rand(8, 5, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -70,42 +74,42 @@ def _ppo_batch(act, model, cfg, device, seed):
 
 def test_critic_offload_round_trip_is_bit_exact(dist_env):
     twins = [_critic(dist_env) for _ in range(2)]
-    for act, model, opt, cfg, device in twins:
-        critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 0), cfg, 8, 1)
-    act, model, opt, cfg, device = twins[0]
-    params, states = offload.param_stash("c", model), offload.optimizer_stash("co", opt)
+    for act, c, cfg, device in twins:
+        _update(c, _ppo_batch(act, c, device, 0))
+    act, c, cfg, device = twins[0]
+    params, states = offload.param_stash("c", c.model), offload.optimizer_stash("co", c.optimizer)
     snap = [v.clone() for v in params.views + states.views]
     offload.offload(params), offload.offload(states)
     assert all(st.nbytes() == 0 for st in params.storages + states.storages)
     offload.reload(params), offload.reload(states)
     assert all(torch.equal(a, b) for a, b in zip(snap, params.views + states.views))
-    s1 = critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 1), cfg, 8, 1)
-    a2, m2, o2, c2, _ = twins[1]
-    s2 = critic.update_critic(m2, o2, _ppo_batch(a2, m2, c2, device, 1), c2, 8, 1)
+    s1 = _update(c, _ppo_batch(act, c, device, 1))
+    a2, c2, _, _ = twins[1]
+    s2 = _update(c2, _ppo_batch(a2, c2, device, 1))
     assert s1 == s2
 
 
 def test_critic_update_independent_of_micro_batch(dist_env):
     results = []
     for micro in (2, 8):
-        act, model, opt, cfg, device = _critic(dist_env)
-        cfg.ppo_micro_batch_size_per_gpu = micro
-        results.append(critic.update_critic(model, opt, _ppo_batch(act, model, cfg, device, 2), cfg, 8, 1))
+        act, c, cfg, device = _critic(dist_env)
+        c.update_layout = layout(micro)
+        results.append(_update(c, _ppo_batch(act, c, device, 2)))
     assert results[0]["critic/vf_loss"] == pytest.approx(results[1]["critic/vf_loss"], rel=1e-5)
     assert results[0]["critic/grad_norm"] == pytest.approx(results[1]["critic/grad_norm"], rel=1e-4)
 
 
 def test_shared_head_trains_and_leaves_the_trunk_alone(dist_env):
-    act, head, opt, cfg, device = _critic(dist_env, "shared")
+    act, c, cfg, device = _critic(dist_env, "shared")
     trunk = [p.detach().full_tensor().clone() for p in act.parameters()]
-    batch = _ppo_batch(act, head, cfg, device, 3)
+    batch = _ppo_batch(act, c, device, 3)
     assert batch["features"].shape == (8, 5, act.config.hidden_size)
-    before = [p.detach().full_tensor().clone() for p in head.parameters()]
-    critic.update_critic(head, opt, batch, cfg, 8, 1)
-    assert any(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, head.parameters()))
+    before = [p.detach().full_tensor().clone() for p in c.model.parameters()]
+    _update(c, batch)
+    assert any(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, c.model.parameters()))
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(trunk, act.parameters()))
-    separate = offload.param_stash("s", _critic(dist_env)[1]).nbytes
-    shared = offload.param_stash("h", head).nbytes
+    separate = offload.param_stash("s", _critic(dist_env)[1].model).nbytes
+    shared = offload.param_stash("h", c.model).nbytes
     assert shared == (act.config.hidden_size + 1) * 4 and separate > 1000 * shared
 
 

@@ -15,7 +15,7 @@ import torch
 import actor
 import offload
 import train_grpo
-from conftest import tiny_batch
+from conftest import layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,7 +29,7 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
     opt = actor.build_optimizer(model, cfg)
     full = tiny_batch(16, 5, device, seed=3)
-    full["old_log_probs"] = actor.compute_log_probs(model, full, 16, 1.0).detach() + 0.05 * full["response_mask"]
+    full["old_log_probs"] = actor.compute_log_probs(model, full, layout(16), 1.0).detach() + 0.05 * full["response_mask"]
     n = 16 // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(model, opt, mine, cfg, mini_size=n, temperature=1.0)  # 2 epochs: 2 Adam steps
@@ -133,7 +133,7 @@ def test_forward_only_bracket_skips_the_copy_back(dist_env):
     m = {}
     batch = tiny_batch(8, 5, device, seed=6)
     with offload.loaded([stash], m):                          # forward only
-        before = actor.compute_log_probs(model, batch, 8, 1.0)
+        before = actor.compute_log_probs(model, batch, layout(8), 1.0)
     assert "offload/p/drop_s" in m and "offload/p/offload_gb" not in m
     with offload.loaded([stash], m, modified=True):
         actor.update_policy(model, opt, batch, actor.ActorConfig(), 8, 1.0)
@@ -141,4 +141,4 @@ def test_forward_only_bracket_skips_the_copy_back(dist_env):
     assert m["offload/p/offload_gb"] > 0
     with offload.loaded([stash], {}):
         assert all(torch.equal(a, b) for a, b in zip(updated, stash.views))
-        assert not torch.equal(actor.compute_log_probs(model, batch, 8, 1.0), before)
+        assert not torch.equal(actor.compute_log_probs(model, batch, layout(8), 1.0), before)

@@ -17,10 +17,11 @@ import actor
 import offload
 import ref
 import train_grpo
-from conftest import mid_model, tiny_batch
+from conftest import layout, mid_model, tiny_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 MB = 1024 ** 2
+GB = 1024 ** 3
 # deterministic cuBLAS for the bit-exact test: read when the first handle is made, i.e. after import
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -245,10 +246,11 @@ def test_critic_offload_frees_its_bytes(env):
         model = actor.shard(Qwen2ForTokenClassification(config), mesh, device, param_dtype="float32")
         twins.append((model, actor.build_optimizer(model, cfg)))
     batch = tiny_batch(16, 32, device, vocab=32000)
-    batch["values"], _ = critic.values(twins[0][0], batch, cfg)
+    lay = layout(8)
+    batch["values"], _ = critic.values(twins[0][0], batch, cfg, lay)
     batch["returns"] = torch.rand_like(batch["values"])
     for model, opt in twins:
-        critic.update_critic(model, opt, batch, cfg, 16, 1)
+        critic.update_critic(model, opt, batch, cfg, lay, 16, 1)
     (model, opt), (twin, twin_opt) = twins
     params, states = offload.param_stash("critic_params", model), offload.optimizer_stash("critic_optimizer", opt)
     assert states.nbytes == 2 * params.nbytes
@@ -257,7 +259,7 @@ def test_critic_offload_frees_its_bytes(env):
         offload.offload(stash)
         _close(before - _allocated(), stash.nbytes)
     offload.reload(params), offload.reload(states)
-    assert critic.update_critic(model, opt, batch, cfg, 16, 1) == critic.update_critic(twin, twin_opt, batch, cfg, 16, 1)
+    assert critic.update_critic(model, opt, batch, cfg, lay, 16, 1) == critic.update_critic(twin, twin_opt, batch, cfg, lay, 16, 1)
 
 
 def test_ppo_step_with_every_offload_flag_matches_none(env):
@@ -276,3 +278,36 @@ def test_ppo_step_with_every_offload_flag_matches_none(env):
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
     assert runs[1][-1]["offload/critic_optimizer/offload_gb"] > 0
     assert runs[1][-1]["rollout/trainer_gpu_gb"] < 0.01 * runs[0][-1]["rollout/trainer_gpu_gb"]
+
+
+def test_chunked_lm_head_cuts_the_update_peak_at_a_150k_vocab(env):
+    """One update at Qwen2.5-0.5B shapes (151,936-token vocabulary), 16 samples x 256 response
+    tokens: with the LM head in 2048-token chunks the stage's peak allocated is lower than with
+    all 4,096 response positions at once by more than one fp32 (tokens, vocab) logits copy
+    (2.5 GB), and the losses agree (1e-3)."""
+    import tiny
+    device, mesh = env
+    peaks, losses = {}, {}
+    for chunk in (0, 2048):
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=16, logits_chunk_tokens=chunk)
+        torch.manual_seed(0)
+        model = actor.shard(tiny.build_random_model("qwen2.5-0.5b"), mesh, device)
+        opt = actor.build_optimizer(model, cfg)
+        batch = tiny_batch(16, 256, device, seed=0, vocab=151936)
+        batch["response_mask"][:] = 1                           # every response position is real
+        batch["attention_mask"][:, -256:] = 1
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        losses[chunk] = actor.update_policy(model, opt, batch, cfg, 16, 1.0)["pg_loss"]
+        torch.cuda.synchronize()
+        peaks[chunk] = torch.cuda.max_memory_allocated() - base
+        del model, opt
+    copy = 16 * 256 * 151936 * 4
+    print(f"\n[memory] update peak above the model: all at once {peaks[0] / GB:.2f} GB, "
+          f"chunks of 2048 {peaks[2048] / GB:.2f} GB (one fp32 logits copy {copy / GB:.2f} GB)")
+    assert peaks[0] - peaks[2048] > copy
+    assert losses[0] == pytest.approx(losses[2048], rel=1e-3, abs=1e-5)

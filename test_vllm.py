@@ -17,7 +17,7 @@ import actor
 import offload
 import rollout
 import train_grpo
-from conftest import mid_model
+from conftest import layout, mid_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                 reason="needs a CUDA GPU and vLLM")
@@ -31,7 +31,7 @@ def env(dist_env, tmp_path_factory):
     model = actor.shard(mid_model(), mesh, device)                     # bf16 compute, fp32 master
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, gpu_memory_utilization=0.3, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config,
-                           out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), max_model_len=64, dtype="bfloat16",
+                           out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), max_model_len=64, max_num_seqs=32, dtype="bfloat16",
                            seed=rank, rank=rank)
     print(f"\n[vllm] asleep after build: {engine.asleep_device_gb:.2f} GB stays on the GPU")
     g = torch.Generator().manual_seed(rank)
@@ -65,7 +65,7 @@ def test_greedy_parity_and_logprob_mismatch(env):
     rows = (vb["responses"] == hb["responses"]).all(-1).float().mean().item()
     # sampled tokens at T=1: vLLM's log-probs of its own samples against the actor's recomputation
     sb, _ = _vllm(env)
-    lp = actor.compute_log_probs(model, sb, 64, 1.0)
+    lp = actor.compute_log_probs(model, sb, layout(64), 1.0)
     mask = sb["response_mask"]
     diff = ((lp - sb["rollout_log_probs"]).abs() * mask)
     mean, mx = (diff.sum() / mask.sum()).item(), diff.max().item()

@@ -254,16 +254,16 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     prompts, answers = data if data is not None else data_io.load_data(
         cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
     where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
-    dtype = cfg.actor.param_dtype
     a = actor.build(cfg.actor, **where)
-    r = ref.build(cfg.ref, param_dtype=dtype, **where) if cfg.actor.use_kl_loss else None
-    c = critic.build(cfg.critic, param_dtype=dtype, actor_model=a.model, **where) \
+    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if cfg.actor.use_kl_loss else None
+    c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
         if cfg.algorithm.adv_estimator == "gae" else None
     os.makedirs(cfg.out_dir, exist_ok=True)
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
                                out_dir=cfg.out_dir, max_model_len=max(map(len, prompts)) + cfg.rollout.response_length,
-                               dtype=dtype, seed=cfg.seed + rank, rank=rank)
+                               max_num_seqs=cfg.train_batch_size // world * cfg.rollout.n,
+                               dtype=cfg.actor.param_dtype, seed=cfg.seed + rank, rank=rank)
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
@@ -285,7 +285,10 @@ def report(t: Trainer) -> list[str]:
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
     if t.engine.kind == "vllm":
-        lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; asleep it keeps "
+        kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
+              f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
+              f"weights + KV cache {cfg.rollout.gpu_memory_utilization:.0%} of the GPU")
+        lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")

@@ -1,0 +1,219 @@
+"""Responses through the model in bounded memory: token-budget micro-batches, padding removed, and
+the LM head applied to response tokens only, a chunk at a time.
+
+    python -m pytest test_packing.py -q        # packed == padded, chunked == whole, budgets balanced
+
+Three memory consumers no offload flag touches, and what this file does to each:
+- The (tokens, vocab) logits. At Qwen's 151,936-token vocabulary one fp32 copy for 32 samples x
+  320 tokens is 6.2 GB, and log-softmax, entropy and their backward hold several. Here only the
+  positions that predict a response token reach the LM head, `chunk` of them at a time: one
+  (chunk, vocab) fp32 block exists at once, and backward recomputes it (activation checkpointing
+  per chunk) instead of keeping every chunk's logits alive until then.
+- Padding. Prompts are left-padded and responses right-padded to the longest in the batch. With
+  `pack`, each micro-batch's real tokens go into one row, position ids restart per sequence, and
+  attention keeps to each sequence's own tokens: FlashAttention's variable-length kernel on a GPU
+  (bf16/fp16), SDPA with a block-diagonal causal mask elsewhere (CPU, fp32; the mask is T x T).
+- The micro-batch size. A fixed count of samples sizes memory for the longest; `max_tokens` fills
+  micro-batches to a token budget instead, balanced across them, the same number on every rank
+  (every FSDP forward is a collective), results returned in the original order.
+"""
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+ATTENTION = "packed_sdpa"      # the attention implementation the roles' models are switched to
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one role runs its batches (built from its config, where the defaults are)."""
+    micro: int                 # samples per micro-batch (when max_tokens is 0)
+    max_tokens: int            # token budget per micro-batch (prompt + response); 0: fixed `micro`
+    pack: bool                 # remove padding (one packed row per micro-batch)
+    chunk: int                 # response tokens per LM-head chunk; 0: all at once
+
+
+# --------------------------------------------------------------------------- attention
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA, except for a packed row (`cu_seq_lens_q` given): then each sequence attends only to
+    its own earlier tokens. query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:                 # padded batches (HF generate, pack off): transformers' SDPA path
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))      # (T, H, D)
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # FlashAttention-2's varlen kernel as built into PyTorch (autograd included); GQA natively
+        n = int(kwargs["max_length_q"])
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False, scale=scaling)[0]
+    else:                          # CPU / fp32: one SDPA call with a block-diagonal causal mask (T, T)
+        T = q.shape[0]
+        seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff().long())
+        pos = torch.arange(T, device=q.device)
+        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                             enable_gqa=True)[0].transpose(0, 1)
+    return out[None], None
+
+
+def use_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch an HF model to this file's attention (SDPA for padded batches, varlen for packed)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    AttentionInterface.register(ATTENTION, _attention)
+    AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.config._attn_implementation = ATTENTION
+    return model
+
+
+# --------------------------------------------------------------------------- packing
+def pack(mb: dict) -> dict:
+    """One row of the micro-batch's real tokens. Rows of `mb` are prompt (left-padded to P) +
+    response (right-padded to R); a token is real where attention_mask is 1. Returns the packed
+    ids and position ids (1, T), the sequence boundaries `cu` (n+1,), and `keep` (N,): the packed
+    positions whose next token is a response token (N = valid response tokens, row-major, the
+    same order as response_mask's ones)."""
+    real = mb["attention_mask"].bool()                                      # (B, P+R)
+    lengths = real.sum(-1)                                                  # (B,)
+    prompt_len = lengths - mb["response_mask"].sum(-1)
+    if bool((prompt_len < 1).any()):
+        raise ValueError("a sample has no prompt token: nothing predicts its first response token")
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                   # (B+1,)
+    ids = mb["input_ids"][real]                                             # (T,)
+    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+    pos = torch.arange(ids.numel(), device=ids.device) - starts            # restarts at 0 per sequence
+    # response token j of row i sits at cu[i] + prompt_len[i] + j; the position before it predicts it
+    resp = mb["response_mask"].bool()
+    first = (cu[:-1].long() + prompt_len - 1)[:, None].expand_as(resp)
+    keep = (first + torch.arange(resp.shape[1], device=ids.device))[resp]  # (N,)
+    return {"input_ids": ids[None], "position_ids": pos[None], "cu": cu, "max_len": int(lengths.max()),
+            "keep": keep}
+
+
+# --------------------------------------------------------------------------- the LM head, chunked
+def _head_chunk(h, w, ids, temperature: float, entropy_grad: bool):
+    """(C, H) hidden states -> (C, 2): log p(ids) and the entropy, from one (C, vocab) fp32 block."""
+    logits = (h @ w.t()).float().div_(temperature)                         # (C, V): this chunk only
+    lse = logits.logsumexp(-1)
+    logp = logits.gather(-1, ids[:, None])[:, 0] - lse
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return torch.stack([logp, ent], -1)
+
+
+def head_logprobs(hidden, weight, ids, temperature: float, chunk: int, entropy_grad: bool) -> torch.Tensor:
+    """log p(ids) and entropy, (N, 2), for hidden (N, H) through the LM head `weight` (V, H).
+    With grad, each chunk is checkpointed: backward recomputes its logits (one chunk alive).
+    N = 0 still runs one (empty) chunk, so the head's weight takes part in backward on every rank."""
+    n = ids.numel()
+    size = chunk if chunk > 0 else max(n, 1)
+    out = []
+    for s in range(0, max(n, 1), size):
+        args = (hidden[s:s + size], weight, ids[s:s + size], temperature, entropy_grad)
+        out.append(checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
+                   else _head_chunk(*args))
+    return torch.cat(out)
+
+
+@contextlib.contextmanager
+def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int, entropy_grad: bool):
+    """Inside this block the model's LM head returns (N, 2) log-probs and entropies of `targets`
+    instead of logits, from the hidden states at the `pick` (B, K) positions of what it is given
+    (B, K, H). It runs inside the model's forward, so FSDP2 has the head's weight gathered there
+    (and again in backward), as for any layer."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden):                   # (B, K, H) -> (N, 2)
+        return head_logprobs(hidden[pick], head.weight, targets, temperature, chunk, entropy_grad)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward                   # the class's forward again
+
+
+def model_inputs(mb: dict, packed: bool) -> tuple[dict, torch.Tensor]:
+    """The keyword arguments for the model's forward (packed into one row, or the padded rows as
+    they are) and `pick` (B, T) bool: the positions whose output predicts a response token, in
+    the row-major order of response_mask's ones."""
+    if packed:
+        p = pack(mb)
+        kw = dict(input_ids=p["input_ids"], position_ids=p["position_ids"],
+                  attention_mask=torch.ones_like(p["input_ids"]),   # no padding: SDPA's mask builder skips
+                  cu_seq_lens_q=p["cu"], cu_seq_lens_k=p["cu"], max_length_q=p["max_len"], max_length_k=p["max_len"])
+        pick = torch.zeros_like(p["input_ids"], dtype=torch.bool)
+        pick[0, p["keep"]] = True
+        return kw, pick
+    resp = mb["response_mask"].bool()      # padded rows: position P-1+j predicts response token j
+    kw = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    return kw, F.pad(resp, (mb["input_ids"].shape[1] - resp.shape[1] - 1, 1))
+
+
+def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entropy_grad: bool = False):
+    """(B, R) log-probs of the response tokens and their entropies (zero on padding). Only the
+    positions that predict a response token reach the LM head; the (B, T, V) logits never exist."""
+    resp = mb["response_mask"].bool()                                       # (B, R)
+    targets = mb["responses"][resp]                                         # (N,)
+    kw, pick = model_inputs(mb, layout.pack)
+    cols = pick.any(0).nonzero()[:, 0]     # the positions the head must see (hidden states there only)
+    with _head_computes_logprobs(model, pick[:, cols], targets, temperature, layout.chunk, entropy_grad):
+        out = model(**kw, logits_to_keep=cols, use_cache=False).logits     # (N, 2)
+    out = out[:targets.numel()]            # an empty micro-batch ran one empty chunk
+    zeros = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
+    return zeros.masked_scatter(resp, out[:, 0]), zeros.masked_scatter(resp, out[:, 1])
+
+
+# --------------------------------------------------------------------------- micro-batches
+def micro_batches(batch: dict, layout: Layout) -> list[torch.Tensor]:
+    """Row indices of each micro-batch. Fixed: consecutive slices of `layout.micro` rows.
+    Token budget: balanced bins of at most `max_tokens` real tokens each (longest first, each into
+    the emptiest bin), as many bins on this rank as on the rank that needs the most (FSDP's
+    collectives run once per micro-batch, so every rank must run the same number). A bin may be
+    empty on a rank that needs fewer: the caller runs it as a dummy forward."""
+    n = batch["responses"].shape[0]
+    if layout.max_tokens <= 0:
+        return [torch.arange(i, min(i + layout.micro, n)) for i in range(0, n, layout.micro)]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    if max(lengths) > layout.max_tokens:
+        raise ValueError(f"a sample has {max(lengths)} tokens, more than the token budget "
+                         f"{layout.max_tokens}; raise the *_max_token_len_per_gpu option to at least that")
+    bins = max(1, math.ceil(sum(lengths) / layout.max_tokens))
+    while True:                               # the fewest balanced bins that all fit the budget
+        groups = _balance(lengths, bins)
+        if max(sum(lengths[i] for i in g) for g in groups) <= layout.max_tokens:
+            break
+        bins += 1
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([bins], device=batch["responses"].device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if int(t) > bins:
+            groups = _balance(lengths, int(t))
+    return [torch.tensor(sorted(g), dtype=torch.long) for g in groups]
+
+
+def _balance(lengths: list, bins: int) -> list[list[int]]:
+    """Longest-first greedy: each sample into the bin with the fewest tokens so far."""
+    groups, loads = [[] for _ in range(bins)], [0] * bins
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = loads.index(min(loads))
+        groups[b].append(i)
+        loads[b] += lengths[i]
+    return groups
+
+
+def take(batch: dict, rows: torch.Tensor) -> dict:
+    """The micro-batch of these rows; an empty bin becomes a one-row dummy with nothing to learn
+    (response_mask zero), so the rank still runs its forward/backward and FSDP's collectives."""
+    if rows.numel() == 0:
+        mb = {k: v[:1] for k, v in batch.items()}
+        mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        return mb
+    rows = rows.to(batch["responses"].device)
+    return {k: v.index_select(0, rows) for k, v in batch.items()}
