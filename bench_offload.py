@@ -245,7 +245,7 @@ def main():
                            max_model_len=args.prompt_len + args.response_len, dtype="bfloat16", seed=rank, rank=rank)
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
-             for _ in range(64)], ["0"] * 64)
+             for _ in range(64)], ["0"] * 64, None)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)
         if rank == 0:

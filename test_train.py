@@ -14,7 +14,7 @@ import torch
 import train_grpo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update")]
+GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update", "reward_model")]
 
 
 def run(args, nproc=0, timeout=600):
@@ -117,8 +117,9 @@ def test_parquet_and_gsm8k_reward(tmp_path):
     import data
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1=", "22="], "answer": ["x #### 1", "#### 22"]}), path)
-    prompts, answers = data.load_data(path, tiny.build_tokenizer())
+    prompts, answers, chats = data.load_data(path, tiny.build_tokenizer())
     assert prompts == [[3, 12], [4, 4, 12]] and answers == ["x #### 1", "#### 22"]
+    assert chats == [[{"role": "user", "content": "1="}], [{"role": "user", "content": "22="}]]
     assert data.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
     assert data.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
     assert data.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response
