@@ -95,9 +95,9 @@ def load_model(path: str, seed: int = 0) -> torch.nn.Module:
 
 
 def own_tokenizer(path: str, policy_tokenizer):
-    """The reward model's tokenizer when it writes text differently from the policy's (another
-    vocabulary or chat template); None when the rollout's ids can be read as they are (random:
-    models have no tokenizer of their own: they read the policy's ids)."""
+    """The reward model's tokenizer when it writes text differently from the policy's (a token with
+    another id, or another chat template); None when the rollout's ids can be read as they are
+    (random: models have no tokenizer of their own: they read the policy's ids)."""
     if path.startswith("random:"):
         return None
     from transformers import AutoTokenizer
@@ -106,7 +106,8 @@ def own_tokenizer(path: str, policy_tokenizer):
     except (OSError, ValueError) as e:
         raise ValueError(f"--reward_model.path={path}: cannot load its tokenizer ({str(e).splitlines()[0]}); "
                          f"save the reward model's tokenizer in that directory") from None
-    same = tok.get_vocab() == policy_tokenizer.get_vocab() and \
+    ids = tok.get_vocab()                  # the policy's ids mean the same tokens to it (extra ones allowed)
+    same = all(ids.get(t) == i for t, i in policy_tokenizer.get_vocab().items()) and \
         getattr(tok, "chat_template", None) == getattr(policy_tokenizer, "chat_template", None)
     return None if same else tok
 
