@@ -8,10 +8,11 @@ the rule reward, micro-batched, in the compute dtype, FSDP2-sharded, with its ow
     python -m pytest test_memory.py -q -k reward_model     # GPU: its offload frees its bytes
 
 What it reads: each sample's prompt and response as the reward model's own tokenizer writes them.
-When its tokenizer and chat template are the policy's, the rollout's ids are reused as they are
-(prompt + response up to its EOS); otherwise the response is decoded with the policy's tokenizer
-and the conversation (the prompt's chat messages, the response as the assistant's turn) is
-rendered with the reward model's chat template and encoded again.
+When its tokenizer gives every policy token the same id and its chat template is the policy's,
+the rollout's ids are reused as they are (prompt + response up to its EOS); otherwise the
+response is decoded with the policy's tokenizer and the conversation (the prompt's chat
+messages, the response as the assistant's turn) is rendered with the reward model's chat
+template and encoded with its tokenizer.
 What it returns: the classification head's value at each sequence's last token, one float per
 sample, mixed with the rule reward as  weight * model + (1 - weight) * rule  (weight 1, the
 default: the model alone; weight 0: the model's score is logged, not trained on).
@@ -118,6 +119,9 @@ def build(cfg: RewardModelConfig, *, mesh, device, param_dtype: str, policy_toke
     dtype on a GPU, shard like the reference; with param_offload the shards leave the GPU at once."""
     check(cfg)
     model = model if model is not None else load_model(cfg.path, seed)
+    if not hasattr(getattr(model, "model", None), "layers"):   # actor.shard wraps model.model.layers
+        raise ValueError(f"--reward_model.path={cfg.path}: {type(model).__name__} has no model.layers to shard; "
+                         f"use a Llama/Qwen-style sequence classifier")
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     # Pooling: HF's sequence classifiers read the head at the rightmost token whose id is not
     # config.pad_token_id, which skips a last token equal to the pad id (an EOS where eos == pad, as
@@ -125,12 +129,12 @@ def build(cfg: RewardModelConfig, *, mesh, device, param_dtype: str, policy_toke
     # hides the pads), so every sequence's last token sits at the last position; an id that matches
     # no token makes HF read exactly there. Set after construction: the embedding's padding_idx is
     # fixed at init and nothing else in the forward reads this id.
-    model.config.pad_token_id = -1
+    model.config.get_text_config().pad_token_id = -1     # (the config itself for Qwen2 / Llama)
     tokenizer = own_tokenizer(cfg.path, policy_tokenizer) if cfg.path is not None else None
     if tokenizer is None and model.config.vocab_size < len(policy_tokenizer):
         raise ValueError(f"--reward_model.path={cfg.path}: it reads the policy's token ids, but its vocabulary "
-                         f"({model.config.vocab_size}) is smaller than the policy tokenizer's ({len(policy_tokenizer)}); "
-                         f"use a reward model with its own tokenizer or a larger vocabulary")
+                         f"({model.config.vocab_size}) is smaller than the policy tokenizer's "
+                         f"({len(policy_tokenizer)}); use a reward model with its own tokenizer or a larger vocabulary")
     if device.type == "cuda":
         model.to(getattr(torch, param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
     model = actor.shard(model, mesh, device, False, param_dtype)
@@ -146,8 +150,9 @@ def describe(rm: RewardModel) -> str:
     reads = "the rollout's token ids as they are" if rm.tokenizer is None else \
         "its own tokenization (response decoded, conversation re-rendered with its chat template)"
     w = rm.cfg.weight
-    return (f"[reward_model] {rm.cfg.path}: {n / 1e6:.1f}M parameters; reads {reads}; "
-            f"score = {w:g} x model + {1 - w:g} x rule" + (" (the model's score is logged, not trained on)" if w == 0 else ""))
+    unused = " (the model's score is logged, not trained on)" if w == 0 else ""
+    return f"[reward_model] {rm.cfg.path}: {n / 1e6:.1f}M parameters; reads {reads}; " \
+           f"score = {w:g} x model + {1 - w:g} x rule{unused}"
 
 
 # --------------------------------------------------------------------------- inputs

@@ -21,7 +21,8 @@ from test_train import metrics, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the policy's characters under other ids, two role tokens, and a chat template that uses them
-OTHER_VOCAB = ["<pad>", "<eos>", "<u>", "<a>"] + list("0123456789=+# ")[::-1]   # ' '=4 '#'=5 '+'=6 '='=7 '9'=8 ... '0'=17
+# ' '=4 '#'=5 '+'=6 '='=7 '9'=8 '8'=9 ... '1'=16 '0'=17
+OTHER_VOCAB = ["<pad>", "<eos>", "<u>", "<a>"] + list("0123456789=+# ")[::-1]
 OTHER_TEMPLATE = ("{% for m in messages %}{{ '<u>' if m['role'] == 'user' else '<a>' }}{{ m['content'] }}"
                   "{% endfor %}{{ eos_token }}")
 
@@ -107,7 +108,8 @@ def test_scores_do_not_depend_on_the_micro_batch(dist_env, rm_dirs):
     scores within fp32 tolerance."""
     batch = tiny_batch(12, 6, dist_env[2], seed=2)
     runs = [reward_model.compute_scores(_build(dist_env, rm_dirs["same"], micro=k), batch) for k in (1, 5, 16)]
-    assert torch.allclose(runs[0], runs[1], rtol=1e-5, atol=1e-6) and torch.allclose(runs[0], runs[2], rtol=1e-5, atol=1e-6)
+    for other in runs[1:]:
+        assert torch.allclose(runs[0], other, rtol=1e-5, atol=1e-6)
 
 
 def test_offload_round_trip_changes_no_score(dist_env, rm_dirs):
@@ -192,7 +194,8 @@ def test_run_with_a_reward_model_logs_its_stage(tmp_path, rm_dirs):
     and reward_mean = 0.25 x model mean + 0.75 x rule mean; the set-up report names its offload."""
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=2", "--save=false", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4",
-             f"--reward_model.path={rm_dirs['other']}", "--reward_model.param_offload=true", "--reward_model.weight=0.25"])
+             f"--reward_model.path={rm_dirs['other']}", "--reward_model.param_offload=true",
+             "--reward_model.weight=0.25"])
     assert r.returncode == 0, r.stderr[-3000:]
     for m in metrics(out):
         for k in ("time/reward_model", "mem/reward_model/peak_gb", "mem/reward_model/allocated_gb",

@@ -7,8 +7,9 @@
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
 
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
-bytes happens inside that role's own file (actor.py, ref.py, critic.py; rollout.py loads and frees
-the actor's params around the weight sync): this file orders the stages and keeps the ledger.
+bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
+loads and frees the actor's params around the weight sync): this file orders the stages and keeps
+the ledger. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
