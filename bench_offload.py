@@ -3,6 +3,7 @@
     python bench_offload.py --model=random:qwen2.5-1.5b --levers --out=offload_1.5b.json --plot=offload_1.5b.png
     python bench_offload.py --model=random:qwen2.5-7b --configs=none,param,optim,ref,all \
         --actor.gradient_checkpointing=true --out=offload_7b.json      # other options go to train_grpo
+    python bench_offload.py --model=random:qwen2.5-1.5b --configs=none,rm,rm_offload,all,rm_all --out=rm_1.5b.json
 
 One process per model size: the host<->device copy bandwidth (pinned and pageable) is measured
 first, then every configuration runs the same GRPO (or PPO) steps (fixed prompt and response
@@ -51,6 +52,9 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "ppo_all": {**PPO, **ALL, "critic.param_offload": True, "critic.optimizer_offload": True},
     "ppo_shared": {**PPO, "critic.mode": "shared"},  # value head on the actor's trunk
     "ppo_shared_all": {**PPO, **ALL, "critic.mode": "shared"},
+    "rm": {},                                        # + a reward model of the policy's size (set below)
+    "rm_offload": {"reward_model.param_offload": True},
+    "rm_all": {**ALL, "reward_model.param_offload": True},
 }
 
 
@@ -80,6 +84,7 @@ def bench_cfg(name, args, extra):
                                  f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}",
                                  f"--critic.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--critic.forward_micro_batch_size_per_gpu={args.micro}",
+                                 f"--reward_model.micro_batch_size_per_gpu={args.micro}",
                                  "--out_dir=/tmp/bench_offload", "--reward=bench_offload:zero_reward"] + extra)
     for key, value in CONFIGS[name].items():
         section, field = key.split(".")
@@ -111,6 +116,8 @@ def run_config(name, args, extra, engine, data, layers):
     cfg = bench_cfg(name, args, extra)
     if name == "partial":
         cfg.actor.param_offload_layers = layers // 2
+    if name.startswith("rm"):              # random weights of the policy's shape, scoring in bf16
+        cfg.reward_model.path = args.model
     try:
         t = train_grpo.setup(cfg, engine=engine, data=data)
         m = median_of_steps([train_grpo.train_step(t, s) for s in range(args.steps)])
@@ -246,7 +253,7 @@ def main():
                            max_num_seqs=args.prompts * args.n, dtype="bfloat16", seed=rank, rank=rank)
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
-             for _ in range(64)], ["0"] * 64)
+             for _ in range(64)], ["0"] * 64, None)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)
         if rank == 0:
@@ -263,7 +270,8 @@ def main():
             print(f"[{name}] {time.perf_counter() - t0:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",
                   flush=True)
     for name, m in res["configs"].items():
-        base = res["configs"].get("ppo_none" if name.startswith("ppo") else "none", {})
+        # each against its own base: PPO against PPO, the reward model's offload against the reward model's run
+        base = res["configs"].get("ppo_none" if name.startswith("ppo") else "rm" if name.startswith("rm_") else "none", {})
         if m.get("ok") and base.get("ok"):
             m["step_time_cost_pct"] = 100 * (m["time/step"] / base["time/step"] - 1)
             # vLLM's sampling phase is the same work under every flag but varies run to run by

@@ -42,23 +42,25 @@ def read_rows(path: str) -> list[dict]:
 
 
 def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_length=1024,
-              seed=0) -> tuple[list[list[int]], list[str]]:
-    """Prompt token ids and answers (`path` None: the tiny copy task). Chat prompts get the
-    tokenizer's chat template; prompts longer than max_prompt_length are dropped and counted."""
+              seed=0) -> tuple[list[list[int]], list[str], list[list[dict]]]:
+    """Prompt token ids, answers, and each prompt's chat messages (a string prompt becomes one
+    user message; a reward model with a chat template of its own re-renders them). `path` None:
+    the tiny copy task. Chat prompts get the tokenizer's chat template; prompts longer than
+    max_prompt_length are dropped and counted."""
     if path is None:
         import tiny
         rows = tiny.copy_task(seed=seed)
     else:
         rows = read_rows(path)
-    prompts, answers, dropped = [], [], 0
+    prompts, answers, chats, dropped = [], [], [], 0
     for i, row in enumerate(rows, 1):
         for key in (prompt_key, answer_key):
             if key not in row:
                 raise ValueError(f"{path} row {i} has no {key!r} field (it has "
                                  f"{sorted(row)}); set --prompt_key / --answer_key")
         p = row[prompt_key]
+        msgs = p if isinstance(p, list) else [{"role": "user", "content": str(p)}]
         if getattr(tokenizer, "chat_template", None):
-            msgs = p if isinstance(p, list) else [{"role": "user", "content": str(p)}]
             p = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         elif isinstance(p, list):
             p = "\n".join(m["content"] for m in p)
@@ -68,11 +70,12 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
             continue
         prompts.append(ids)
         answers.append(str(row[answer_key]))
+        chats.append(msgs)
     if not prompts:
         raise ValueError(f"no prompt fits max_prompt_length={max_prompt_length}; raise it")
     if dropped:
         print(f"[data] dropped {dropped} prompts longer than max_prompt_length={max_prompt_length}")
-    return prompts, answers
+    return prompts, answers, chats
 
 
 def gsm8k_reward(response: str, answer: str) -> float:

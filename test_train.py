@@ -14,7 +14,7 @@ import torch
 import train_grpo
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update")]
+GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update", "reward_model")]
 
 
 def run(args, nproc=0, timeout=600):
@@ -110,6 +110,34 @@ def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_profile_steps_writes_one_trace(tmp_path):
+    """A 3-step run with --profile_steps=1 writes one trace, step 1's from rank 0, and no other: valid
+    JSON (Chrome trace format) with CPU op events and their input shapes (record_shapes), allocation
+    events (profile_memory) and one span per stage."""
+    out = str(tmp_path / "run")
+    r = run([f"--out_dir={out}", "--steps=3", "--save=false", "--train_batch_size=2", "--actor.ppo_mini_batch_size=2",
+             "--rollout.n=2", "--profile_steps=1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert os.listdir(os.path.join(out, "profile")) == ["step1.rank0.pt.trace.json"]
+    with open(os.path.join(out, "profile", "step1.rank0.pt.trace.json")) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert "[memory]" in names and {f"stage:{s}" for s in ("generate", "update")} <= names
+    assert any(e.get("cat") == "cpu_op" and e.get("args", {}).get("Input Dims") for e in events)
+    assert len(metrics(out)) == 3
+
+
+def test_profile_steps_option():
+    """"1, 3" -> {1, 3}; "" -> off; anything else is refused with the fix; a step not named runs with
+    no profiler started."""
+    assert train_grpo.profile_steps("1, 3") == {1, 3} and train_grpo.profile_steps("") == set()
+    for bad in ("a", "-1", "1;2"):
+        with pytest.raises(ValueError, match="give step numbers from 0"):
+            train_grpo.profile_steps(bad)
+    with train_grpo.profiled(train_grpo.parse_args(["--profile_steps=1"]), 0, 0, torch.device("cpu")):
+        assert not torch.autograd._profiler_enabled()
+
+
 def test_parquet_and_gsm8k_reward(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -117,8 +145,9 @@ def test_parquet_and_gsm8k_reward(tmp_path):
     import data
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1=", "22="], "answer": ["x #### 1", "#### 22"]}), path)
-    prompts, answers = data.load_data(path, tiny.build_tokenizer())
+    prompts, answers, chats = data.load_data(path, tiny.build_tokenizer())
     assert prompts == [[3, 12], [4, 4, 12]] and answers == ["x #### 1", "#### 22"]
+    assert chats == [[{"role": "user", "content": "1="}], [{"role": "user", "content": "22="}]]
     assert data.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
     assert data.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
     assert data.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response

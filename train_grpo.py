@@ -7,11 +7,14 @@
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
 
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
-bytes happens inside that role's own file (actor.py, ref.py, critic.py; rollout.py loads and frees
-the actor's params around the weight sync): this file orders the stages and keeps the ledger.
+bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
+loads and frees the actor's params around the weight sync): this file orders the stages and keeps
+the ledger. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
+    reward_model : reward-model params in -> micro-batched scores -> params out (with --reward_model.path);
+                mixed with the rule reward (reward_model.weight)
     old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
     ref_logp  : ref params in -> micro-batched forward -> ref params out
                 (actor.prefetch_update: meanwhile the actor's params come in on a side stream)
@@ -31,6 +34,7 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -47,10 +51,12 @@ import critic
 import data as data_io
 import offload
 import ref
+import reward_model
 import rollout
 from actor import ActorConfig
 from critic import CriticConfig
 from ref import RefConfig
+from reward_model import RewardModelConfig
 from rollout import RolloutConfig
 
 
@@ -74,10 +80,13 @@ class Config:
     fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
     out_dir: str = "out"
     save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
+    profile_steps: str = ""                # e.g. "1,3": torch.profiler traces of those steps (from 0) to
+                                           # <out_dir>/profile/; "": off (no profiler is created)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
@@ -221,6 +230,38 @@ def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
 
 
+def profile_steps(spec: str) -> set[int]:
+    """`--profile_steps=1,3` -> {1, 3}: steps numbered from 0, as in metrics.jsonl; "" -> none."""
+    try:
+        steps = {int(s) for s in spec.split(",") if s.strip()}
+    except ValueError:
+        steps = {-1}
+    if min(steps, default=0) < 0:
+        raise ValueError(f"--profile_steps={spec}: give step numbers from 0, separated by commas (e.g. 1,3)")
+    return steps
+
+
+@contextlib.contextmanager
+def profiled(cfg: Config, step: int, rank: int, device):
+    """A torch.profiler trace of this step when --profile_steps names it: CPU ops, CUDA kernels
+    (on a GPU), tensor shapes, every allocation and free, each stage a labelled span (offload.stage).
+    Written to <out_dir>/profile/step<k>.rank<r>.pt.trace.json (Chrome trace: Perfetto,
+    chrome://tracing; the .pt.trace.json suffix is what TensorBoard's profiler plugin reads).
+    Any other step runs with no profiler at all."""
+    if step not in profile_steps(cfg.profile_steps):
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
+        yield
+    path = os.path.join(cfg.out_dir, "profile", f"step{step}.rank{rank}.pt.trace.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof.export_chrome_trace(path)
+    if rank == 0:
+        print(f"[profile] step {step}: {path} (one file per rank)", flush=True)
+
+
 # --------------------------------------------------------------------------- setup
 @dataclass
 class Trainer:
@@ -240,24 +281,30 @@ class Trainer:
     engine: rollout.Engine
     ref: ref.Ref | None = None             # only for the KL loss
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
+    chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
+    reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
     """Build every role (each offloads what its flags say), then the rollout engine (or reuse
-    `engine`). `data`: (prompt ids, answers) instead of cfg.data (benchmarks)."""
+    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (benchmarks)."""
     actor.check_model_path(cfg.model)
+    reward_model.check(cfg.reward_model)
+    profile_steps(cfg.profile_steps)
     rank, world, device = init_distributed()
     mini_size = check_sizes(cfg, world)
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(device, world, cfg.fsdp_size)
     tokenizer = data_io.load_tokenizer(cfg.model)
-    prompts, answers = data if data is not None else data_io.load_data(
+    prompts, answers, chats = data if data is not None else data_io.load_data(
         cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
     where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
     a = actor.build(cfg.actor, **where)
     r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if cfg.actor.use_kl_loss else None
     c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
         if cfg.algorithm.adv_estimator == "gae" else None
+    rm = reward_model.build(cfg.reward_model, param_dtype=cfg.actor.param_dtype, policy_tokenizer=tokenizer, mesh=mesh,
+                            device=device, seed=cfg.seed) if cfg.reward_model.path else None
     os.makedirs(cfg.out_dir, exist_ok=True)
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
@@ -267,7 +314,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
-                order=order, actor=a, engine=engine, ref=r, critic=c)
+                order=order, actor=a, engine=engine, ref=r, critic=c, chats=chats, reward_model=rm)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
     return t
@@ -290,7 +337,8 @@ def report(t: Trainer) -> list[str]:
               f"weights + KV cache {cfg.rollout.gpu_memory_utilization:.0%} of the GPU")
         lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
-    if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload):
+    if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload
+                              or cfg.reward_model.param_offload):
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
     # Adam holds exp_avg + exp_avg_sq shaped like each local shard (counted from shapes: the shards
     # themselves may be on the host already)
@@ -311,6 +359,11 @@ def report(t: Trainer) -> list[str]:
         lines.append("[offload] timing: " + "; ".join(timing))
     if t.ref is not None:
         lines.append(flag("ref.param_offload", t.ref.params.nbytes, cfg.ref.param_offload))
+    if t.reward_model is not None:
+        lines.append(reward_model.describe(t.reward_model))
+        lines.append(flag("reward_model.param_offload", t.reward_model.params.nbytes, cfg.reward_model.param_offload))
+    elif cfg.reward_model.param_offload or cfg.reward_model.weight != 1.0:
+        lines.append("[reward_model] warning: no --reward_model.path: the other reward_model options have no effect")
     if a.offload_policy or cfg.ref.offload_policy:
         lines.append("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
                      "copied per layer at all-gather; the optimizer steps on the CPU")
@@ -327,7 +380,10 @@ def report(t: Trainer) -> list[str]:
 
 
 # --------------------------------------------------------------------------- one step
-STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantage", "critic_update", "update")
+# reward_model sits before old_logp and ref_logp: the actor's offloaded params have left after the sync
+# and nothing is prefetched yet, so its shards and activations meet the fewest trainer bytes of the step
+STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
+          "update")
 
 
 def train_step(t: Trainer, step: int) -> dict:
@@ -351,9 +407,10 @@ def train_step(t: Trainer, step: int) -> dict:
         batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx], cfg.rollout, pad_id,
                                  t.tokenizer.eos_token_id, device,
                                  cfg.seed * 1_000_003 + step * t.world + t.rank, actor.offloaded(t.actor), m)
-    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref)
+    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref, reward model)
     held = [t.actor.model, t.actor.optimizer] + ([t.ref.model] if t.ref else []) + \
-        ([t.critic.model, t.critic.optimizer] if t.critic else [])
+        ([t.critic.model, t.critic.optimizer] if t.critic else []) + \
+        ([t.reward_model.model] if t.reward_model else [])
     m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*held) / offload.GB
 
     with stage("reward"):                  # CPU: decode and score each response
@@ -364,6 +421,13 @@ def train_step(t: Trainer, step: int) -> dict:
         scores = torch.tensor([t.reward_fn(x, t.answers[i]) for x, i in
                                zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
                               dtype=torch.float32, device=device)
+
+    if t.reward_model is not None:         # its shards in, scores, out (its position: STAGES)
+        with stage("reward_model"):
+            chats = [t.chats[i] for i in idx for _ in range(cfg.rollout.n)] if t.chats else None
+            with reward_model.resident(t.reward_model, m):
+                model_scores = reward_model.compute_scores(t.reward_model, batch, chats)
+            scores = reward_model.mix(scores, model_scores, cfg.reward_model.weight, m)
 
     with stage("old_logp"):
         if not on_policy:                  # on-policy: the update's first forward is the old policy
@@ -427,7 +491,8 @@ def main(argv=None):
         open(metrics_path, "w").close()
     t_start = time.time()
     for step in range(cfg.steps):
-        m = train_step(t, step)
+        with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
+            m = train_step(t, step)
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
