@@ -12,7 +12,7 @@ Three memory consumers no offload flag touches, and what this file does to each:
 - Padding. Prompts are left-padded and responses right-padded to the longest in the batch. With
   `pack`, each micro-batch's real tokens go into one row, position ids restart per sequence, and
   attention keeps to each sequence's own tokens: FlashAttention's variable-length kernel on a GPU
-  (bf16/fp16), SDPA with a block-diagonal causal mask elsewhere (CPU, fp32; the mask is T x T).
+  (bf16/fp16); elsewhere (CPU, fp32) attention alone runs on the sequences side by side again.
 - The micro-batch size. A fixed count of samples sizes memory for the longest; `max_tokens` fills
   micro-batches to a token budget instead, balanced across them, the same number on every rank
   (every FSDP forward is a collective), results returned in the original order.
@@ -52,13 +52,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         # FlashAttention-2's varlen kernel as built into PyTorch (autograd included); GQA natively
         n = int(kwargs["max_length_q"])
         out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False, scale=scaling)[0]
-    else:                          # CPU / fp32: one SDPA call with a block-diagonal causal mask (T, T)
-        T = q.shape[0]
-        seq = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=q.device), cu.diff().long())
-        pos = torch.arange(T, device=q.device)
-        mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                             enable_gqa=True)[0].transpose(0, 1)
+    else:                          # CPU / fp32: the sequences side by side again, just for attention
+        lengths = cu.diff().long()
+        n, L = lengths.numel(), int(lengths.max())
+        col = torch.arange(L, device=q.device)
+        valid = col[None, :] < lengths[:, None]                               # (n, L)
+        index = (cu[:-1].long()[:, None] + col[None, :]).clamp(max=q.shape[0] - 1)   # (n, L) -> packed row
+        mask = valid[:, None, None, :] & (col[:, None] >= col[None, :])       # (n, 1, L, L): causal, no pads
+        padded = [x[index].transpose(1, 2) for x in (q, k, v)]               # (n, H, L, D)
+        out = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out = out.transpose(1, 2)[valid]                                      # (T, H, D), packed order
     return out[None], None
 
 
@@ -109,13 +112,15 @@ def _head_chunk(h, w, ids, temperature: float, entropy_grad: bool):
 
 def head_logprobs(hidden, weight, ids, temperature: float, chunk: int, entropy_grad: bool) -> torch.Tensor:
     """log p(ids) and entropy, (N, 2), for hidden (N, H) through the LM head `weight` (V, H).
-    With grad, each chunk is checkpointed: backward recomputes its logits (one chunk alive).
+    With grad, each chunk is checkpointed: backward recomputes its logits (one chunk alive), one
+    more head matmul per token. chunk <= 0: all N at once, nothing recomputed.
     N = 0 still runs one (empty) chunk, so the head's weight takes part in backward on every rank."""
     n = ids.numel()
-    size = chunk if chunk > 0 else max(n, 1)
+    if chunk <= 0:                         # one block, kept for backward: fastest, most memory
+        return _head_chunk(hidden, weight, ids, temperature, entropy_grad)
     out = []
-    for s in range(0, max(n, 1), size):
-        args = (hidden[s:s + size], weight, ids[s:s + size], temperature, entropy_grad)
+    for s in range(0, max(n, 1), chunk):
+        args = (hidden[s:s + chunk], weight, ids[s:s + chunk], temperature, entropy_grad)
         out.append(checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
                    else _head_chunk(*args))
     return torch.cat(out)

@@ -35,6 +35,7 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 from __future__ import annotations
 
 import contextlib
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +51,7 @@ import actor
 import critic
 import data as data_io
 import offload
+import plan
 import ref
 import reward_model
 import rollout
@@ -82,6 +84,11 @@ class Config:
     save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
     profile_steps: str = ""                # e.g. "1,3": torch.profiler traces of those steps (from 0) to
                                            # <out_dir>/profile/; "": off (no profiler is created)
+    offload: str = "manual"                # manual: the flags as given; auto: plan.py picks the offload flags,
+                                           # checkpointing and micro-batch sizes that fit this GPU, fastest first
+    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, and its warnings)
+    memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
+                                           # then shows who allocated what, not only the blocks
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -283,6 +290,7 @@ class Trainer:
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
+    plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
@@ -298,6 +306,11 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     tokenizer = data_io.load_tokenizer(cfg.model)
     prompts, answers, chats = data if data is not None else data_io.load_data(
         cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    engine_kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
+    prompt_len = max(map(len, prompts))
+    if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
+        cfg = plan_auto(cfg, world, prompt_len, engine_kind, device, rank)
+    memory_watch(cfg, device)
     where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
     a = actor.build(cfg.actor, **where)
     r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if cfg.actor.use_kl_loss else None
@@ -314,10 +327,47 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
-                order=order, actor=a, engine=engine, ref=r, critic=c, chats=chats, reward_model=rm)
+                order=order, actor=a, engine=engine, ref=r, critic=c, chats=chats, reward_model=rm,
+                plan=plan.predict(cfg, world, prompt_len, engine.kind))
     if rank == 0:
         print("\n".join(report(t)), flush=True)
+        print(plan.table(t.plan, gpu_bytes(device)), flush=True)
     return t
+
+
+def gpu_bytes(device) -> int:
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * plan.GB
+
+
+def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device, rank: int) -> Config:
+    """--offload=auto: the fastest flags that fit this GPU by the plan (plan.choose)."""
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if device.type != "cuda":
+        say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
+        return cfg
+    best, p = plan.choose(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind)
+    if best is None:
+        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind)
+        raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
+                         f"micro-batch sizes that fits {gpu_bytes(device) / plan.GB:.0f} GB per GPU; what would: "
+                         + ("; ".join(fits) if fits else "a bigger GPU"))
+    say(f"[plan] --offload=auto chose: {' '.join(plan.changes(cfg, best)) or 'the flags as given'} "
+        f"(predicted peak {p.peak / plan.GB:.1f} GB, step ~{p.seconds:.1f} s)")
+    return best
+
+
+def memory_watch(cfg: Config, device):
+    """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
+    with memory_history, every allocation's stack is recorded into it as well."""
+    if device.type != "cuda":
+        return
+    if cfg.memory_history:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    path = os.path.join(cfg.out_dir, f"oom_snapshot.rank{dist.get_rank()}.pickle")
+
+    def dump(*_):                          # called by the allocator at the moment it gives up
+        torch.cuda.memory._dump_snapshot(path)
+    torch._C._cuda_attach_out_of_memory_observer(dump)
 
 
 def report(t: Trainer) -> list[str]:
@@ -380,6 +430,10 @@ def report(t: Trainer) -> list[str]:
 
 
 # --------------------------------------------------------------------------- one step
+class StageOutOfMemory(RuntimeError):
+    """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
+
+
 # reward_model sits before old_logp and ref_logp: the actor's offloaded params have left after the sync
 # and nothing is prefetched yet, so its shards and activations meet the fewest trainer bytes of the step
 STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
@@ -392,9 +446,17 @@ def train_step(t: Trainer, step: int) -> dict:
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
     temperature = cfg.rollout.temperature
 
+    @contextlib.contextmanager
     def stage(name):                      # the ledger: time and memory of each stage, vLLM's pool taken out
         assert name in STAGES, name
-        return offload.stage(name, m, device, t.engine.pool_bytes)
+        try:
+            with offload.stage(name, m, device, t.engine.pool_bytes):
+                yield
+        except torch.OutOfMemoryError as e:   # say where, what was resident, the plan, the change
+            raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, gpu_bytes(device) / plan.GB)) from e
+        predicted = t.plan.stage(name) if t.plan else None
+        if predicted is not None:
+            m[f"plan/{name}/predicted_gb"] = predicted.total / plan.GB
 
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
@@ -489,14 +551,24 @@ def main(argv=None):
     metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
     if t.rank == 0:
         open(metrics_path, "w").close()
-    t_start = time.time()
+    t_start, seen = time.time(), {}
+    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
     for step in range(cfg.steps):
-        with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
-            m = train_step(t, step)
+        try:
+            with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
+                m = train_step(t, step)
+        except StageOutOfMemory as e:      # the step's metrics are not written: nothing half-done is kept
+            print(f"error: {e} (memory snapshot: {cfg.out_dir}/oom_snapshot.rank{t.rank}.pickle)", file=sys.stderr)
+            sys.exit(1)
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, step, cfg.steps, t_start), flush=True)
+            if t.device.type == "cuda":
+                for line in plan.watch(m, seen, t.plan, gpu_bytes(t.device), host):
+                    print(line, flush=True)
+    if t.rank == 0 and t.device.type == "cuda":
+        plan.plot(cfg.out_dir)             # <out_dir>/memory.png: peaks per stage over the steps, and the plan
     if cfg.save:
         actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
         if t.rank == 0:
