@@ -67,8 +67,9 @@ class ActorConfig:
     # how samples go through the model (packing.py); remove_padding, logits_chunk_tokens and
     # use_dynamic_bsz apply to every role that runs this architecture (ref, critic)
     remove_padding: bool = True            # pack each micro-batch into one row: no compute on padding
-    logits_chunk_tokens: int = 2048        # LM head on response tokens only, this many at a time: one
-                                           # (chunk, vocab) fp32 block alive (0: all at once)
+    logits_chunk_tokens: int = 1024        # LM head on response tokens only, this many at a time: one
+                                           # (chunk, vocab) fp32 block alive, recomputed in backward (0: all
+                                           # at once, kept for backward)
     use_dynamic_bsz: bool = False          # micro-batches filled to a token budget instead of a sample count
     ppo_max_token_len_per_gpu: int = 16384     # with use_dynamic_bsz: tokens per update micro-batch
     log_prob_max_token_len_per_gpu: int = 32768  # with use_dynamic_bsz: tokens per old-log-prob forward

@@ -52,6 +52,14 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "ppo_all": {**PPO, **ALL, "critic.param_offload": True, "critic.optimizer_offload": True},
     "ppo_shared": {**PPO, "critic.mode": "shared"},  # value head on the actor's trunk
     "ppo_shared_all": {**PPO, **ALL, "critic.mode": "shared"},
+    "ckpt": {"actor.gradient_checkpointing": True},
+    "all_ckpt": {**ALL, "actor.gradient_checkpointing": True},
+    "padded": {"actor.remove_padding": False},      # issue 12's levers, one by one
+    "chunk0": {"actor.logits_chunk_tokens": 0},      # the LM head over all response tokens at once
+    "chunk512": {"actor.logits_chunk_tokens": 512},
+    "chunk2048": {"actor.logits_chunk_tokens": 2048},
+    "before": {"actor.logits_chunk_tokens": 0, "actor.remove_padding": False},   # neither lever
+    "budget": {"actor.use_dynamic_bsz": True},       # token-budget micro-batches (the *_max_token_len_per_gpu)
     "rm": {},                                        # + a reward model of the policy's size (set below)
     "rm_offload": {"reward_model.param_offload": True},
     "rm_all": {**ALL, "reward_model.param_offload": True},
@@ -233,7 +241,7 @@ def main():
     ap.add_argument("--response_len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="the first is a warm-up; medians of the rest")
-    ap.add_argument("--gpu_memory_utilization", type=float, default=0.15)
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.0, help="0: vLLM's KV cache sized from the batch")
     ap.add_argument("--engine", default="vllm", help="vllm, or hf (no engine build: quicker at 7B)")
     ap.add_argument("--levers", action="store_true", help="also time the copy levers one by one")
     ap.add_argument("--out", default="bench_offload.json")
