@@ -289,27 +289,30 @@ def budget(gpu_bytes: int, margin: float, engine: str) -> int:
 
 
 def candidates(cfg, world: int):
-    """Every combination of SEARCH and of halved micro-batch sizes, as copies of `cfg`."""
+    """Every combination of SEARCH, of halved micro-batch sizes and of vLLM tensor-parallel sizes
+    that divide the world, as copies of `cfg`."""
     import copy
     import itertools
     a = cfg.actor
     micros = sorted({m for m in (a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size_per_gpu // 2,
                                  a.ppo_micro_batch_size_per_gpu // 4, a.ppo_micro_batch_size_per_gpu // 8, 1) if m >= 1},
                     reverse=True)
-    for values in itertools.product(*SEARCH.values()):
-        for micro in micros:
-            c = copy.deepcopy(cfg)
-            for key, v in zip(SEARCH, values):
-                section, name = key.split(".")
-                setattr(getattr(c, section), name, v)
-            if not c.actor.optimizer_offload and c.actor.optimizer_load_at_step:
-                continue
-            if not c.actor.use_kl_loss and c.ref.param_offload:
-                continue
-            c.actor.ppo_micro_batch_size_per_gpu = micro
-            c.actor.log_prob_micro_batch_size_per_gpu = min(c.actor.log_prob_micro_batch_size_per_gpu, 2 * micro)
-            c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, 2 * micro)
-            yield c
+    tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
+    for values, micro, tp in itertools.product(itertools.product(*SEARCH.values()), micros, tps):
+        flags = dict(zip(SEARCH, values))
+        if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
+            continue
+        if flags["ref.param_offload"] and not cfg.actor.use_kl_loss:
+            continue
+        c = copy.deepcopy(cfg)
+        for key, v in flags.items():
+            section, name = key.split(".")
+            setattr(getattr(c, section), name, v)
+        c.rollout.tensor_parallel_size = tp     # vLLM's weights (and KV heads) split over tp GPUs
+        c.actor.ppo_micro_batch_size_per_gpu = micro
+        c.actor.log_prob_micro_batch_size_per_gpu = min(c.actor.log_prob_micro_batch_size_per_gpu, 2 * micro)
+        c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, 2 * micro)
+        yield c
 
 
 def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str):
@@ -328,7 +331,7 @@ def changes(before, after) -> list[str]:
     """The options `after` sets differently from `before`, as command-line flags."""
     out = []
     for key in list(SEARCH) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
-                               "ref.log_prob_micro_batch_size_per_gpu"]:
+                               "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size"]:
         section, name = key.split(".")
         v0, v1 = getattr(getattr(before, section), name), getattr(getattr(after, section), name)
         if v0 != v1:
@@ -341,8 +344,11 @@ def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: flo
     shorter responses, FSDP2's CPU offload policy)."""
     import copy
     tries = []
-    for k in (2, 4, 8, 16):
-        tries.append((f"{world * k} GPUs (torchrun --nproc_per_node / --nnodes)", world * k, lambda c: None))
+    for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
+        tries.append((f"{world * k} GPUs (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
+                      f"the samples per GPU)", world * k,
+                      lambda c, k=k: (setattr(c, "train_batch_size", c.train_batch_size * k),
+                                      setattr(c.actor, "ppo_mini_batch_size", c.actor.ppo_mini_batch_size * k))))
     for k in (2, 4, 8):
         tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", world,
                       lambda c, k=k: setattr(c.rollout, "n", max(1, c.rollout.n // k))))
@@ -352,7 +358,7 @@ def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: flo
                   lambda c: setattr(c.actor, "offload_policy", True)))
     found, kinds = [], set()
     for label, w, change in tries:
-        kind = label.split("=")[0].split(" ")[-1]
+        kind = label.split("=")[0] if "=" in label.split(" ")[0] else "GPUs"
         if kind in kinds:
             continue
         c = copy.deepcopy(cfg)

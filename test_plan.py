@@ -1,0 +1,179 @@
+"""The planner (CPU): its shapes and byte formulas against the real model and autograd, its choices,
+its warnings, and its predictions against the H200 measurements recorded in docs/plan_truth.json.
+
+    python -m pytest test_plan.py -q
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plan
+import train_grpo
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GB = plan.GB
+
+
+@pytest.mark.parametrize("model", [None, "random:qwen2.5-0.5b", "random:qwen2.5-1.5b", "random:qwen2.5-7b"])
+def test_parameter_counts_match_the_model(model):
+    """Shapes.params, layer_params and largest equal the counts of the HF model built on the meta
+    device from the same config (tied and untied embeddings)."""
+    from transformers import Qwen2ForCausalLM
+    config = plan.model_config(model)
+    with torch.device("meta"):
+        m = Qwen2ForCausalLM(config)
+    s = plan.shapes(config)
+    assert s.params == sum(p.numel() for p in m.parameters())
+    assert s.layer_params == sum(p.numel() for p in m.model.layers[0].parameters())
+    assert s.largest == max(p.numel() for p in m.parameters())
+
+
+def test_saved_activations_per_token_are_what_autograd_keeps():
+    """The bytes autograd saves for backward in one bf16 Qwen2 decoder layer (causal SDPA, as the
+    packed path runs), counted by storage through saved_tensors_hooks, equal Shapes.saved_per_token
+    x tokens exactly (the rotary tables, shared by every layer, excluded)."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+    cfg = Qwen2Config(hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=1, vocab_size=100)
+    cfg._attn_implementation = "sdpa"
+    layer = Qwen2DecoderLayer(cfg, 0).to(torch.bfloat16)
+    T = 64
+    x = torch.randn(1, T, 256, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = Qwen2RotaryEmbedding(cfg)(x, torch.arange(T)[None])
+    skip = {p.untyped_storage().data_ptr() for p in layer.parameters()} | \
+        {t.untyped_storage().data_ptr() for t in (x, cos, sin)}
+    saved = {}
+
+    def keep(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        layer(x, attention_mask=None, position_ids=torch.arange(T)[None], position_embeddings=(cos, sin))
+    assert sum(saved.values()) == T * plan.shapes(cfg).saved_per_token(2)
+
+
+def test_lm_head_chunk_bytes_per_element():
+    """The LM head's forward + backward on one chunk peaks at no more than the planner's 20 bytes per
+    (token, vocab) element beyond its inputs and their gradients (PyTorch's MemTracker, bf16), and at
+    more than 15: the term is neither missing nor double-counted."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    import packing
+    N, H, V, C = 1024, 128, 4096, 256
+    h = torch.randn(N, H, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, H, dtype=torch.bfloat16, requires_grad=True)
+    mt = MemTracker()
+    mt.track_external(h, w)
+    with mt:
+        out = packing.head_logprobs(h, w, torch.randint(0, V, (N,)), 1.0, C, False)
+        out[:, 0].sum().backward()
+    peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+    per_elt = (peak - 2 * (h.numel() + w.numel()) * 2) / (C * V)
+    assert 15 < per_elt <= 20.5, per_elt
+
+
+def _cfg(*args):
+    return train_grpo.parse_args(list(args))
+
+
+def test_offload_flags_take_their_bytes_out_of_the_stages_that_do_not_use_them():
+    """At 7B on 1 GPU: actor.optimizer_offload takes Adam's 8 bytes per parameter out of every
+    stage but the update; ref.param_offload the bf16 ref out of every stage but ref_logp;
+    gradient checkpointing shrinks only the update."""
+    base = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+            "--rollout.response_length=256"]
+    P = plan.shapes(plan.model_config("random:qwen2.5-7b")).params
+    none = {s.name: s for s in plan.predict(_cfg(*base), 1, 128).stages}
+    opt = {s.name: s for s in plan.predict(_cfg(*base, "--actor.optimizer_offload=true"), 1, 128).stages}
+    ref = {s.name: s for s in plan.predict(_cfg(*base, "--ref.param_offload=true"), 1, 128).stages}
+    ckpt = {s.name: s for s in plan.predict(_cfg(*base, "--actor.gradient_checkpointing=true"), 1, 128).stages}
+    for name in ("generate", "reward", "ref_logp"):
+        assert none[name].total - opt[name].total == pytest.approx(8 * P * plan.ALLOC_SLACK, rel=1e-6)
+        assert none[name].total == ckpt[name].total
+    assert opt["update"].total == none["update"].total
+    assert none["reward"].total - ref["reward"].total == pytest.approx(2 * P * plan.ALLOC_SLACK, rel=1e-6)
+    assert ref["ref_logp"].total == none["ref_logp"].total
+    assert ckpt["update"].total < none["update"].total
+
+
+def test_choose_finds_the_flags_that_fit_or_says_what_would():
+    """7B GRPO on one 141 GB GPU does not fit as given but fits with flags the planner names (and its
+    choice's every stage is under the budget); on one 80 GB GPU the update's fp32 params, grads and
+    Adam alone (113 GB) do not fit; 72B on one 80 GB GPU fits with nothing, and the planner names
+    more GPUs as what would."""
+    cfg = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+               "--rollout.response_length=512", "--actor.ppo_micro_batch_size_per_gpu=8")
+    assert plan.predict(cfg, 1, 256).peak > plan.budget(141 * GB, 0.1, "vllm")
+    best, p = plan.choose(cfg, 1, 256, 141 * GB, 0.1, "vllm")
+    assert best is not None and plan.changes(cfg, best)
+    assert max(s.total for s in p.stages) <= plan.budget(141 * GB, 0.1, "vllm")
+    assert plan.choose(cfg, 1, 256, 80 * GB, 0.1, "vllm") == (None, None)
+    big = _cfg("--model=random:qwen2.5-72b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8")
+    assert plan.choose(big, 1, 256, 80 * GB, 0.1, "vllm") == (None, None)
+    assert any("GPUs" in x for x in plan.what_would_fit(big, 1, 256, 80 * GB, 0.1, "vllm"))
+
+
+def test_cli_prints_the_table_and_the_choice_in_seconds():
+    """`python plan.py <train_grpo options> --nproc=8 --gpu_gb=80` runs on the CPU (no model built)
+    within 60 s and prints each stage's row and the fastest configuration that fits."""
+    r = subprocess.run([sys.executable, os.path.join(HERE, "plan.py"), "--model=random:qwen2.5-7b", "--nproc=8",
+                        "--gpu_gb=80", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
+                        "--rollout.response_length=1024", "--prompt_len=512"],
+                       capture_output=True, text=True, timeout=60, cwd=HERE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for stage in ("generate", "ref_logp", "update", "(vLLM awake)"):
+        assert stage in r.stdout
+    assert "fastest that fits" in r.stdout or "nothing fits" in r.stdout
+
+
+def test_watch_warns_once_per_kind_and_names_the_change():
+    """A stage above 90 % of the GPU, allocator retries and a peak 30 % off the plan each give one
+    line naming the stage (the first two also the change to make); the same metrics on the next
+    step give nothing (rate limit); host RSS growing after warm-up gives its own line."""
+    p = plan.predict(_cfg("--model=random:qwen2.5-0.5b"), 1, 64)
+    upd = p.stage("update")
+    m = {"step": 5, "mem/update/peak_gb": 0.95 * 10, "mem/update/alloc_retries": 3.0,
+         "mem/update/allocated_gb": 1.0, "mem/update/reserved_gb": 2.0, "host_rss_gb": 10.0}
+    seen = {}
+    lines = plan.watch(m, seen, p, 10 * GB, 0)
+    assert any("update peaked at 9.5 GB, over 90 %" in x for x in lines)
+    assert any("retried 3 times" in x and "--" in x for x in lines)
+    assert any("the plan predicted" in x for x in lines) == (abs(9.5 - upd.total / GB) > 0.1 * upd.total / GB)
+    assert plan.watch({**m, "step": 6}, seen, p, 10 * GB, 0) == []
+    grown = plan.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
+                        "mem/update/peak_gb": upd.total / GB}, seen, p, 10 * GB, 0)
+    assert [x for x in grown if "host RSS grew 10.0 -> 12.0" in x]
+
+
+def test_oom_message_names_stage_ledger_plan_and_change():
+    """explain_oom says the stage, what the ledger held after the last finished stage, the plan's
+    prediction for the stage and its biggest term's remedy, in one line."""
+    p = plan.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"), 1, 128)
+    msg = plan.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
+    assert "stage update" in msg and "71.5 GB allocated after ref_logp" in msg and "--" in msg
+    assert f"{p.stage('update').total / GB:.1f} GB" in msg and "\n" not in msg
+
+
+TRUTH = os.path.join(HERE, "docs", "plan_truth.json")
+
+
+@pytest.mark.skipif(not os.path.exists(TRUTH), reason="no recorded GPU measurements yet")
+def test_predictions_within_10_percent_of_the_recorded_h200_peaks():
+    """Every recorded (model, GPUs, configuration, stage) peak measured on the H200 is within 10 %
+    of what the planner predicts now for the same configuration (stages above 1 GB)."""
+    with open(TRUTH) as f:
+        truth = json.load(f)
+    bad = []
+    for row in truth["rows"]:
+        cfg = train_grpo.parse_args(row["args"])
+        p = plan.predict(cfg, row["world"], row["prompt_len"], row["engine"])
+        for stage, measured in row["peak_gb"].items():
+            pred = p.stage(stage).total / GB
+            if measured > 1 and abs(pred - measured) > 0.1 * measured:
+                bad.append((row["name"], row["world"], stage, round(measured, 2), round(pred, 2)))
+    assert not bad, bad
