@@ -212,6 +212,7 @@ def forward(model, mb: dict, temperature: float, layout: packing.Layout, entropy
 def compute_log_probs(model, batch: dict, layout: packing.Layout, temperature: float) -> torch.Tensor:
     """(B, R) log-probs in micro-batches (peak activation memory scales with the micro-batch),
     returned in the batch's row order whatever order the token-budget bins took."""
+    batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     out = torch.zeros(batch["responses"].shape, dtype=torch.float32, device=batch["responses"].device)
     for rows in packing.micro_batches(batch, layout):
         logp = forward(model, packing.take(batch, rows), temperature, layout)[0]
@@ -273,6 +274,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # one mini-batch, one epoch: old == current
+    batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     layout = make_layout(cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
     names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
     sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs

@@ -66,7 +66,7 @@ def main():
                                  f"--actor.ppo_max_token_len_per_gpu={args.budget}",
                                  f"--ref.log_prob_max_token_len_per_gpu={args.budget}",
                                  "--out_dir=/tmp/bench_packing"] + extra)
-    prompts = ([[2] * args.prompt_len] * args.samples, ["0"] * args.samples)
+    prompts = ([[2] * args.prompt_len] * args.samples, ["0"] * args.samples, None)
     t = train_grpo.setup(cfg, data=prompts)
     device, vocab = t.device, t.actor.model.config.vocab_size
     batches = [wide_batch(args, vocab, device, seed) for seed in range(args.steps)]

@@ -156,27 +156,29 @@ def _features(actor_model, mb: dict, packed: bool) -> torch.Tensor:
     """The actor's final normed hidden states at the positions that predict each response token
     (B, R, H), zero on padding, from a forward whose logits are cut to one position (no vocab-sized
     tensor)."""
-    kw, pick = packing.model_inputs(mb, packed)
+    kw, at, p = packing.model_inputs(mb, packed)
     got = []
     hook = actor_model.model.norm.register_forward_hook(lambda m, i, o: got.append(o))
     try:
         actor_model(**kw, use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
-    resp = mb["response_mask"].bool()
-    feats = got[0].new_zeros(*resp.shape, got[0].shape[-1])
-    feats[resp] = got[0][pick]
-    return feats
+    B, R = mb["responses"].shape
+    h = got[0].reshape(-1, got[0].shape[-1]).index_select(0, at)             # (N, H)
+    feats = h.new_zeros(B * R, h.shape[-1]).index_copy(0, packing.to_device(p["dst"], h.device), h)
+    return feats.view(B, R, -1)
 
 
 def _values(model, mb: dict, cfg: CriticConfig, packed: bool, features=None) -> torch.Tensor:
     """(B, R) values of the states before each response token, fp32, zero on padding."""
     if cfg.mode == "shared":
         return model(features.float())[..., 0] * mb["response_mask"]
-    kw, pick = packing.model_inputs(mb, packed)
+    kw, at, p = packing.model_inputs(mb, packed)
     out = model(**kw, use_cache=False).logits                  # (B or 1, T, 1): one number per position
-    resp = mb["response_mask"].bool()
-    return torch.zeros(resp.shape, dtype=torch.float32, device=resp.device).masked_scatter(resp, out[pick][:, 0].float())
+    B, R = mb["responses"].shape
+    v = out.reshape(-1).index_select(0, at).float()            # (N,)
+    return torch.zeros(B * R, dtype=torch.float32, device=v.device).index_put(
+        (packing.to_device(p["dst"], v.device),), v).view(B, R)
 
 
 def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
@@ -190,6 +192,7 @@ def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
 def values(model, batch: dict, cfg: CriticConfig, layout: packing.Layout, actor_model=None):
     """Micro-batched values (B, R), in the batch's row order; in shared mode also the features
     (B, R, H; bf16 or fp32), kept for the critic update so that it needs no forward pass."""
+    batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     resp = batch["response_mask"]
     vals = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
     feats = None
@@ -226,6 +229,7 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, layout: pack
     `adam`: the offloaded optimizer state, made ready right before each optimizer step."""
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
+    batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     sums, norms, moved = torch.zeros(2, device=device, dtype=torch.float64), [], {}
     model.train()
     for _ in range(epochs):

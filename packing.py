@@ -76,27 +76,60 @@ def use_packed_attention(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------- packing
+def host_lengths(batch: dict) -> dict:
+    """The batch with "lengths" (B, 2) on the CPU: each row's real tokens and response tokens.
+    One device->host copy per stage, so that packing each micro-batch needs no host sync of its own
+    (a sync per micro-batch drains the GPU's queue and leaves it idle while the next one is launched)."""
+    if "lengths" not in batch:
+        batch = {**batch, "lengths": torch.stack([batch["attention_mask"].sum(-1),
+                                                  batch["response_mask"].sum(-1)], 1).cpu()}
+    return batch
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor to `device` without a synchronization (pinned, non-blocking)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def pack(mb: dict) -> dict:
-    """One row of the micro-batch's real tokens. Rows of `mb` are prompt (left-padded to P) +
-    response (right-padded to R); a token is real where attention_mask is 1. Returns the packed
-    ids and position ids (1, T), the sequence boundaries `cu` (n+1,), and `keep` (N,): the packed
-    positions whose next token is a response token (N = valid response tokens, row-major, the
-    same order as response_mask's ones)."""
-    real = mb["attention_mask"].bool()                                      # (B, P+R)
-    lengths = real.sum(-1)                                                  # (B,)
-    prompt_len = lengths - mb["response_mask"].sum(-1)
-    if bool((prompt_len < 1).any()):
+    """Where everything sits, from the host-side lengths alone. Rows of `mb` are prompt (left-padded
+    to P) + response (right-padded to R): row i's real tokens are the contiguous columns
+    [P - p_i, P + r_i). Returns `cu` (n+1,) sequence boundaries of the packed row and its longest
+    sequence, `src` (T,) where each packed token comes from in the flattened (B, P+R) ids,
+    `position_ids` (T,) restarting at 0 per sequence, `at` (N,) the packed positions whose output
+    predicts a response token, `dst` (N,) where each response token sits in the flattened (B, R),
+    and `j`/`rows` (N,) its column and row (N = valid response tokens, row-major)."""
+    B, W = mb["input_ids"].shape
+    R = mb["responses"].shape[1]
+    n, r = mb["lengths"][:, 0], mb["lengths"][:, 1]
+    p = n - r
+    if bool((p < 1).any()):
         raise ValueError("a sample has no prompt token: nothing predicts its first response token")
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)                   # (B+1,)
-    ids = mb["input_ids"][real]                                             # (T,)
-    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
-    pos = torch.arange(ids.numel(), device=ids.device) - starts            # restarts at 0 per sequence
-    # response token j of row i sits at cu[i] + prompt_len[i] + j; the position before it predicts it
-    resp = mb["response_mask"].bool()
-    first = (cu[:-1].long() + prompt_len - 1)[:, None].expand_as(resp)
-    keep = (first + torch.arange(resp.shape[1], device=ids.device))[resp]  # (N,)
-    return {"input_ids": ids[None], "position_ids": pos[None], "cu": cu, "max_len": int(lengths.max()),
-            "keep": keep}
+    cu = F.pad(n.cumsum(0), (1, 0))
+    tok_rows = torch.repeat_interleave(torch.arange(B), n)
+    within = torch.arange(int(n.sum())) - cu[:-1][tok_rows]                 # position in its sequence
+    rows = torch.repeat_interleave(torch.arange(B), r)
+    j = torch.arange(int(r.sum())) - F.pad(r.cumsum(0), (1, 0))[:-1][rows]  # response column
+    return {"cu": cu.to(torch.int32), "max_len": int(n.max()), "src": tok_rows * W + (W - R - p)[tok_rows] + within,
+            "position_ids": within, "at": cu[:-1][rows] + p[rows] - 1 + j, "dst": rows * R + j, "j": j, "rows": rows}
+
+
+def model_inputs(mb: dict, packed: bool) -> tuple[dict, torch.Tensor, dict]:
+    """The model's forward arguments (the micro-batch packed into one row, or its padded rows as
+    they are), `at` (N,): the flat positions of the output that predict the response tokens, and
+    the packing's host-side indices. `mb` needs "lengths" (host_lengths)."""
+    dev = mb["input_ids"].device
+    p = pack(mb)
+    if packed:
+        ids = mb["input_ids"].reshape(-1).index_select(0, to_device(p["src"], dev))[None]    # (1, T)
+        cu = to_device(p["cu"], dev)
+        kw = dict(input_ids=ids, position_ids=to_device(p["position_ids"], dev)[None],
+                  attention_mask=torch.ones_like(ids),   # no padding: SDPA's mask builder returns no mask
+                  cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=p["max_len"], max_length_k=p["max_len"])
+        return kw, to_device(p["at"], dev), p
+    W, R = mb["input_ids"].shape[1], mb["responses"].shape[1]
+    kw = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    return kw, to_device(p["rows"] * W + (W - R - 1) + p["j"], dev), p   # position P-1+j predicts token j
 
 
 # --------------------------------------------------------------------------- the LM head, chunked
@@ -129,13 +162,14 @@ def head_logprobs(hidden, weight, ids, temperature: float, chunk: int, entropy_g
 @contextlib.contextmanager
 def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int, entropy_grad: bool):
     """Inside this block the model's LM head returns (N, 2) log-probs and entropies of `targets`
-    instead of logits, from the hidden states at the `pick` (B, K) positions of what it is given
+    instead of logits, from the hidden states at the flat rows `pick` (N,) of what it is given
     (B, K, H). It runs inside the model's forward, so FSDP2 has the head's weight gathered there
     (and again in backward), as for any layer."""
     head = model.get_output_embeddings()
 
     def forward(hidden):                   # (B, K, H) -> (N, 2)
-        return head_logprobs(hidden[pick], head.weight, targets, temperature, chunk, entropy_grad)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pick)
+        return head_logprobs(h, head.weight, targets, temperature, chunk, entropy_grad)
 
     head.forward = forward
     try:
@@ -144,35 +178,25 @@ def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int
         del head.forward                   # the class's forward again
 
 
-def model_inputs(mb: dict, packed: bool) -> tuple[dict, torch.Tensor]:
-    """The keyword arguments for the model's forward (packed into one row, or the padded rows as
-    they are) and `pick` (B, T) bool: the positions whose output predicts a response token, in
-    the row-major order of response_mask's ones."""
-    if packed:
-        p = pack(mb)
-        kw = dict(input_ids=p["input_ids"], position_ids=p["position_ids"],
-                  attention_mask=torch.ones_like(p["input_ids"]),   # no padding: SDPA's mask builder skips
-                  cu_seq_lens_q=p["cu"], cu_seq_lens_k=p["cu"], max_length_q=p["max_len"], max_length_k=p["max_len"])
-        pick = torch.zeros_like(p["input_ids"], dtype=torch.bool)
-        pick[0, p["keep"]] = True
-        return kw, pick
-    resp = mb["response_mask"].bool()      # padded rows: position P-1+j predicts response token j
-    kw = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    return kw, F.pad(resp, (mb["input_ids"].shape[1] - resp.shape[1] - 1, 1))
-
-
 def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entropy_grad: bool = False):
     """(B, R) log-probs of the response tokens and their entropies (zero on padding). Only the
-    positions that predict a response token reach the LM head; the (B, T, V) logits never exist."""
-    resp = mb["response_mask"].bool()                                       # (B, R)
-    targets = mb["responses"][resp]                                         # (N,)
-    kw, pick = model_inputs(mb, layout.pack)
-    cols = pick.any(0).nonzero()[:, 0]     # the positions the head must see (hidden states there only)
-    with _head_computes_logprobs(model, pick[:, cols], targets, temperature, layout.chunk, entropy_grad):
-        out = model(**kw, logits_to_keep=cols, use_cache=False).logits     # (N, 2)
+    positions that predict a response token reach the LM head; the (B, T, V) logits never exist.
+    `mb` needs "lengths" (host_lengths); nothing here waits for the GPU."""
+    mb = host_lengths(mb)
+    B, R = mb["responses"].shape
+    dev = mb["responses"].device
+    kw, at, p = model_inputs(mb, layout.pack)
+    dst = to_device(p["dst"], dev)
+    targets = mb["responses"].reshape(-1).index_select(0, dst)            # (N,)
+    if layout.pack:                        # the head sees exactly the N positions (logits_to_keep)
+        keep, pick = at, torch.arange(at.numel(), device=dev)
+    else:                                  # the head sees each row's last R+1 positions
+        keep, pick = R + 1, to_device(p["rows"] * (R + 1) + p["j"], dev)
+    with _head_computes_logprobs(model, pick, targets, temperature, layout.chunk, entropy_grad):
+        out = model(**kw, logits_to_keep=keep, use_cache=False).logits     # (N, 2)
     out = out[:targets.numel()]            # an empty micro-batch ran one empty chunk
-    zeros = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
-    return zeros.masked_scatter(resp, out[:, 0]), zeros.masked_scatter(resp, out[:, 1])
+    zeros = torch.zeros(B * R, dtype=torch.float32, device=dev)
+    return zeros.index_put((dst,), out[:, 0]).view(B, R), zeros.index_put((dst,), out[:, 1]).view(B, R)
 
 
 # --------------------------------------------------------------------------- micro-batches
@@ -185,7 +209,8 @@ def micro_batches(batch: dict, layout: Layout) -> list[torch.Tensor]:
     n = batch["responses"].shape[0]
     if layout.max_tokens <= 0:
         return [torch.arange(i, min(i + layout.micro, n)) for i in range(0, n, layout.micro)]
-    lengths = batch["attention_mask"].sum(-1).tolist()
+    # what a row costs: its real tokens when packed, the padded width otherwise
+    lengths = host_lengths(batch)["lengths"][:, 0].tolist() if layout.pack else [batch["input_ids"].shape[1]] * n
     if max(lengths) > layout.max_tokens:
         raise ValueError(f"a sample has {max(lengths)} tokens, more than the token budget "
                          f"{layout.max_tokens}; raise the *_max_token_len_per_gpu option to at least that")
@@ -219,6 +244,12 @@ def take(batch: dict, rows: torch.Tensor) -> dict:
     if rows.numel() == 0:
         mb = {k: v[:1] for k, v in batch.items()}
         mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        mb["attention_mask"] = mb["attention_mask"].clone()
+        mb["attention_mask"][:, -mb["response_mask"].shape[1]:] = 0       # the prompt alone
+        if "lengths" in mb:                # the prompt alone: no response token to predict
+            mb["lengths"] = mb["lengths"].clone()
+            mb["lengths"][:, 0] -= mb["lengths"][:, 1]
+            mb["lengths"][:, 1] = 0
         return mb
-    rows = rows.to(batch["responses"].device)
-    return {k: v.index_select(0, rows) for k, v in batch.items()}
+    on = {d: to_device(rows, d) for d in {v.device for v in batch.values()}}   # no sync: pinned, async
+    return {k: v.index_select(0, on[v.device]) for k, v in batch.items()}

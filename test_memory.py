@@ -106,7 +106,7 @@ def test_ref_offload_frees_its_shard(env):
     a tiny model), and its bracket gives the same log-probs and leaves the shards on the host."""
     device, mesh = env
     before = _allocated()
-    where = dict(model_path=None, mesh=mesh, device=device, param_dtype="bfloat16")
+    where = dict(model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig())
     off = ref.build(ref.RefConfig(param_offload=True), **where)
     with_off = _allocated() - before
     on = ref.build(ref.RefConfig(param_offload=False), **where)

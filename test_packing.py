@@ -20,9 +20,11 @@ from conftest import layout, tiny_batch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _model(dist_env, **cfg):
+def _model(dist_env):
+    """The tiny model, fp32 compute on any device (the comparisons are at fp32 rounding)."""
     _, world, device = dist_env
-    return actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device), device
+    return actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device,
+                       param_dtype="float32"), device
 
 
 def _full_logits(model, mb, temperature=1.0):
@@ -62,15 +64,19 @@ def test_packed_and_chunked_equal_full_logits(dist_env, packed, chunk):
 
 def test_pack_layout_by_hand():
     """Two rows, prompts of 2 and 1 real tokens (left-padded), responses of 2 and 3: the packed row
-    holds the 8 real tokens, positions restart per sequence, and `keep` points at the positions
-    that predict each response token."""
+    holds the 8 real tokens, positions restart per sequence, `at` points at the positions that
+    predict each response token and `dst` at where each sits in the (B, R) layout."""
     import rollout
-    mb = rollout.make_batch([[5, 6], [7]], [[8, 9], [10, 11, 12]], 3, pad_id=0, eos_id=1, device="cpu")
-    p = packing.pack(mb)
-    assert p["input_ids"].tolist() == [[5, 6, 8, 9, 7, 10, 11, 12]]
-    assert p["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
-    assert p["cu"].tolist() == [0, 4, 8] and p["max_len"] == 4
-    assert p["keep"].tolist() == [1, 2, 4, 5, 6]          # 6->8, 8->9 | 7->10, 10->11, 11->12
+    mb = packing.host_lengths(rollout.make_batch([[5, 6], [7]], [[8, 9], [10, 11, 12]], 3, pad_id=0, eos_id=1,
+                                                 device="cpu"))
+    kw, at, p = packing.model_inputs(mb, packed=True)
+    assert kw["input_ids"].tolist() == [[5, 6, 8, 9, 7, 10, 11, 12]]
+    assert kw["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
+    assert kw["cu_seq_lens_q"].tolist() == [0, 4, 8] and kw["max_length_q"] == 4
+    assert at.tolist() == [1, 2, 4, 5, 6]                 # 6->8, 8->9 | 7->10, 10->11, 11->12
+    assert p["dst"].tolist() == [0, 1, 3, 4, 5]
+    _, at_padded, _ = packing.model_inputs(mb, packed=False)
+    assert at_padded.tolist() == [1, 2, 6, 7, 8]          # rows of width 5: P-1+j
 
 
 def test_token_budget_bins_fit_balance_and_keep_order(dist_env):
