@@ -36,8 +36,10 @@ GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
 TFLOPS = 742e12 * 0.35       # bf16 matmul peak measured there x the share a training step reaches
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
+CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
-ALLOC_SLACK = 1.05           # the caching allocator's rounding and fragmentation: reserved / allocated
+ALLOC_SLACK = 1.01           # allocations are rounded up to 512 B blocks and a few buffers go uncounted:
+                             # measured peaks run 1-2 % above the sum of the terms (docs/plan_truth.json)
 
 
 # --------------------------------------------------------------------------- shapes
@@ -161,12 +163,16 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         groups["ref params"] = (shard(P, c), shard(P, c))
 
     def resident(*loaded):                     # what every group keeps on the GPU, plus the ones in use
-        return {g: on - (0 if g in loaded else off) for g, (on, off) in groups.items() if on - (0 if g in loaded else off)}
+        held = {g: on - (0 if g in loaded else off) for g, (on, off) in groups.items()}
+        return {"cuBLAS workspace": CUBLAS, **{g: b for g, b in held.items() if b}}
 
     gather = c * (2 * s.layer_params + s.root_params)
 
     def tokens(micro, budget):                 # tokens in one micro-batch (budget: use_dynamic_bsz)
-        return min(budget, mini * T) if a.use_dynamic_bsz else min(micro, samples) * T
+        if not a.use_dynamic_bsz:
+            return min(micro, samples) * T
+        bins = math.ceil(mini * T / budget)    # the fewest bins that fit, balanced (packing.micro_batches)
+        return min(budget, math.ceil(mini / bins) * T)
 
     def head(n_tok, per_elt):                  # one LM-head chunk of response tokens
         n_resp = n_tok * R // T
@@ -178,9 +184,9 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
 
     stages = []
     # generate: the actor's params are in for the weight sync; one bucket + one fp32 tensor in flight
-    if engine == "vllm":
-        stages.append(Stage("generate", {**resident("actor params"),
-                                         "sync bucket": ro.sync_bucket_mb * 2 ** 20 + s.largest * (4 + c)}))
+    if engine == "vllm":                       # the sync: a bucket of layer tensors, or the embedding alone
+        sync = max(ro.sync_bucket_mb * 2 ** 20 + s.hidden * s.ffn * c, s.vocab * s.hidden * c)
+        stages.append(Stage("generate", {**resident("actor params"), "sync bucket": sync}))
     else:                                      # HF generate: the whole model gathered, its KV cache
         kv = samples * T * 2 * s.layers * s.kv_dim * c
         stages.append(Stage("generate", {**resident("actor params"), "gathered model": c * P, "KV cache": kv,
@@ -192,9 +198,9 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                                              c * (2 * rs.layer_params + rs.root_params),
                                              "forward transient": n * (c * (3 * rs.ffn + 5 * rs.hidden) + 8 * rs.hidden)}))
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
-    if not on_policy:
-        stages.append(Stage("old_logp", {**resident("actor params"),
-                                         **forward(tokens(a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu))}))
+    stages.append(Stage("old_logp", resident() if on_policy else     # on-policy: skipped, the ledger still logs it
+                        {**resident("actor params"),
+                         **forward(tokens(a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu))}))
     prefetch = a.prefetch_update and a.param_offload and not gae
     if a.use_kl_loss:
         stages.append(Stage("ref_logp", {**resident("ref params", *(["actor params"] if prefetch else [])),
@@ -209,6 +215,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
             stages.append(Stage("critic_update", {**resident("critic params", "critic Adam"), "critic grads": crit,
                                                   **_activations(s, n, a.gradient_checkpointing, c),
                                                   "gathered layers + root": gather}))
+    stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
     n = tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
     update = {**resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"])),
               "actor grads": 0 if a.offload_policy else actor_p,
