@@ -161,19 +161,25 @@ def check_sizes(cfg: Config, world: int) -> int:
         raise ValueError(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
+    if cfg.rollout.tensor_parallel_size < 1 or world % cfg.rollout.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} does not divide "
+                         f"the world size {world}: each vLLM engine spans that many ranks")
     return mini
 
 
 # --------------------------------------------------------------------------- distributed
 def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all."""
+    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
+    On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
+    CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
+    with "No backend type associated with device type cpu"). CPU runs: gloo alone."""
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         if "RANK" in os.environ:
             dist.init_process_group(backend, device_id=device if cuda else None)
         else:
