@@ -95,6 +95,10 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
     world = dist.get_world_size() if dist.is_initialized() else 1
     if tp < 1 or world % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))   # torchrun: the ranks on this node
+    if per_node % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: "
+                         f"an engine would span nodes (its all-reduces run every decoded token)")
     group = tp_group(tp)
     seed = gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
     max_num_seqs *= tp                     # the engine serves the sequences of all its ranks at once
