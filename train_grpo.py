@@ -341,7 +341,9 @@ def report(t: Trainer) -> list[str]:
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
               f"weights + KV cache {cfg.rollout.gpu_memory_utilization:.0%} of the GPU")
-        lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
+        tp = cfg.rollout.tensor_parallel_size
+        lines.append("[rollout] vLLM engine" + (f" (tensor parallel over {tp} ranks)" if tp > 1 else "")
+                     + f" built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload
                               or cfg.reward_model.param_offload):
