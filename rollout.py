@@ -282,16 +282,16 @@ def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def full_param(p: torch.Tensor, device) -> torch.Tensor:
-    """The whole parameter on `device` (an all-gather: every rank calls it)."""
+def full_param(p: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """The whole parameter on `device` in `dtype` (an all-gather: every rank calls it). The shard is
+    cast before the gather, so the gather moves and leaves dtype bytes (bf16: half of the fp32
+    master's) and no fp32 copy of the whole tensor exists; the values are those of casting the
+    gathered tensor (a cast is elementwise)."""
     if not hasattr(p, "full_tensor"):
-        return p.detach().to(device)
-    local = p.to_local()
-    if local.device != device:                  # CPUOffloadPolicy: shards live on the host
-        from torch.distributed.tensor import DTensor
-        p = DTensor.from_local(local.to(device, non_blocking=True), p.device_mesh, p.placements,
-                               shape=p.shape, stride=p.stride())
-    return p.detach().full_tensor()
+        return p.detach().to(device).to(dtype)
+    from torch.distributed.tensor import DTensor
+    local = p.to_local().detach().to(device, non_blocking=True).to(dtype)   # CPUOffloadPolicy: shards on the host
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
 
 @torch.no_grad()
@@ -303,9 +303,7 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint."""
     target, bucket, size, sent = vllm_model(llm), [], 0, 0
     for name, p in model.named_parameters():
-        full = full_param(p, device)
-        t = full.to(dtype)
-        del full                                  # the fp32 gather is gone before the next one
+        t = full_param(p, device, dtype)          # gathered in vLLM's dtype: one (bf16) copy, no fp32 one
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_mb * 2 ** 20:

@@ -45,18 +45,28 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     torch.distributed.destroy_process_group()
 
 
-def _tp_requests(out_path: str):
-    """Run under torchrun (4 ranks): two engines of tensor_parallel_size=2; each rank pools its own
-    prompts (a different number on each rank) and seed with its engine's ranks, as generate_vllm does."""
-    rank, world, _ = train_grpo.init_distributed()
+def _rollout_collectives(out_path: str):
+    """Run under torchrun (4 ranks). (1) Two engines of tensor_parallel_size=2: each rank pools its
+    own prompts (a different number on each rank) and seed with its engine's ranks, as
+    generate_vllm does. (2) The weight sync's gather of the actor's shards, and of a 3-row layer
+    (uneven over 4 ranks), in bf16 against gathering in fp32 and casting after."""
+    from torch.distributed.fsdp import fully_shard
+    rank, world, device = train_grpo.init_distributed()
     group = rollout.tp_group(2)
     prompts = [[rank, i] for i in range(rank + 1)]
     parts, me = rollout.gather(group, (prompts, 100 + rank))
     mine = (me, parts, rollout.requests(parts, 3, greedy=True), rollout.requests(parts, 3, greedy=False))
     seen = [None] * world
     torch.distributed.all_gather_object(seen, mine)
+    mesh = train_grpo.build_mesh(device, world, -1)
+    model = actor.shard(actor.load_model(None, seed=0), mesh, device)
+    odd = fully_shard(torch.nn.Linear(8, 3), mesh=mesh)
+    params = list(model.parameters()) + list(odd.parameters())
+    synced = [rollout.full_param(p, device, torch.bfloat16) for p in params]
+    same = [s.dtype == torch.bfloat16 and torch.equal(s, p.full_tensor().to(torch.bfloat16))
+            for s, p in zip(synced, params)]
     if rank == 0:
-        torch.save(seen, out_path)
+        torch.save({"requests": seen, "sync_equal": same}, out_path)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -138,13 +148,19 @@ def test_host_buffers_are_reused(dist_env):
     offload.reload(stash)
 
 
-def test_tensor_parallel_ranks_send_one_engine_the_same_requests(tmp_path):
+@pytest.fixture(scope="module")
+def rollout_collectives(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rollout") / "collectives.pt")
+    return _launch(4, path, "rollout")
+
+
+def test_tensor_parallel_ranks_send_one_engine_the_same_requests(rollout_collectives):
     """4 gloo ranks, tensor_parallel_size=2: ranks 0-1 and 2-3 each form one engine (vLLM's layout);
     both ranks of an engine build the same requests (prompts and seeds, greedy or sampled) from
     the two ranks' prompts, the other engine's never enter; the requests a rank owns are its own
     prompts, with the seeds it would have if the engine were its alone (greedy: n requests of one
     sample per prompt; sampled: one of n)."""
-    seen = _launch(4, str(tmp_path / "tp.pt"), "tp")
+    seen = rollout_collectives["requests"]
     for rank, (me, parts, greedy, sampled) in enumerate(seen):
         engine = rank // 2
         assert me == rank % 2 and (parts, greedy, sampled) == seen[2 * engine][1:]   # one pool per engine
@@ -156,6 +172,12 @@ def test_tensor_parallel_ranks_send_one_engine_the_same_requests(tmp_path):
             assert [s for s, k in zip(seeds, owners) if k == me] == alone_seeds
 
 
+def test_weight_sync_gathers_in_bf16_the_values_of_casting_the_fp32_gather(rollout_collectives):
+    """4 gloo ranks: every actor parameter (and a 3-row layer sharded unevenly) gathered by the weight
+    sync comes out bf16 and equal, bit for bit, to the whole fp32 parameter cast to bf16."""
+    assert len(rollout_collectives["sync_equal"]) > 10 and all(rollout_collectives["sync_equal"])
+
+
 def test_tensor_parallel_needs_the_vllm_engine():
     """tensor_parallel_size > 1 with the HF engine is refused with a ValueError that says so."""
     with pytest.raises(ValueError, match="needs the vLLM engine"):
@@ -165,8 +187,8 @@ def test_tensor_parallel_needs_the_vllm_engine():
 
 
 if __name__ == "__main__":
-    if sys.argv[2] == "tp":
-        _tp_requests(sys.argv[1])
+    if sys.argv[2] == "rollout":
+        _rollout_collectives(sys.argv[1])
     else:
         _one_update(sys.argv[1], int(sys.argv[2]))
 
