@@ -46,6 +46,7 @@ def test_embedded_run_learns_on_two_processes(tmp_path):
     need += [f"time/{s}" for s in GRPO_STAGES]
     need += [f"mem/{s}/{k}" for s in GRPO_STAGES for k in ("allocated_gb", "peak_gb", "reserved_gb")]
     assert not [k for k in need if k not in m[0]]
+    assert all(0 < x[f"time_min/{s}"] <= x[f"time/{s}"] for x in m for s in GRPO_STAGES)   # fastest <= slowest rank
     assert "reward_mean=" in r.stdout and "[####" in r.stdout        # the per-step line and its bar
 
 

@@ -213,12 +213,19 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
 
 # --------------------------------------------------------------------------- logging
 def reduce_metrics(m: dict, device) -> dict:
-    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank)."""
+    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank).
+    Several ranks: also `time_min/<stage>`, the fastest rank's time. A rank that finishes a stage
+    early waits for the others in the next stage's first collective, so a stage's time can hold
+    the previous stage's imbalance: max - min shows where the ranks drift apart."""
     keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload", "rollout") or k == "host_rss_gb")
     if dist.get_world_size() > 1 and keys:
-        t = torch.tensor([float(m[k]) for k in keys], device=device, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        m.update(zip(keys, t.tolist()))
+        times = [k for k in keys if k.startswith("time/")]
+        t = torch.tensor([float(m[k]) for k in keys] + [-float(m[k]) for k in times], device=device,
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)            # one collective: max, and min as -max(-x)
+        t = t.tolist()
+        m.update(zip(keys, t))
+        m.update({"time_min/" + k[5:]: -v for k, v in zip(times, t[len(keys):])})
     return m
 
 
