@@ -149,9 +149,9 @@ def requests(parts: list, n: int, greedy: bool) -> tuple[list, list, list]:
 def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: int, margin: float) -> int:
     """The KV cache one GPU needs for `seqs` sequences (all of its engine's) of up to max_model_len
     tokens at once: K and V per layer, per KV head on this GPU (tensor parallel splits them,
-    replicating when there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`. The share of
-    the GPU vLLM would take instead is sized for the GPU, not for the batch: waking and sleeping
-    that much costs time every step, and it is memory the trainer could have used."""
+    replicating when there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`.
+    The share of the GPU vLLM would take instead is sized for the GPU, not for the batch: waking
+    and sleeping that much costs time every step, and it is memory the trainer could have used."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = max(1, config.num_key_value_heads // tp)
     per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
