@@ -4,6 +4,8 @@
     python bench_offload.py --model=random:qwen2.5-7b --configs=none,param,optim,ref,all \
         --actor.gradient_checkpointing=true --out=offload_7b.json      # other options go to train_grpo
     python bench_offload.py --model=random:qwen2.5-1.5b --configs=none,rm,rm_offload,all,rm_all --out=rm_1.5b.json
+    torchrun --nproc_per_node=2 bench_offload.py --prompts=32 --configs=none,all \
+        --rollout.tensor_parallel_size=2 --out=tp2_1.5b.json     # --prompts counts all ranks' prompts
 
 One process per model size: the host<->device copy bandwidth (pinned and pageable) is measured
 first, then every configuration runs the same GRPO (or PPO) steps (fixed prompt and response
@@ -255,10 +257,11 @@ def main():
            "configs": {}}
     hf = tiny.qwen25_config(args.model.split(":")[1])
     rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
-                                 gpu_memory_utilization=args.gpu_memory_utilization)
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 tensor_parallel_size=train_grpo.parse_args(extra).rollout.tensor_parallel_size)
     engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
                            max_model_len=args.prompt_len + args.response_len,
-                           max_num_seqs=args.prompts * args.n, dtype="bfloat16", seed=rank, rank=rank)
+                           max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank, rank=rank)
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
              for _ in range(64)], ["0"] * 64, None)

@@ -9,6 +9,9 @@ layer, not one per decoded token), samples, and frees the gathered weights again
 
 vLLM engine: one in-process engine per rank (torchrun ranks are vLLM's workers through its
 "external_launcher"), built once with random weights (`load_format="dummy"`) and sleep mode.
+With tensor_parallel_size=k one engine spans k consecutive ranks (vLLM's layout): each GPU holds
+1/k of its weights and KV heads, and every rank of the engine sends it the same requests (vLLM's
+contract for this launcher), so the ranks pool their prompts and each keeps its own rows.
 Every step runs the bracket below; each phase's seconds and device memory (`mem_get_info`, the
 only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_device_gb`:
     empty_cache     give PyTorch's cached blocks back so vLLM's pool can map them
@@ -28,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 import offload
@@ -61,6 +65,7 @@ class Engine:
                                            # while asleep: the ledger takes it out of the trainer's figures
     build_s: float = 0.0
     kv_cache_bytes: int = 0                # the KV budget asked for (0: vLLM sized it from gpu_memory_utilization)
+    group: object = None                   # tensor parallel: gloo group of the ranks sharing this engine
 
 
 def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
@@ -78,23 +83,75 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
 def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str,
           max_model_len: int, max_num_seqs: int, dtype: str, seed: int, rank: int = 0) -> Engine:
     """The engine `cfg.engine` resolves to: HF generate needs nothing built; vLLM gets one
-    in-process engine on this rank, asleep when returned. `config`: the actor's HF config;
-    `max_num_seqs`: the sequences one generate call sends (prompts per rank x n)."""
+    in-process engine on this rank (on tensor_parallel_size ranks together), asleep when returned.
+    `config`: the actor's HF config; `max_num_seqs`: the sequences one generate call of this rank
+    sends (prompts per rank x n); `seed`: this rank's (the ranks of one engine take its first rank's)."""
+    tp = cfg.tensor_parallel_size
     if resolve_engine(cfg, device) == "hf":
+        if tp != 1:
+            raise ValueError(f"--rollout.tensor_parallel_size={tp} needs the vLLM engine (HF generate runs "
+                             f"on the FSDP actor); use 1 or --rollout.engine=vllm")
         return Engine("hf")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp < 1 or world % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}")
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))   # torchrun: the ranks on this node
+    if per_node % tp:
+        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: "
+                         f"an engine would span nodes (its all-reduces run every decoded token)")
+    group = tp_group(tp)
+    seed = gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
+    max_num_seqs *= tp                     # the engine serves the sequences of all its ranks at once
     kv = 0 if cfg.gpu_memory_utilization > 0 else kv_cache_bytes(
-        config, max_num_seqs, max_model_len, torch.finfo(getattr(torch, dtype)).bits // 8,
-        cfg.tensor_parallel_size, cfg.kv_cache_margin)
+        config, max_num_seqs, max_model_len, torch.finfo(getattr(torch, dtype)).bits // 8, tp, cfg.kv_cache_margin)
     return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed,
-                      kv_bytes=kv, max_num_seqs=max_num_seqs)
+                      kv_bytes=kv, max_num_seqs=max_num_seqs, group=group)
+
+
+def tp_group(tp: int):
+    """The gloo group of the ranks that share this rank's engine: [g*tp, (g+1)*tp), how vLLM lays out
+    its tensor-parallel groups (TP innermost). Gloo because what it carries is a few pickled id
+    lists, host to host. Collective: every rank calls it. None for tp == 1 (an engine per rank)."""
+    if tp == 1:
+        return None
+    world = dist.get_world_size()
+    group, _ = dist.new_subgroups_by_enumeration([list(range(r, r + tp)) for r in range(0, world, tp)],
+                                                 backend="gloo")
+    return group
+
+
+def gather(group, obj) -> tuple[list, int]:
+    """`obj` from every rank of the engine's group, in rank order, and this rank's place in it
+    ([obj], 0 when the engine is this rank's alone)."""
+    if group is None:
+        return [obj], 0
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out, dist.get_rank(group)
+
+
+def requests(parts: list, n: int, greedy: bool) -> tuple[list, list, list]:
+    """What one engine is asked, the same on each of its ranks: `parts` = (prompts, seed) of each
+    rank in rank order. Each prompt n times: as n requests of one sample when greedy (vLLM samples
+    greedily only with n=1), else one request of n. Request i of a rank is seeded from that rank's
+    seed alone (seed * 10007 + i * n): its samples do not depend on which ranks share the engine.
+    Returns the prompt ids, seed and owner (index in `parts`) of each request."""
+    copies = n if greedy else 1
+    reqs, seeds, owners = [], [], []
+    for k, (prompts, seed) in enumerate(parts):
+        mine = [p for p in prompts for _ in range(copies)]
+        reqs += mine
+        seeds += [seed * 10007 + i * n for i in range(len(mine))]
+        owners += [k] * len(mine)
+    return reqs, seeds, owners
 
 
 def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: int, margin: float) -> int:
-    """The KV cache one GPU needs for `seqs` sequences of up to max_model_len tokens at once:
-    K and V per layer, per KV head on this GPU (tensor parallel splits them, replicating when
-    there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`. The share of
-    the GPU vLLM would take instead is sized for the GPU, not for the batch: waking and sleeping
-    that much costs time every step, and it is memory the trainer could have used."""
+    """The KV cache one GPU needs for `seqs` sequences (all of its engine's) of up to max_model_len
+    tokens at once: K and V per layer, per KV head on this GPU (tensor parallel splits them,
+    replicating when there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`.
+    The share of the GPU vLLM would take instead is sized for the GPU, not for the batch: waking
+    and sleeping that much costs time every step, and it is memory the trainer could have used."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = max(1, config.num_key_value_heads // tp)
     per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
@@ -182,11 +239,12 @@ def _used_gb() -> float:
 
 
 def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int, *,
-               kv_bytes: int, max_num_seqs: int) -> Engine:
-    """One engine per rank, in this process, asleep when returned. `model_dir` needs only a
-    config.json: the weights are random until the first sync (nothing is read from disk twice).
-    `dtype`: "bfloat16" / "float32" (the actor's compute dtype unless cfg.dtype says otherwise).
-    `kv_bytes` > 0: vLLM's KV cache is exactly that (vLLM then ignores gpu_memory_utilization)."""
+               kv_bytes: int, max_num_seqs: int, group=None) -> Engine:
+    """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
+    when returned. `model_dir` needs only a config.json: the weights are random until the first
+    sync (nothing is read from disk twice). `dtype`: "bfloat16" / "float32" (the actor's compute
+    dtype unless cfg.dtype says otherwise). `kv_bytes` > 0: vLLM's KV cache on each GPU is exactly
+    that (vLLM then ignores gpu_memory_utilization)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -206,12 +264,17 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
               dtype=dtype, enforce_eager=cfg.enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               seed=seed, logprobs_mode="processed_logprobs", **budget)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
+    if group is not None:                  # the prompts are pooled over `group`: it must be vLLM's TP group
+        from vllm.distributed.parallel_state import get_tp_group
+        if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
+            raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
+                               f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
     llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
     return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
                   pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
-                  kv_cache_bytes=kv_bytes)
+                  kv_cache_bytes=kv_bytes, group=group)
 
 
 def vllm_model(llm):
@@ -219,28 +282,28 @@ def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def full_param(p: torch.Tensor, device) -> torch.Tensor:
-    """The whole parameter on `device` (an all-gather: every rank calls it)."""
+def full_param(p: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
+    """The whole parameter on `device` in `dtype` (an all-gather: every rank calls it). The shard is
+    cast before the gather, so the gather moves and leaves dtype bytes (bf16: half of the fp32
+    master's) and no fp32 copy of the whole tensor exists; the values are those of casting the
+    gathered tensor (a cast is elementwise)."""
     if not hasattr(p, "full_tensor"):
-        return p.detach().to(device)
-    local = p.to_local()
-    if local.device != device:                  # CPUOffloadPolicy: shards live on the host
-        from torch.distributed.tensor import DTensor
-        p = DTensor.from_local(local.to(device, non_blocking=True), p.device_mesh, p.placements,
-                               shape=p.shape, stride=p.stride())
-    return p.detach().full_tensor()
+        return p.detach().to(device).to(dtype)
+    from torch.distributed.tensor import DTensor
+    local = p.to_local().detach().to(device, non_blocking=True).to(dtype)   # CPUOffloadPolicy: shards on the host
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
 
 @torch.no_grad()
 def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
     buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
-    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself)."""
+    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself).
+    Tensor parallel: every rank sends the whole tensor; each parameter's vLLM weight_loader keeps
+    this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint."""
     target, bucket, size, sent = vllm_model(llm), [], 0, 0
     for name, p in model.named_parameters():
-        full = full_param(p, device)
-        t = full.to(dtype)
-        del full                                  # the fp32 gather is gone before the next one
+        t = full_param(p, device, dtype)          # gathered in vLLM's dtype: one (bf16) copy, no fp32 one
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_mb * 2 ** 20:
@@ -263,9 +326,14 @@ def _phase(name: str, metrics: dict):
 
 def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int,
                   eos_id: int, device, seed: int, stashes: list, metrics: dict) -> dict:
-    """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs."""
+    """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs.
+    `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
+    prompts on each of them and this rank keeps its own rows."""
     from vllm import SamplingParams
     llm = engine.llm
+    greedy = cfg.temperature == 0
+    parts, me = gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
+    reqs, seeds, owners = requests(parts, cfg.n, greedy)
 
     with _phase("empty_cache", metrics):
         torch.cuda.empty_cache()
@@ -287,20 +355,18 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     with _phase("wake_kv", metrics):
         llm.wake_up(tags=["kv_cache"])
     with _phase("generate", metrics):
-        greedy = cfg.temperature == 0       # vLLM samples greedily only with n=1: send n copies instead
-        per_req, copies = (1, cfg.n) if greedy else (cfg.n, 1)
-        reqs = [p for p in prompts for _ in range(copies)]
-        params = [SamplingParams(n=per_req, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k or 0,
-                                 max_tokens=cfg.response_length, logprobs=0, stop_token_ids=[eos_id],
-                                 detokenize=False, seed=seed * 10007 + i * cfg.n)
-                  for i in range(len(reqs))]
+        params = [SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
+                                 top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
+                                 stop_token_ids=[eos_id], detokenize=False, seed=s) for s in seeds]
         outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
 
     rows, responses, logps = [], [], []
-    for p, out in zip(reqs, outs):
+    for p, out, k in zip(reqs, outs, owners):
+        if k != me:                               # another rank's prompt (tensor parallel): its rows
+            continue
         for o in out.outputs:                     # n samples of this prompt, kept together (a group)
             rows.append(p)
             responses.append(list(o.token_ids))

@@ -144,6 +144,10 @@ def test_batch_size_checks():
         train_grpo.check_sizes(train_grpo.parse_args(["--fsdp_size=3"]), 4)
     with pytest.raises(ValueError, match="not divisible by the world size 3"):
         train_grpo.check_sizes(cfg, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the world size 3"):
+        train_grpo.check_sizes(train_grpo.parse_args(["--train_batch_size=12", "--actor.ppo_mini_batch_size=12",
+                                                      "--rollout.tensor_parallel_size=2"]), 3)
+    assert train_grpo.check_sizes(train_grpo.parse_args(["--rollout.tensor_parallel_size=2"]), 4) > 0
 
 
 def test_chat_template_is_applied():

@@ -1,10 +1,11 @@
 """Distribution and offload correctness on the CPU.
 
-    python -m pytest test_dist.py -q        # launches 1- and 2-process gloo runs itself
+    python -m pytest test_dist.py -q        # launches 1-, 2- and 4-process gloo runs itself
 
 One update with 2 processes (each holding half the batch and half of every parameter) equals
 the same update with 1 process; an offload -> reload round trip is bit-exact and the next
-update is identical to one with no offload at all.
+update is identical to one with no offload at all; the ranks of one tensor-parallel vLLM engine
+send it the same requests and each keeps its own.
 """
 import os
 import subprocess
@@ -12,8 +13,11 @@ import sys
 
 import torch
 
+import pytest
+
 import actor
 import offload
+import rollout
 import train_grpo
 from conftest import layout, tiny_batch
 
@@ -41,7 +45,33 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     torch.distributed.destroy_process_group()
 
 
-def _launch(nproc: int, out_path: str, fsdp_size: int = -1):
+def _rollout_collectives(out_path: str):
+    """Run under torchrun (4 ranks). (1) Two engines of tensor_parallel_size=2: each rank pools its
+    own prompts (a different number on each rank) and seed with its engine's ranks, as
+    generate_vllm does. (2) The weight sync's gather of the actor's shards, and of a 3-row layer
+    (uneven over 4 ranks), in bf16 against gathering in fp32 and casting after."""
+    from torch.distributed.fsdp import fully_shard
+    rank, world, device = train_grpo.init_distributed()
+    group = rollout.tp_group(2)
+    prompts = [[rank, i] for i in range(rank + 1)]
+    parts, me = rollout.gather(group, (prompts, 100 + rank))
+    mine = (me, parts, rollout.requests(parts, 3, greedy=True), rollout.requests(parts, 3, greedy=False))
+    seen = [None] * world
+    torch.distributed.all_gather_object(seen, mine)
+    mesh = train_grpo.build_mesh(device, world, -1)
+    model = actor.shard(actor.load_model(None, seed=0), mesh, device)
+    odd = fully_shard(torch.nn.Linear(8, 3), mesh=mesh)
+    params = list(model.parameters()) + list(odd.parameters())
+    synced = [rollout.full_param(p, device, torch.bfloat16) for p in params]
+    same = [s.dtype == torch.bfloat16 and torch.equal(s, p.full_tensor().to(torch.bfloat16))
+            for s, p in zip(synced, params)]
+    if rank == 0:
+        torch.save({"requests": seen, "sync_equal": same}, out_path)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):
     # gloo on the CPU for both runs, so they differ only in the number of ranks
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -118,8 +148,49 @@ def test_host_buffers_are_reused(dist_env):
     offload.reload(stash)
 
 
+@pytest.fixture(scope="module")
+def rollout_collectives(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rollout") / "collectives.pt")
+    return _launch(4, path, "rollout")
+
+
+def test_tensor_parallel_ranks_send_one_engine_the_same_requests(rollout_collectives):
+    """4 gloo ranks, tensor_parallel_size=2: ranks 0-1 and 2-3 each form one engine (vLLM's layout);
+    both ranks of an engine build the same requests (prompts and seeds, greedy or sampled) from
+    the two ranks' prompts, the other engine's never enter; the requests a rank owns are its own
+    prompts, with the seeds it would have if the engine were its alone (greedy: n requests of one
+    sample per prompt; sampled: one of n)."""
+    seen = rollout_collectives["requests"]
+    for rank, (me, parts, greedy, sampled) in enumerate(seen):
+        engine = rank // 2
+        assert me == rank % 2 and (parts, greedy, sampled) == seen[2 * engine][1:]   # one pool per engine
+        assert [p for p, _ in parts] == [[[r, i] for i in range(r + 1)] for r in (2 * engine, 2 * engine + 1)]
+        for is_greedy, (reqs, seeds, owners) in ((True, greedy), (False, sampled)):
+            alone, alone_seeds, _ = rollout.requests([parts[me]], 3, greedy=is_greedy)
+            assert len(alone) == (rank + 1) * (3 if is_greedy else 1)
+            assert [q for q, k in zip(reqs, owners) if k == me] == alone
+            assert [s for s, k in zip(seeds, owners) if k == me] == alone_seeds
+
+
+def test_weight_sync_gathers_in_bf16_the_values_of_casting_the_fp32_gather(rollout_collectives):
+    """4 gloo ranks: every actor parameter (and a 3-row layer sharded unevenly) gathered by the weight
+    sync comes out bf16 and equal, bit for bit, to the whole fp32 parameter cast to bf16."""
+    assert len(rollout_collectives["sync_equal"]) > 10 and all(rollout_collectives["sync_equal"])
+
+
+def test_tensor_parallel_needs_the_vllm_engine():
+    """tensor_parallel_size > 1 with the HF engine is refused with a ValueError that says so."""
+    with pytest.raises(ValueError, match="needs the vLLM engine"):
+        rollout.build(rollout.RolloutConfig(engine="hf", tensor_parallel_size=2), device=torch.device("cpu"),
+                      model_path=None, config=None, out_dir="/tmp", max_model_len=8, max_num_seqs=1,
+                      dtype="float32", seed=0)
+
+
 if __name__ == "__main__":
-    _one_update(sys.argv[1], int(sys.argv[2]))
+    if sys.argv[2] == "rollout":
+        _rollout_collectives(sys.argv[1])
+    else:
+        _one_update(sys.argv[1], int(sys.argv[2]))
 
 
 def test_forward_only_bracket_skips_the_copy_back(dist_env):

@@ -2,11 +2,13 @@
 nothing creeps over many steps. Skipped without CUDA.
 
     python -m pytest test_memory.py -q                                   # one GPU
-    torchrun --nproc_per_node=8 -m pytest test_memory.py -q              # 8 GPUs: per-rank shards
+    torchrun --nproc_per_node=2 -m pytest test_memory.py -q              # 2 GPUs: per-rank shards
 
 The model is a Qwen2 architecture of ~430M parameters built from a config in code (random
 weights, no download), large enough that the caching allocator's block rounding (up to 1 MiB
-per large tensor) stays far below the 5 % tolerance.
+per large tensor) stays far below the 5 % tolerance. Every prediction is per rank, from the
+shapes this rank holds: a dimension that does not split evenly (a 1-row value head over 2 ranks)
+leaves FSDP2's shard storage padded, while Adam's state has the unpadded shape.
 """
 import os
 
@@ -50,6 +52,26 @@ def _close(freed, expected, tol=0.05):
     assert abs(freed - expected) <= tol * expected, f"freed {freed / MB:.1f} MiB, expected {expected / MB:.1f} MiB"
 
 
+def _adam_bytes(model) -> int:
+    """exp_avg + exp_avg_sq, fp32, shaped like this rank's shard of each parameter (no FSDP padding)."""
+    return 2 * sum(p.to_local().numel() * 4 for p in model.parameters())
+
+
+def _resident_bytes(addr: int, nbytes: int) -> int:
+    """Bytes of the pages under [addr, addr + nbytes) that are in RAM (mincore(2)): what this
+    process holds there, whatever the rest of its RSS does meanwhile."""
+    import ctypes
+    import mmap
+    start = addr // mmap.PAGESIZE * mmap.PAGESIZE
+    length = addr + nbytes - start
+    pages = (ctypes.c_ubyte * -(-length // mmap.PAGESIZE))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(start, length, pages):
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in pages) * mmap.PAGESIZE
+
+
 def _update(model, opt, device, seed=0, cfg=None):
     cfg = cfg or actor.ActorConfig(ppo_micro_batch_size_per_gpu=8)
     batch = tiny_batch(16, 32, device, seed=seed, vocab=32000)
@@ -71,8 +93,13 @@ def test_param_offload_frees_shard_bytes_and_reload_restores(env):
 
 
 def test_host_mirrors_are_exact_size_and_page_locked(env):
-    """The first offload grows host RSS by the stash's bytes (one exact-size allocation, page-locked),
-    not by the power-of-two sizes torch's pinned allocator rounds each tensor up to (+30 % here)."""
+    """The first offload puts the stash's bytes in one exact-size host allocation (its views packed
+    at 512-byte alignment), page-locked: every page of it is in RAM (counted with mincore over its
+    own range) and the process's RSS grows by no more than the stash (within 5 %), not by the
+    power-of-two sizes torch's pinned allocator rounds each tensor up to (+30 % here).
+    Not "RSS grows by exactly the stash": RSS is the whole process's, and memory freed earlier
+    can go back to the OS during the call (under 2 ranks it grew by 713 and 733 MiB for an
+    813 MiB mirror that was entirely resident)."""
     device, mesh = env
     model = actor.shard(mid_model(), mesh, device)
     stash = offload.param_stash("p", model)
@@ -82,7 +109,11 @@ def test_host_mirrors_are_exact_size_and_page_locked(env):
     offload.offload(stash)
     grown = (offload.host_rss_gb() - rss) * offload.GB
     assert all(h.is_pinned() for h in stash.host)
-    _close(grown, stash.nbytes)
+    start = stash.host[0].data_ptr()
+    span = max(h.data_ptr() + h.numel() for h in stash.host) - start
+    assert stash.nbytes <= span <= stash.nbytes + 512 * len(stash.host)    # one allocation, exact size
+    assert _resident_bytes(start, span) >= span                             # all of it in RAM
+    assert grown <= 1.05 * stash.nbytes, f"RSS grew {grown / MB:.1f} MiB for {stash.nbytes / MB:.1f} MiB"
     offload.reload(stash)
 
 
@@ -92,8 +123,7 @@ def test_optimizer_offload_frees_adam_state(env):
     opt = actor.build_optimizer(model, actor.ActorConfig())
     _update(model, opt, device)                         # Adam state appears at the first step
     stash = offload.optimizer_stash("actor_optimizer", opt)
-    params = offload.param_stash("actor_params", model)
-    assert stash.nbytes == 2 * params.nbytes            # exp_avg + exp_avg_sq, fp32
+    assert stash.nbytes == _adam_bytes(model)           # exp_avg + exp_avg_sq, fp32, this rank's shapes
     before = _allocated()
     offload.offload(stash)
     _close(before - _allocated(), stash.nbytes)
@@ -193,9 +223,10 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
     flag on holds that flag's bytes (params; 2 x params for Adam; the bf16 ref) less than a run
     with none, within 5 %, wherever the flag has them on the host; 0 where the copy levers bring
     the params in early (prefetch during the ref forward) or keep them (deferred offload)."""
-    base = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--train_batch_size=4",
-            "--actor.ppo_mini_batch_size=4", "--rollout.n=2", "--rollout.response_length=8",
-            "--out_dir=/tmp/stage_bytes_test"]
+    world = torch.distributed.get_world_size()
+    base = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", f"--train_batch_size={4 * world}",
+            f"--actor.ppo_mini_batch_size={4 * world}", "--rollout.n=2", "--rollout.response_length=8",
+            "--out_dir=/tmp/stage_bytes_test"]          # 4 prompts per rank on any number of ranks
 
     def run(extra):
         import gc
@@ -203,7 +234,7 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
         t = train_grpo.setup(train_grpo.parse_args(base + extra))
         m = [train_grpo.train_step(t, s) for s in range(2)][-1]
         p = offload.param_stash("p", t.actor.model).nbytes
-        sizes = {"param": p, "optim": 2 * p, "ref": t.ref.params.nbytes}
+        sizes = {"param": p, "optim": _adam_bytes(t.actor.model), "ref": t.ref.params.nbytes}
         return m, sizes
 
     none, sizes = run([])
@@ -220,21 +251,85 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
                     (flag, levers, stage, round(freed / MB, 1), round(where * sizes[flag] / MB, 1))
 
 
-def test_cpu_offload_policy_keeps_params_off_the_gpu(env):
-    device, mesh = env
+@pytest.mark.parametrize("fsdp_size", [-1, 1], ids=["fsdp", "hsdp"])
+def test_cpu_offload_policy_keeps_params_off_the_gpu(dist_env, deterministic, fsdp_size):
+    """CPUOffloadPolicy on however many ranks pytest runs on (the process group needs a CPU backend
+    beside NCCL: the shards, grads and the grad-norm reduction are on the host): the shards live
+    pinned on the host and only buffers (rotary tables) take GPU memory; one update (fp32 compute,
+    deterministic kernels) gives the same losses (1e-6) and grad norm (1e-5) as a twin whose shards
+    stay on the GPU, and changes every parameter as the twin does to within 1e-4 of the largest
+    change (Adam steps on the CPU there, on the GPU here). hsdp: every rank a full replica
+    (fsdp_size=1), with 2+ ranks only."""
+    rank, world, device = dist_env
+    if fsdp_size == 1 and world < 2:
+        pytest.skip("hybrid sharding needs 2+ ranks")
+    mesh = train_grpo.build_mesh(device, world, fsdp_size)
     before = _allocated()
-    model = actor.shard(mid_model(), mesh, device, offload_policy=True)
+    model = actor.shard(mid_model(), mesh, device, offload_policy=True, param_dtype="float32")
     assert _allocated() - before < 4 * MB               # only buffers (rotary tables) on the GPU
     assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
-    opt = actor.build_optimizer(model, actor.ActorConfig())
-    stats = _update(model, opt, device)
-    assert stats["grad_norm"] > 0
+    twin = actor.shard(mid_model(), mesh, device, param_dtype="float32")
+    start = [p.detach().full_tensor().cpu() for p in twin.parameters()]
+    stats = [_update(m, actor.build_optimizer(m, actor.ActorConfig()), device) for m in (model, twin)]
+    for k in ("pg_loss", "kl", "entropy"):
+        assert stats[0][k] == pytest.approx(stats[1][k], rel=1e-6, abs=1e-7), k
+    assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-5) and stats[0]["grad_norm"] > 0
+    got = [p.detach().full_tensor().cpu() for p in model.parameters()]     # a gather on gloo: CPU shards
+    want = [p.detach().full_tensor().cpu() for p in twin.parameters()]
+    moved = max((w - s).abs().max() for w, s in zip(want, start))
+    assert moved > 0 and all((g - w).abs().max() <= 1e-4 * moved for g, w in zip(got, want))
 
 
-def test_critic_offload_frees_its_bytes(env):
+def test_hybrid_sharding_holds_its_share_and_makes_the_one_gpu_update(dist_env):
+    """An even number of ranks >= 2: the actor with fsdp_size=1 (every GPU a replica) holds the
+    1-GPU bytes on each GPU, with fsdp_size=2 half of them, within 1 %, both for the parameters
+    and, after one update, for parameters + Adam state; and the update each rank makes on its 16
+    samples of the batch (bf16 compute) is the 1-GPU update of the whole batch: the same losses and
+    grad norm (rel 1e-2), every parameter moved the same way (Adam's first step is about +-lr per
+    element: the signs agree on >= 99 % of them). The 1-GPU run happens here too: the same model
+    on this GPU alone (the size-1 "fsdp" sub-mesh of the replica mesh) on all 16 x world samples."""
+    import gc
+    rank, world, device = dist_env
+    if world < 2 or world % 2:
+        pytest.skip("hybrid sharding needs an even number of ranks >= 2")
+    replicas = train_grpo.build_mesh(device, world, 1)          # ("replicate", "fsdp") = (world, 1)
+    meshes = {"one_gpu": replicas["fsdp"], "fsdp_size=1": replicas,
+              "fsdp_size=2": train_grpo.build_mesh(device, world, 2)}
+    cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8)
+    full = tiny_batch(16 * world, 32, device, seed=0, vocab=32000)
+    mine = {k: v[rank * 16:(rank + 1) * 16] for k, v in full.items()}
+    runs = {}
+    for name, mesh in meshes.items():
+        gc.collect()
+        before = _allocated()
+        model = actor.shard(mid_model(), mesh, device)
+        held = _allocated() - before
+        opt = actor.build_optimizer(model, cfg)
+        start = [p.detach().full_tensor().clone() for p in model.parameters()]   # one rank: a view, not a copy
+        # one_gpu: every rank runs the same whole batch alone; update_policy's counts and sums over
+        # the world then count it `world` times, which its loss x world scaling undoes exactly
+        batch, size = (full, 16 * world) if name == "one_gpu" else (mine, 16)
+        stats = actor.update_policy(model, opt, batch, cfg, size, 1.0)
+        moved = torch.cat([(p.detach().full_tensor() - s).flatten() for p, s in zip(model.parameters(), start)])
+        runs[name] = held, offload.gpu_bytes(model, opt), stats, moved.sign().to(torch.int8).cpu()
+        del model, opt, start, moved
+    one = runs["one_gpu"]
+    assert (one[3] != 0).float().mean() > 0.5                   # the update moved most parameters
+    for name, share in (("fsdp_size=1", 1.0), ("fsdp_size=2", 0.5)):
+        held, with_adam, stats, signs = runs[name]
+        _close(held, share * one[0], tol=0.01)
+        _close(with_adam, share * one[1], tol=0.01)
+        for k in ("pg_loss", "kl", "entropy", "grad_norm"):
+            assert stats[k] == pytest.approx(one[2][k], rel=1e-2, abs=1e-4), (name, k)
+        agree = (signs == one[3]).float().mean().item()
+        assert agree >= 0.99, (name, agree)
+
+
+def test_critic_offload_frees_its_bytes(env, deterministic):
     """A separate critic (the same trunk + a 1-output head): params and Adam state each free
-    their bytes within 5 % (Adam's are exactly 2 x the params'), and after a round trip the next
-    update is the same as a twin's that never left the GPU."""
+    their bytes within 5 % (Adam's are exactly 2 x fp32 of this rank's unpadded shard shapes: the
+    1-row head does not split evenly over 2 ranks), and after a round trip the next update is
+    the same as a twin's that never left the GPU (deterministic kernels)."""
     from transformers import Qwen2ForTokenClassification
     import critic
     device, mesh = env
@@ -254,7 +349,7 @@ def test_critic_offload_frees_its_bytes(env):
         critic.update_critic(model, opt, batch, cfg, lay, 16, 1)
     (model, opt), (twin, twin_opt) = twins
     params, states = offload.param_stash("critic_params", model), offload.optimizer_stash("critic_optimizer", opt)
-    assert states.nbytes == 2 * params.nbytes
+    assert states.nbytes == _adam_bytes(model)
     for stash in (params, states):
         before = _allocated()
         offload.offload(stash)

@@ -1,5 +1,6 @@
 """End to end on the CPU: the embedded run learns, the metrics are complete, the checkpoint loads,
-the real-model path runs, and bad input fails with one clear line.
+the real-model path runs, two "nodes" joined by torchrun's c10d rendezvous run as one node does,
+and bad input fails with one clear line.
 
     python -m pytest test_train.py -q
 """
@@ -45,7 +46,57 @@ def test_embedded_run_learns_on_two_processes(tmp_path):
     need += [f"time/{s}" for s in GRPO_STAGES]
     need += [f"mem/{s}/{k}" for s in GRPO_STAGES for k in ("allocated_gb", "peak_gb", "reserved_gb")]
     assert not [k for k in need if k not in m[0]]
+    assert all(0 < x[f"time_min/{s}"] <= x[f"time/{s}"] for x in m for s in GRPO_STAGES)   # fastest <= slowest rank
     assert "reward_mean=" in r.stdout and "[####" in r.stdout        # the per-step line and its bar
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_all(procs, timeout: float) -> list:
+    """Wait for every process; if one fails (or time runs out), stop the others: a node whose peer
+    died would otherwise wait in a collective until gloo's 30-minute timeout."""
+    import time
+    deadline = time.time() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline or any(p.poll() for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
+    return [p.returncode for p in procs]
+
+
+def test_two_nodes_through_c10d_rendezvous_equal_one_node(tmp_path):
+    """Two "nodes" of one CPU process each, started as a multi-node job starts (one torchrun per
+    node, --nnodes=2, c10d rendezvous at 127.0.0.1:<free port>, one --rdzv-id), run 3 steps with the
+    same rewards, response lengths, losses and grad norms, step for step, as 2 processes on one node
+    (--standalone); the run's metrics file is written once (global rank 0)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}   # both runs: gloo on the CPU
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    args = [os.path.join(HERE, "train_grpo.py"), "--steps=3", "--save=false"]
+    port = _free_port()
+    # --node_rank is left out: c10d rendezvous assigns the ranks (torchrun ignores it and warns)
+    node = run + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                  f"--rdzv-id=two-nodes-{port}"]
+    logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]     # files: a full pipe would block a node
+    nodes = [subprocess.Popen(node + args + [f"--out_dir={tmp_path / 'nodes'}"], env=env, cwd=HERE,
+                              stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    codes = _wait_all(nodes, timeout=600)
+    for log in logs:
+        log.close()
+    assert codes == [0, 0], [(tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2)]
+    one = subprocess.run(run + ["--standalone", "--nproc_per_node=2"] + args + [f"--out_dir={tmp_path / 'one'}"],
+                         env=env, cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    keys = ("reward_mean", "response_length", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl")
+    got, want = metrics(tmp_path / "nodes"), metrics(tmp_path / "one")
+    assert len(got) == len(want) == 3
+    assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in want]
 
 
 def test_offload_flags_and_off_policy_path_run(tmp_path):

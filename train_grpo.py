@@ -168,19 +168,25 @@ def check_sizes(cfg: Config, world: int) -> int:
         raise ValueError(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
+    if cfg.rollout.tensor_parallel_size < 1 or world % cfg.rollout.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} does not divide "
+                         f"the world size {world}: each vLLM engine spans that many ranks")
     return mini
 
 
 # --------------------------------------------------------------------------- distributed
 def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all."""
+    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
+    On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
+    CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
+    with "No backend type associated with device type cpu"). CPU runs: gloo alone."""
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         if "RANK" in os.environ:
             dist.init_process_group(backend, device_id=device if cuda else None)
         else:
@@ -214,12 +220,19 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
 
 # --------------------------------------------------------------------------- logging
 def reduce_metrics(m: dict, device) -> dict:
-    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank)."""
+    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank).
+    Several ranks: also `time_min/<stage>`, the fastest rank's time. A rank that finishes a stage
+    early waits for the others in the next stage's first collective, so a stage's time can hold
+    the previous stage's imbalance: max - min shows where the ranks drift apart."""
     keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload", "rollout") or k == "host_rss_gb")
     if dist.get_world_size() > 1 and keys:
-        t = torch.tensor([float(m[k]) for k in keys], device=device, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        m.update(zip(keys, t.tolist()))
+        times = [k for k in keys if k.startswith("time/")]
+        t = torch.tensor([float(m[k]) for k in keys] + [-float(m[k]) for k in times], device=device,
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)            # one collective: max, and min as -max(-x)
+        t = t.tolist()
+        m.update(zip(keys, t))
+        m.update({"time_min/" + k[5:]: -v for k, v in zip(times, t[len(keys):])})
     return m
 
 
@@ -385,7 +398,9 @@ def report(t: Trainer) -> list[str]:
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
               f"weights + KV cache {cfg.rollout.gpu_memory_utilization:.0%} of the GPU")
-        lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
+        tp = cfg.rollout.tensor_parallel_size
+        lines.append("[rollout] vLLM engine" + (f" (tensor parallel over {tp} ranks)" if tp > 1 else "")
+                     + f" built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
     if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload
                               or cfg.reward_model.param_offload):
