@@ -5,7 +5,8 @@
     python -m pytest test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
 
 HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
-layer, not one per decoded token), samples, and frees the gathered weights again.
+layer, not one per decoded token), samples, and frees the gathered weights again. A LoRA actor
+generates with its adapter on (its target layers hold it).
 
 vLLM engine: one in-process engine per rank (torchrun ranks are vLLM's workers through its
 "external_launcher"), built once with random weights (`load_format="dummy"`) and sleep mode.
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import FSDPModule
 
+import actor
 import offload
 
 
@@ -219,26 +221,17 @@ def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def full_param(p: torch.Tensor, device) -> torch.Tensor:
-    """The whole parameter on `device` (an all-gather: every rank calls it)."""
-    if not hasattr(p, "full_tensor"):
-        return p.detach().to(device)
-    local = p.to_local()
-    if local.device != device:                  # CPUOffloadPolicy: shards live on the host
-        from torch.distributed.tensor import DTensor
-        p = DTensor.from_local(local.to(device, non_blocking=True), p.device_mesh, p.placements,
-                               shape=p.shape, stride=p.stride())
-    return p.detach().full_tensor()
-
-
 @torch.no_grad()
 def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
     buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
-    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself)."""
+    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself).
+    With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
+    on the way (`actor.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
+    (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
+    weights it drops must be re-sent anyway.)"""
     target, bucket, size, sent = vllm_model(llm), [], 0, 0
-    for name, p in model.named_parameters():
-        full = full_param(p, device)
+    for name, full in actor.hf_weights(model, device):
         t = full.to(dtype)
         del full                                  # the fp32 gather is gone before the next one
         bucket.append((name, t))
