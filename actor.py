@@ -3,7 +3,7 @@ every move of the actor's own bytes.
 
     python -m pytest test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest test_dist.py   # 2 ranks == 1 rank
-    python train_grpo.py --actor.lora_rank=16 --actor.lr=2e-3   # LoRA: adapters train, the base is the ref
+    python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, the base is the ref
 
 What the actor moves, and when (its two offload groups, `Actor.params` and `Actor.adam`):
     param_offload       fp32 shards live in pinned host memory between uses. In for the weight sync
@@ -516,8 +516,9 @@ def save(a: Actor, tokenizer, path: str, rank: int) -> str:
             save_hf(a.model, tokenizer, path, rank, a.device)
             return "safetensors + config + tokenizer"
         save_adapter(a, tokenizer, path, rank)
-        if a.cfg.save_merged:
-            save_hf(a.model, tokenizer, os.path.join(path, "merged"), rank, a.device)
+        if a.cfg.save_merged:              # in the base's dtype (bf16 on a GPU), as peft's merge_and_unload gives
+            base_dtype = next(p.dtype for p in a.model.parameters() if not p.requires_grad)
+            save_hf(a.model, tokenizer, os.path.join(path, "merged"), rank, a.device, base_dtype)
     return "LoRA adapter: adapter_model.safetensors + adapter_config.json + tokenizer" + \
         ("; merged model in merged/" if a.cfg.save_merged else "")
 
@@ -578,16 +579,16 @@ def save_adapter(a: Actor, tokenizer, path: str, rank: int):
         tokenizer.save_pretrained(path)
 
 
-def save_hf(model, tokenizer, path: str, rank: int, device):
+def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype | None = None):
     """A Hugging Face checkpoint (safetensors + config + tokenizer) that from_pretrained and vLLM load
-    (with LoRA: the merged weights). Parameters are gathered one at a time to rank 0's host memory
-    (never a GPU state dict)."""
+    (with LoRA: the merged weights, cast to `dtype`; None keeps each parameter's). Parameters are
+    gathered one at a time to rank 0's host memory (never a GPU state dict)."""
     from safetensors.torch import save_file
     tied = getattr(model.config, "tie_word_embeddings", False)
     sd = {}
     for name, full in hf_weights(model, device):   # collectives: all ranks
         if rank == 0 and not (tied and name == "lm_head.weight"):
-            sd[name] = full.to("cpu", copy=True).contiguous()
+            sd[name] = full.to("cpu", dtype or full.dtype, copy=True).contiguous()
         del full
     if rank == 0:
         os.makedirs(path, exist_ok=True)
