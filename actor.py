@@ -449,7 +449,8 @@ def describe_lora(a: Actor) -> str:
             f"{n:,} adapter parameters train (fp32 {n * 4 / MB:.1f} MB + grads {n * 4 / MB:.1f} MB + Adam "
             f"{n * 8 / MB:.1f} MB over all ranks); the base's {sum(p.numel() for p in frozen):,} are frozen in "
             f"{str(frozen[0].dtype).replace('torch.', '')} ({a.base.nbytes / offload.GB:.3f} GB on this rank); "
-            f"no reference model: the ref log-probs are the actor's with its adapter off")
+            + ("no reference model: the ref log-probs are the actor's with its adapter off" if c.use_kl_loss
+               else "no KL loss, no reference"))
 
 
 def offloaded(a: Actor) -> list:

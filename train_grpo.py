@@ -281,7 +281,7 @@ class Trainer:
     order: list                            # prompt order, the same on every rank
     actor: actor.Actor
     engine: rollout.Engine
-    ref: ref.Ref | None = None             # only for the KL loss
+    ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
