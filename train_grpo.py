@@ -2,6 +2,7 @@
 
     python train_grpo.py                                   # embedded tiny model + copy task, CPU ok
     torchrun --nproc_per_node=2 train_grpo.py              # same, 2 processes (gloo on CPU)
+    python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, no ref model
     torchrun --nproc_per_node=8 train_grpo.py --model /models/Qwen2.5-1.5B-Instruct \
         --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
