@@ -3,6 +3,7 @@ every move of the actor's own bytes.
 
     python -m pytest test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest test_dist.py   # 2 ranks == 1 rank
+    python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, the base is the ref
 
 What the actor moves, and when (its two offload groups, `Actor.params` and `Actor.adam`):
     param_offload       fp32 shards live in pinned host memory between uses. In for the weight sync
@@ -16,6 +17,14 @@ What the actor moves, and when (its two offload groups, `Actor.params` and `Acto
                         defer_param_offload (`update` keeps the params; the next sync copies them
                         out), optimizer_load_at_step (Adam copied in at the step, not before).
 
+LoRA (lora_rank > 0, through peft): only the adapters train. Grads and Adam exist for them alone
+(r x (in + out) per target matrix: a few MB), and the frozen base is held in the compute dtype on a
+GPU (bf16: half of the fp32 master weights). No reference model is built: the reference log-probs
+are the actor's own with its adapter off (`compute_ref_log_probs`). The params group splits in
+two: `Actor.params` (the adapters, copied out after each update) and `Actor.base` (frozen: copied
+out once, at build; every later bracket only frees it). The weight sync and the merged checkpoint
+send W + scale x B @ A per target weight (`hf_weights`), one weight at a time.
+
 Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
     input_ids, attention_mask, position_ids  (B, P+R)
     responses, response_mask                 (B, R)
@@ -24,6 +33,7 @@ Batches are dicts of tensors, one row per sample (prompt left-padded to P, respo
 import contextlib
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +73,13 @@ class ActorConfig:
                                            # is no longer hidden behind the forward/backward
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = False   # recompute each layer's activations in backward
+    # LoRA (peft): only low-rank adapters train; the frozen base with the adapter off is the reference
+    lora_rank: int = 0                     # 0: off (full fine-tuning); r > 0: adapters of rank r
+    lora_alpha: int = 16                   # the adapter's scale is lora_alpha / lora_rank
+    lora_target_modules: str = "all-linear"  # comma-separated projections, or all-linear: q,k,v,o_proj and
+                                           # gate,up,down_proj of every decoder layer (dropout is always 0)
+    save_merged: bool = False              # with lora_rank: the final save also writes base + adapter merged,
+                                           # as a Hugging Face model, to <save dir>/merged
     param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
     # how samples go through the model (packing.py); remove_padding, logits_chunk_tokens and
     # use_dynamic_bsz apply to every role that runs this architecture (ref, critic)
@@ -129,11 +146,84 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
 
 
 def build_optimizer(model, cfg) -> torch.optim.Optimizer:
-    """AdamW for the actor or the critic (`cfg` has lr and weight_decay). Adam state (2 x fp32 shard
-    bytes) appears at the first step, on the params' device. fused: one kernel per step and no
-    temporaries; the default foreach path allocates several param-sized lists in the step (at 7B
-    those tens of GB did not fit beside params + grads + Adam on one H200)."""
-    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    """AdamW for the actor or the critic (`cfg` has lr and weight_decay), over the parameters that
+    train (with LoRA: the adapters only). Adam state (2 x fp32 shard bytes of those) appears at the
+    first step, on the params' device. fused: one kernel per step and no temporaries; the default
+    foreach path allocates several param-sized lists in the step (at 7B those tens of GB did not fit
+    beside params + grads + Adam on one H200)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, fused=True)
+
+
+# --------------------------------------------------------------------------- LoRA
+# Every linear layer of a Qwen2 / Llama decoder block: what "all-linear" means here. The LM head and
+# the embedding are left out (as peft's all-linear does): packing.py applies the head from its weight
+# directly, and small Qwen models tie the two.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER = "default"                        # peft's name for the one adapter
+
+
+def lora_targets(spec: str) -> list[str]:
+    """`actor.lora_target_modules` -> module names: "all-linear", or a comma-separated subset."""
+    names = list(LORA_TARGETS) if spec.strip() == "all-linear" else [n.strip() for n in spec.split(",") if n.strip()]
+    bad = [n for n in names if n not in LORA_TARGETS]
+    if bad or not names:
+        raise ValueError(f"actor.lora_target_modules={spec}: {', '.join(bad) or 'no name'} is not a decoder "
+                         f"projection; use all-linear or a comma-separated subset of {','.join(LORA_TARGETS)}")
+    return names
+
+
+def lora_param_count(config, rank: int, targets: str = "all-linear") -> int:
+    """Parameters LoRA adds to a Qwen2 / Llama-style model with this HF config (nothing is built):
+    rank x (in + out) per target projection per decoder layer. Each costs 4 bytes (fp32) + 4 of
+    grad + 8 of Adam state. For the memory planner."""
+    h = config.hidden_size
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    q, kv, i = config.num_attention_heads * d, config.num_key_value_heads * d, config.intermediate_size
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),     # (in, out)
+              "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+    return config.num_hidden_layers * rank * sum(sum(shapes[t]) for t in lora_targets(targets))
+
+
+def apply_lora(model: torch.nn.Module, cfg: ActorConfig, device: torch.device):
+    """peft's LoRA on `model`, in place, before sharding. Each target nn.Linear becomes a LoRA layer
+    holding its frozen weight (`<name>.base_layer.weight`) and the adapter, `<name>.lora_A.default`
+    (r, in) and `lora_B` (out, r); B starts at zero, so the policy starts as the base. Every other
+    parameter is frozen. Returns peft's wrapper (adapter on/off, its config); `model` stays the HF
+    model (the wrapper holds it as base_model.model), so `shard` still finds model.model.layers and
+    every other role sees the module it knows.
+    On a GPU the frozen base is cast to the compute dtype (bf16: half of its fp32 bytes, as the
+    reference model is held) while the adapters stay fp32 master weights. FSDP2 allows the mix in
+    one parameter group: it requires a single dtype among the *trainable* parameters only, and
+    all-gathers mixed dtypes as bytes (test_lora.py checks both). The forward is unchanged: FSDP2
+    casts fp32 weights to bf16 at the all-gather anyway."""
+    if cfg.lora_rank < 0:
+        raise ValueError(f"actor.lora_rank={cfg.lora_rank}: use 0 (off) or a positive rank")
+    from peft import LoraConfig, get_peft_model
+    with warnings.catch_warnings():        # peft reads transformers' renamed is_gradient_checkpointing
+        warnings.simplefilter("ignore", FutureWarning)
+        wrapper = get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                                   target_modules=lora_targets(cfg.lora_target_modules), bias="none"))
+    if device.type == "cuda":
+        dtype = getattr(torch, cfg.param_dtype)
+        for p in model.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(dtype)  # bf16: frees 2 bytes per base parameter, on host and GPU alike
+    return wrapper
+
+
+def lora_layers(model: torch.nn.Module) -> dict:
+    """{module name: peft LoRA layer} (empty without LoRA)."""
+    return {n: m for n, m in model.named_modules() if hasattr(m, "base_layer") and hasattr(m, "lora_A")}
+
+
+def merge_lora(weight: torch.Tensor, layer, device) -> torch.Tensor:
+    """W + scale x B @ A for one LoRA target, in fp32: `weight` is its gathered base (out, in), the
+    adapter is gathered here (r x (in + out) elements). A new tensor: the parameter is never written
+    (a gather on one rank can return the shard's own storage)."""
+    A = full_param(layer.lora_A[ADAPTER].weight, device)          # (r, in)
+    B = full_param(layer.lora_B[ADAPTER].weight, device)          # (out, r)
+    return weight.to(torch.float32, copy=True).addmm_(B.float(), A.float(), alpha=layer.scaling[ADAPTER])
 
 
 # --------------------------------------------------------------------------- math
@@ -320,47 +410,82 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
 # --------------------------------------------------------------------------- the actor and its moves
 @dataclass
 class Actor:
-    """The policy's state (made by `build`): the FSDP2 model, AdamW, and its two offload groups."""
+    """The policy's state (made by `build`): the FSDP2 model, AdamW, and its offload groups."""
     cfg: ActorConfig
-    model: torch.nn.Module
+    model: torch.nn.Module                 # the HF model (with LoRA: its target layers hold the adapters)
     optimizer: torch.optim.Optimizer
-    params: offload.Stash                  # local shards: all, or the first k layers' (param_offload_layers)
+    params: offload.Stash                  # local shards that train: all, or the first k layers'
+                                           # (param_offload_layers); with LoRA the adapters only
     adam: offload.Stash                    # exp_avg + exp_avg_sq: empty until Adam's first step
+    device: torch.device
+    base: offload.Stash | None = None      # LoRA: the frozen base's shards (bf16 on a GPU); never copied back
+    lora: object = None                    # LoRA: peft's wrapper around `model` (disable_adapter, the config)
 
 
 def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | None = None, seed: int = 0,
           model: torch.nn.Module | None = None) -> Actor:
-    """Load (or take `model`, an HF causal LM already built, fp32), shard, make the optimizer;
-    with param_offload the shards leave the GPU at once."""
+    """Load (or take `model`, an HF causal LM already built, fp32), add the LoRA adapters
+    (lora_rank > 0), shard, make the optimizer; with param_offload the shards leave the GPU at once."""
     if cfg.offload_policy and (cfg.param_offload or cfg.optimizer_offload):
         raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
                          "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
-    model = shard(model if model is not None else load_model(model_path, seed), mesh, device,
-                  cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
+    model = model if model is not None else load_model(model_path, seed)
+    lora = apply_lora(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards what peft made
+    model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
     k = cfg.param_offload_layers           # partial offload: only the first k decoder layers' shards
+    groups = [model] if k < 0 else model.model.layers[:k]
     optimizer = build_optimizer(model, cfg)
-    a = Actor(cfg, model, optimizer, offload.param_stash("actor_params", *([model] if k < 0 else model.model.layers[:k])),
-              offload.optimizer_stash("actor_optimizer", optimizer))
+    a = Actor(cfg, model, optimizer, offload.param_stash("actor_params", *groups, trainable=True if lora else None),
+              offload.optimizer_stash("actor_optimizer", optimizer), device, lora=lora,
+              base=offload.param_stash("actor_base", *groups, trainable=False) if lora else None)
     for s in offloaded(a):
         offload.offload(s)                 # frees the shard bytes until their first use
     return a
 
 
+def describe_lora(a: Actor) -> str:
+    """The set-up line of a LoRA actor: what trains, what is frozen, and that no reference is held."""
+    c, MB = a.cfg, 2 ** 20
+    n = sum(p.numel() for p in a.model.parameters() if p.requires_grad)       # whole-model counts
+    frozen = [p for p in a.model.parameters() if not p.requires_grad]
+    return (f"[lora] rank {c.lora_rank}, alpha {c.lora_alpha}, on {','.join(lora_targets(c.lora_target_modules))}: "
+            f"{n:,} adapter parameters train (fp32 {n * 4 / MB:.1f} MB + grads {n * 4 / MB:.1f} MB + Adam "
+            f"{n * 8 / MB:.1f} MB over all ranks); the base's {sum(p.numel() for p in frozen):,} are frozen in "
+            f"{str(frozen[0].dtype).replace('torch.', '')} ({a.base.nbytes / offload.GB:.3f} GB on this rank); "
+            + ("no reference model: the ref log-probs are the actor's with its adapter off" if c.use_kl_loss
+               else "no KL loss, no reference"))
+
+
 def offloaded(a: Actor) -> list:
     """The parameter groups that live on the host between uses (empty when param_offload is off)."""
-    return [a.params] if a.cfg.param_offload else []
+    if not a.cfg.param_offload:
+        return []
+    return [a.params] if a.base is None else [a.base, a.params]
 
 
 @contextlib.contextmanager
-def resident(a: Actor, metrics: dict):
-    """Params on the GPU for a forward-only use, freed after it (the host copy is current: no copy back)."""
-    with offload.loaded(offloaded(a), metrics):
+def resident(a: Actor, metrics: dict, keep: bool = False):
+    """Params on the GPU for a forward-only use, freed after it (the host copy is current: no copy
+    back), or left there for the next stage (`keep`)."""
+    with offload.loaded(offloaded(a), metrics, keep=keep):
         yield
 
 
 def compute_old_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict) -> torch.Tensor:
     layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
     with resident(a, metrics):
+        return compute_log_probs(a.model, batch, layout, temperature)
+
+
+def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict,
+                          update_next: bool = False) -> torch.Tensor:
+    """LoRA's reference log-probs: the actor's own forward with its adapter off, i.e. the frozen
+    base, which is the policy at step 0 (no reference model is built or held). Inside the actor's
+    bracket. `update_next` (GRPO: the update is the next stage) with prefetch_update: the params stay
+    on the GPU after it, so the update copies nothing in (the ref forward needs them itself, so here
+    the lever has no copy to hide, only one to save)."""
+    layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
+    with resident(a, metrics, keep=update_next and a.cfg.prefetch_update), a.lora.disable_adapter():
         return compute_log_probs(a.model, batch, layout, temperature)
 
 
@@ -387,22 +512,91 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     return stats
 
 
-def save(a: Actor, tokenizer, path: str, rank: int):
+def save(a: Actor, tokenizer, path: str, rank: int) -> str:
+    """The final checkpoint in `path`: the policy as a Hugging Face model; with LoRA the adapter in
+    peft's format, and with save_merged also the merged model in path/merged. Returns what it wrote."""
     with resident(a, {}):
-        save_hf(a.model, tokenizer, path, rank)
+        if a.lora is None:
+            save_hf(a.model, tokenizer, path, rank, a.device)
+            return "safetensors + config + tokenizer"
+        save_adapter(a, tokenizer, path, rank)
+        if a.cfg.save_merged:              # in the base's dtype (bf16 on a GPU), as peft's merge_and_unload gives
+            base_dtype = next(p.dtype for p in a.model.parameters() if not p.requires_grad)
+            save_hf(a.model, tokenizer, os.path.join(path, "merged"), rank, a.device, base_dtype)
+    return "LoRA adapter: adapter_model.safetensors + adapter_config.json + tokenizer" + \
+        ("; merged model in merged/" if a.cfg.save_merged else "")
 
 
-# --------------------------------------------------------------------------- save
-def save_hf(model, tokenizer, path: str, rank: int):
-    """A Hugging Face checkpoint (safetensors + config + tokenizer) that from_pretrained and vLLM load.
-    Parameters are gathered one at a time to rank 0's host memory (never a GPU state dict)."""
+# --------------------------------------------------------------------------- weights out: sync and save
+def full_param(p: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole parameter on `device` (an all-gather: every rank calls it). With `dtype` the shard
+    is cast before the gather, so the gather moves and leaves dtype bytes (bf16: half of the fp32
+    master's) and no fp32 copy of the whole tensor exists; the values are those of casting the
+    gathered tensor (a cast is elementwise)."""
+    if not hasattr(p, "full_tensor"):
+        return p.detach().to(device).to(dtype or p.dtype)
+    from torch.distributed.tensor import DTensor
+    local = p.to_local().detach().to(device, non_blocking=True)   # CPUOffloadPolicy: shards on the host
+    local = local.to(dtype) if dtype is not None else local
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+
+
+@torch.no_grad()
+def hf_weights(model: torch.nn.Module, device, dtype: torch.dtype | None = None):
+    """(Hugging Face name, whole tensor on `device`, in `dtype` if given) for every parameter,
+    gathered one at a time in named_parameters() order (all-gathers: every rank iterates to the end).
+    With LoRA each target's weight comes merged, W + scale x B @ A in fp32, under its HF name
+    (`...q_proj.weight`, not `...q_proj.base_layer.weight`), and the adapter matrices are not
+    yielded: what the weight sync and the merged checkpoint need, with no second model built.
+    Transient: one gathered weight (+ its fp32 merge and the adapter's r x (in + out) for a target)."""
+    layers = lora_layers(model)
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue                       # each adapter matrix is folded into its base weight below
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer"):  # a LoRA target: peft's name -> the HF one
+            owner = owner[:-len(".base_layer")]
+            full = full_param(p, device)
+            if leaf == "weight":
+                full = merge_lora(full, layers[owner], device)    # the gathered base is freed here
+            full = full.to(dtype) if dtype is not None else full
+            name = f"{owner}.{leaf}"
+        else:                              # cast before the gather: one dtype-sized copy, no fp32 one
+            full = full_param(p, device, dtype)
+        yield name, full
+        del full                           # before the next gather: one weight alive at a time
+
+
+def save_adapter(a: Actor, tokenizer, path: str, rank: int):
+    """The LoRA adapter in peft's format (`PeftModel.from_pretrained(base, path)` loads it):
+    adapter_model.safetensors with each target's lora_A / lora_B under the names peft saves
+    (`base_model.model.<module>.lora_A.weight`), adapter_config.json, the tokenizer. Each matrix is
+    gathered on its own to rank 0's host memory."""
+    from safetensors.torch import save_file
+    sd = {}
+    for name, p in a.model.named_parameters():
+        if p.requires_grad:                # the adapters: everything else is the frozen base
+            full = full_param(p, a.device)     # collective: all ranks
+            if rank == 0:
+                sd["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = full.to("cpu", copy=True).contiguous()
+            del full
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        save_file(sd, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        a.lora.peft_config[ADAPTER].save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+
+def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype | None = None):
+    """A Hugging Face checkpoint (safetensors + config + tokenizer) that from_pretrained and vLLM load
+    (with LoRA: the merged weights, cast to `dtype`; None keeps each parameter's). Parameters are
+    gathered one at a time to rank 0's host memory (never a GPU state dict)."""
     from safetensors.torch import save_file
     tied = getattr(model.config, "tie_word_embeddings", False)
     sd = {}
-    for name, p in model.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()   # collective: all ranks
+    for name, full in hf_weights(model, device):   # collectives: all ranks
         if rank == 0 and not (tied and name == "lm_head.weight"):
-            sd[name] = full.to("cpu", copy=True).contiguous()
+            sd[name] = full.to("cpu", dtype or full.dtype, copy=True).contiguous()
         del full
     if rank == 0:
         os.makedirs(path, exist_ok=True)

@@ -6,6 +6,9 @@
     python bench_offload.py --model=random:qwen2.5-1.5b --configs=none,rm,rm_offload,all,rm_all --out=rm_1.5b.json
     torchrun --nproc_per_node=2 bench_offload.py --prompts=32 --configs=none,all \
         --rollout.tensor_parallel_size=2 --out=tp2_1.5b.json     # --prompts counts all ranks' prompts
+    python bench_offload.py --model=random:qwen2.5-7b --configs=ref,lora,lora_all --steps=3 --prompts=8 --n=8 \
+        --prompt_len=256 --response_len=256 --micro=4 --gpu_memory_utilization=0.16 \
+        --actor.gradient_checkpointing=true --out=lora_7b.json       # LoRA vs full fine-tuning
 
 One process per model size: the host<->device copy bandwidth (pinned and pageable) is measured
 first, then every configuration runs the same GRPO (or PPO) steps (fixed prompt and response
@@ -33,6 +36,7 @@ STAGES = train_grpo.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
 NO_LEVERS = {"actor.prefetch_update": False, "actor.defer_param_offload": False}
 PPO = {"algorithm.adv_estimator": "gae"}
+LORA = 64                                  # verl's GRPO-LoRA examples use rank 64 on all linear layers
 CONFIGS = {  # name: overrides of the role configs (the copy levers are on unless a name says otherwise)
     "none": {},
     "param": {"actor.param_offload": True},
@@ -65,6 +69,10 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "rm": {},                                        # + a reward model of the policy's size (set below)
     "rm_offload": {"reward_model.param_offload": True},
     "rm_all": {**ALL, "reward_model.param_offload": True},
+    # LoRA (rank 64, all-linear): no ref model (ref.* has no effect), grads and Adam for the adapters only
+    "lora": {"actor.lora_rank": LORA},
+    "lora_param": {"actor.lora_rank": LORA, "actor.param_offload": True},
+    "lora_all": {"actor.lora_rank": LORA, "actor.param_offload": True, "actor.optimizer_offload": True},
 }
 
 
@@ -283,6 +291,8 @@ def main():
     for name, m in res["configs"].items():
         # each against its own base: PPO against PPO, the reward model's offload against the reward model's run
         base = res["configs"].get("ppo_none" if name.startswith("ppo") else "rm" if name.startswith("rm_") else "none", {})
+        if name.startswith("lora") and not base.get("ok"):   # 7B: full fine-tuning's base row is "ref"
+            base = res["configs"].get("ref", {})
         if m.get("ok") and base.get("ok"):
             m["step_time_cost_pct"] = 100 * (m["time/step"] / base["time/step"] - 1)
             # vLLM's sampling phase is the same work under every flag but varies run to run by

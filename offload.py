@@ -35,6 +35,8 @@ class Stash:
     host_current: bool = False             # the host buffers hold the same bytes as the device
     pending: object = None                 # CUDA event of a background reload not yet waited for
     source: object = None                  # an optimizer whose state is born later (filled at first use)
+    frozen: bool = False                   # never written after build (a LoRA base): once on the host, the
+                                           # host copy stays current, so no bracket copies it out again
     marks: list = field(default_factory=list, repr=False)  # CUDA events: reload issued, use reached, wait done
 
     @property
@@ -59,9 +61,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # DTensor -> this rank's shard
 
 
-def param_stash(name: str, *modules: torch.nn.Module) -> Stash:
-    """Each parameter's local FSDP2 shard (padding included: it shares the shard's storage)."""
-    return _add(Stash(name), [_local(p) for m in modules for p in m.parameters()])
+def param_stash(name: str, *modules: torch.nn.Module, trainable: bool | None = None) -> Stash:
+    """Each parameter's local FSDP2 shard (padding included: it shares the shard's storage).
+    `trainable`: None takes every parameter; True only those that train; False only the frozen
+    ones, and the stash is marked `frozen` (a LoRA actor's base)."""
+    params = [p for m in modules for p in m.parameters() if trainable is None or p.requires_grad == trainable]
+    return _add(Stash(name, frozen=trainable is False), [_local(p) for p in params])
 
 
 def optimizer_stash(name: str, optimizer: torch.optim.Optimizer) -> Stash:
@@ -116,14 +121,15 @@ def _sync(device):
 def offload(stash: Stash, modified: bool = True) -> dict:
     """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory.
     `modified=False` (a forward-only bracket: generate, old/ref log-probs) skips the copy back when
-    the host buffers already hold these bytes: only the free remains, no PCIe traffic."""
+    the host buffers already hold these bytes: only the free remains, no PCIe traffic. A frozen
+    stash is never modified: after its first offload every later one is a free."""
     if not stash.on_device or not _fill(stash).views:
         return {}
     _wait(stash, marked=False)
     t0 = time.perf_counter()
     if not stash.host:      # first offload: host buffers, allocated once and reused every step
         stash.host = host_buffers(stash)
-    copy = modified or not stash.host_current
+    copy = (modified and not stash.frozen) or not stash.host_current
     if copy:
         for view, host in zip(stash.views, stash.host):
             host.copy_(view, non_blocking=True)
@@ -220,7 +226,8 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
     """The bracket: reload every enabled stash (a no-op for one already in, e.g. prefetched:
     then only its pending copy is waited for), run the body, offload them again.
     `stashes` holds only the groups whose offload flag is on; an empty list is a no-op.
-    `modified`: the body changes these tensors (the update), so they are copied back out.
+    `modified`: the body changes these tensors (the update), so they are copied back out (a frozen
+    stash's are not: its host copy is current).
     `keep`: leave them on the device; the next bracket's offload copies them out (if modified)."""
     for s in stashes:
         metrics.update(reload(s))
@@ -228,7 +235,7 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
     yield
     for s in stashes:
         if keep:
-            s.host_current = s.host_current and not modified
+            s.host_current = s.host_current and not (modified and not s.frozen)
         else:
             metrics.update(offload(s, modified))
 

@@ -3,7 +3,9 @@
     torchrun --nproc_per_node=2 train_grpo.py --ref.param_offload=true
     python -m pytest test_memory.py -k ref          # on a GPU: ref offload frees its shard bytes
 
-It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never built.
+It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never built, nor with
+LoRA (actor.lora_rank > 0): the frozen base is the step-0 policy, so the actor with its adapter off
+is the reference (actor.compute_ref_log_probs) and the options here have no effect (`needed`).
 What it moves: with param_offload its bf16 shards live in pinned host memory and come in for
 the ref stage only (`resident`); they never change, so they are freed after it without a copy
 back. verl always puts the reference behind FSDP's CPU offload; here both modes are offered
@@ -11,7 +13,7 @@ back. verl always puts the reference behind FSDP's CPU offload; here both modes 
 default.
 """
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -35,6 +37,16 @@ class Ref:
     model: torch.nn.Module
     params: offload.Stash                  # its local shards, in the compute dtype
     layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
+
+
+def needed(actor_cfg: actor.ActorConfig) -> bool:
+    """A reference model is built for the KL loss, and not with LoRA (its base is the reference)."""
+    return actor_cfg.use_kl_loss and actor_cfg.lora_rank == 0
+
+
+def ignored(cfg: RefConfig) -> list[str]:
+    """The ref.* options set away from their defaults: what to warn about when none is built."""
+    return [f"ref.{f.name}={getattr(cfg, f.name)}" for f in fields(cfg) if getattr(cfg, f.name) != f.default]
 
 
 def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, seed: int = 0) -> Ref:

@@ -5,7 +5,8 @@
     python -m pytest test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
 
 HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
-layer, not one per decoded token), samples, and frees the gathered weights again.
+layer, not one per decoded token), samples, and frees the gathered weights again. A LoRA actor
+generates with its adapter on (its target layers hold it).
 
 vLLM engine: one in-process engine per rank (torchrun ranks are vLLM's workers through its
 "external_launcher"), built once with random weights (`load_format="dummy"`) and sleep mode.
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+import actor
 import offload
 
 
@@ -282,28 +284,19 @@ def vllm_model(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
-def full_param(p: torch.Tensor, device, dtype: torch.dtype) -> torch.Tensor:
-    """The whole parameter on `device` in `dtype` (an all-gather: every rank calls it). The shard is
-    cast before the gather, so the gather moves and leaves dtype bytes (bf16: half of the fp32
-    master's) and no fp32 copy of the whole tensor exists; the values are those of casting the
-    gathered tensor (a cast is elementwise)."""
-    if not hasattr(p, "full_tensor"):
-        return p.detach().to(device).to(dtype)
-    from torch.distributed.tensor import DTensor
-    local = p.to_local().detach().to(device, non_blocking=True).to(dtype)   # CPUOffloadPolicy: shards on the host
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-
-
 @torch.no_grad()
 def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
     buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
     HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself).
     Tensor parallel: every rank sends the whole tensor; each parameter's vLLM weight_loader keeps
-    this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint."""
+    this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint.
+    With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
+    on the way (`actor.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
+    (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
+    weights it drops must be re-sent anyway.)"""
     target, bucket, size, sent = vllm_model(llm), [], 0, 0
-    for name, p in model.named_parameters():
-        t = full_param(p, device, dtype)          # gathered in vLLM's dtype: one (bf16) copy, no fp32 one
+    for name, t in actor.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_mb * 2 ** 20:

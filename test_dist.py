@@ -62,7 +62,7 @@ def _rollout_collectives(out_path: str):
     model = actor.shard(actor.load_model(None, seed=0), mesh, device)
     odd = fully_shard(torch.nn.Linear(8, 3), mesh=mesh)
     params = list(model.parameters()) + list(odd.parameters())
-    synced = [rollout.full_param(p, device, torch.bfloat16) for p in params]
+    synced = [actor.full_param(p, device, torch.bfloat16) for p in params]
     same = [s.dtype == torch.bfloat16 and torch.equal(s, p.full_tensor().to(torch.bfloat16))
             for s, p in zip(synced, params)]
     if rank == 0:

@@ -2,6 +2,7 @@
 
     python train_grpo.py                                   # embedded tiny model + copy task, CPU ok
     torchrun --nproc_per_node=2 train_grpo.py              # same, 2 processes (gloo on CPU)
+    python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, no ref model
     torchrun --nproc_per_node=8 train_grpo.py --model /models/Qwen2.5-1.5B-Instruct \
         --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
@@ -18,6 +19,8 @@ the ledger. --profile_steps=1,3 writes a torch.profiler trace of those steps to 
     old_logp  : params in -> micro-batched forward -> params out      (skipped when on-policy)
     ref_logp  : ref params in -> micro-batched forward -> ref params out
                 (actor.prefetch_update: meanwhile the actor's params come in on a side stream)
+                LoRA (--actor.lora_rank): no ref model; the actor's own forward with its adapter off,
+                inside the actor's bracket (prefetch_update: its params then stay for the update)
     values    : critic params in -> micro-batched values -> out             (PPO only)
     advantage : GRPO: (score - group mean) / (group std + eps), the same for every token;
                 PPO (--algorithm.adv_estimator=gae): GAE on the critic's values, whitened
@@ -299,7 +302,7 @@ class Trainer:
     order: list                            # prompt order, the same on every rank
     actor: actor.Actor
     engine: rollout.Engine
-    ref: ref.Ref | None = None             # only for the KL loss
+    ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
@@ -326,7 +329,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     memory_watch(cfg, device)
     where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
     a = actor.build(cfg.actor, **where)
-    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if cfg.actor.use_kl_loss else None
+    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if ref.needed(cfg.actor) else None
     c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
         if cfg.algorithm.adv_estimator == "gae" else None
     rm = reward_model.build(cfg.reward_model, param_dtype=cfg.actor.param_dtype, policy_tokenizer=tokenizer, mesh=mesh,
@@ -405,18 +408,28 @@ def report(t: Trainer) -> list[str]:
     if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload
                               or cfg.reward_model.param_offload):
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-    # Adam holds exp_avg + exp_avg_sq shaped like each local shard (counted from shapes: the shards
-    # themselves may be on the host already)
-    adam_bytes = 2 * sum(p.to_local().numel() * 4 for p in t.actor.model.parameters())
+    # Adam holds exp_avg + exp_avg_sq shaped like each local shard that trains (counted from shapes:
+    # the shards themselves may be on the host already)
+    adam_bytes = 2 * sum(p.to_local().numel() * 4 for p in t.actor.model.parameters() if p.requires_grad)
     k = a.param_offload_layers
+    if t.actor.lora is not None:
+        lines.append(actor.describe_lora(t.actor))
+        if a.use_kl_loss and ref.ignored(cfg.ref):
+            lines.append(f"[ref] warning: with actor.lora_rank the reference is the actor with its adapter off "
+                         f"(no ref model): {', '.join(ref.ignored(cfg.ref))} has no effect")
+    elif a.save_merged:
+        lines.append("[actor] warning: actor.save_merged has no effect without actor.lora_rank "
+                     "(the saved model is the whole policy)")
     lines.append(flag("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
-                      t.actor.params.nbytes, a.param_offload))
+                      t.actor.params.nbytes + (t.actor.base.nbytes if t.actor.base else 0), a.param_offload))
     lines.append(flag("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, a.optimizer_offload))
     timing = []                            # the copy levers: when each offloaded group moves
     if a.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if a.defer_param_offload
                                          else "after the update")
-                      + (" and return during the ref forward" if a.prefetch_update and t.ref and not t.critic else ""))
+                      + (" and return during the ref forward" if a.prefetch_update and t.ref and not t.critic else "")
+                      + (" and stay after the ref forward (adapter off) for the update"
+                         if a.prefetch_update and t.actor.lora and a.use_kl_loss and not t.critic else ""))
     if a.optimizer_offload:
         timing.append("Adam returns " + ("just before optimizer.step" if a.optimizer_load_at_step
                                          else "on a side stream during the forward/backward"))
@@ -518,6 +531,9 @@ def train_step(t: Trainer, step: int) -> dict:
                 if t.critic is None:       # GRPO: the update comes next (PPO: the critic's stages do)
                     actor.prefetch_update(t.actor, m)
                 batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, temperature)
+        elif a.use_kl_loss:                # LoRA (ref.needed): the actor with its adapter off is the reference
+            batch["ref_log_probs"] = actor.compute_ref_log_probs(t.actor, batch, temperature, m,
+                                                                 update_next=t.critic is None)
 
     if t.critic is not None:               # PPO: values of the rollout states
         with stage("values"):
@@ -585,9 +601,9 @@ def main(argv=None):
     if t.rank == 0 and t.device.type == "cuda":
         plan.plot(cfg.out_dir)             # <out_dir>/memory.png: peaks per stage over the steps, and the plan
     if cfg.save:
-        actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
+        what = actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
         if t.rank == 0:
-            print(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
+            print(f"[save] {os.path.join(cfg.out_dir, 'final')} ({what})")
     dist.barrier()
     dist.destroy_process_group()
 
