@@ -26,6 +26,7 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
   CUDA graphs and workspaces that stay while it sleeps, and the CUDA context.
 Calibrated against the H200 measurements kept in docs/plan_truth.json (test_plan.py checks it).
 """
+import functools
 import json
 import math
 import os
@@ -89,9 +90,10 @@ def shapes(config) -> Shapes:
                   head_dim, bool(getattr(config, "tie_word_embeddings", False)))
 
 
+@functools.lru_cache(maxsize=16)
 def model_config(path: str | None):
     """The HF config of `--model` without building the model: the tiny default, a random size, or a
-    local directory's config.json."""
+    local directory's config.json (read once; not to be modified)."""
     import tiny
     if path is None:
         return tiny.tiny_config()
@@ -146,7 +148,15 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     actor_off = shard(k * s.layer_params + (s.root_params if a.param_offload_layers < 0 else 0), 4)
     groups = {"actor params": (actor_p, actor_off if a.param_offload else 0),
               "actor Adam": (shard(P, 8), shard(P, 8) if a.optimizer_offload else 0)}
-    if a.use_kl_loss:
+    lora = a.lora_rank > 0                     # adapters train (fp32, Adam); the frozen base is in the
+    if lora:                                   # compute dtype; no ref model (the base is the reference)
+        import actor
+        adapters = actor.lora_param_count(model_config(cfg.model), a.lora_rank, a.lora_target_modules)
+        actor_p = shard(adapters, 4)
+        groups = {"actor base": (shard(P, c), shard(P, c) if a.param_offload else 0),
+                  "actor params": (actor_p, actor_p if a.param_offload else 0),
+                  "actor Adam": (shard(adapters, 8), shard(adapters, 8) if a.optimizer_offload else 0)}
+    if a.use_kl_loss and not lora:
         groups["ref params"] = (shard(P, c), shard(P, c) if r.param_offload else 0)
     crit = shard(P - s.vocab * s.hidden * (0 if s.tied else 1), 4) if gae and cfg.critic.mode == "separate" else 0
     if crit:
@@ -163,6 +173,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         groups["ref params"] = (shard(P, c), shard(P, c))
 
     def resident(*loaded):                     # what every group keeps on the GPU, plus the ones in use
+        loaded = loaded + (("actor base",) if "actor params" in loaded else ())   # LoRA: they move together
         held = {g: on - (0 if g in loaded else off) for g, (on, off) in groups.items()}
         return {"cuBLAS workspace": CUBLAS, **{g: b for g, b in held.items() if b}}
 
@@ -202,8 +213,9 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                         {**resident("actor params"),
                          **forward(tokens(a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu))}))
     prefetch = a.prefetch_update and a.param_offload and not gae
-    if a.use_kl_loss:
-        stages.append(Stage("ref_logp", {**resident("ref params", *(["actor params"] if prefetch else [])),
+    if a.use_kl_loss:                          # LoRA: the actor's own forward, its adapter off
+        stages.append(Stage("ref_logp", {**resident("actor params" if lora else "ref params",
+                                                    *(["actor params"] if prefetch else [])),
                                          **forward(tokens(r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu))}))
     if gae:
         cr = cfg.critic
@@ -301,11 +313,13 @@ def candidates(cfg, world: int):
     import copy
     import itertools
     a = cfg.actor
-    micros = sorted({m for m in (a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size_per_gpu // 2,
-                                 a.ppo_micro_batch_size_per_gpu // 4, a.ppo_micro_batch_size_per_gpu // 8, 1) if m >= 1},
-                    reverse=True)
+
+    def halvings(m):
+        return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
     tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
-    for values, micro, tp in itertools.product(itertools.product(*SEARCH.values()), micros, tps):
+    for values, micro, lp_micro, tp in itertools.product(itertools.product(*SEARCH.values()),
+                                                         halvings(a.ppo_micro_batch_size_per_gpu),
+                                                         halvings(a.log_prob_micro_batch_size_per_gpu), tps):
         flags = dict(zip(SEARCH, values))
         if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
             continue
@@ -317,20 +331,21 @@ def candidates(cfg, world: int):
             setattr(getattr(c, section), name, v)
         c.rollout.tensor_parallel_size = tp     # vLLM's weights (and KV heads) split over tp GPUs
         c.actor.ppo_micro_batch_size_per_gpu = micro
-        c.actor.log_prob_micro_batch_size_per_gpu = min(c.actor.log_prob_micro_batch_size_per_gpu, 2 * micro)
-        c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, 2 * micro)
+        c.actor.log_prob_micro_batch_size_per_gpu = lp_micro
+        c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, lp_micro)
         yield c
 
 
 def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str):
     """(the fastest configuration whose every stage fits, its Plan), or (None, None)."""
     limit = budget(gpu_bytes, margin, engine)
-    best = None
+    best, key = None, None
     for c in candidates(cfg, world):
         p = predict(c, world, prompt_len, engine)
         if max(s.total for s in p.stages) <= limit and sum(p.vllm_device.values()) <= gpu_bytes * (1 - margin):
-            if best is None or p.seconds < best[1].seconds:
-                best = (c, p)
+            k = (round(p.seconds, 2), len(changes(cfg, c)))     # the fastest; of equals, the fewest changes
+            if best is None or k < key:
+                best, key = (c, p), k
     return best or (None, None)
 
 
@@ -361,6 +376,9 @@ def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: flo
                       lambda c, k=k: setattr(c.rollout, "n", max(1, c.rollout.n // k))))
         tries.append((f"rollout.response_length={max(1, cfg.rollout.response_length // k)}", world,
                       lambda c, k=k: setattr(c.rollout, "response_length", max(1, c.rollout.response_length // k))))
+    if not cfg.actor.lora_rank:
+        tries.append(("actor.lora_rank=64 (train adapters only: no ref model, grads and Adam for the adapters)",
+                      world, lambda c: setattr(c.actor, "lora_rank", 64)))
     tries.append(("actor.offload_policy=true (FSDP2 CPUOffloadPolicy: ~10x slower step)", world,
                   lambda c: setattr(c.actor, "offload_policy", True)))
     found, kinds = [], set()
