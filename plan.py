@@ -4,6 +4,7 @@ nothing does. It moves nothing and builds no model (shapes come from config.json
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
+    python plan.py --model=random:qwen2.5-72b --nproc=8 --gpu_gb=141 --host_gb=560   # pinned RAM checked too
     python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
     python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl
 
@@ -167,13 +168,17 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         rs = shapes(model_config(rm.path))
         rm_p = shard(rs.params - rs.vocab * rs.hidden * (0 if rs.tied else 1), c)
         groups["reward model"] = (rm_p, rm_p if rm.param_offload else 0)
-    if a.offload_policy:                       # CPUOffloadPolicy: shards, grads and Adam live on the host
+    host_only = set()                          # CPUOffloadPolicy: shards, grads and Adam live on the host; only
+    if a.offload_policy:                       # a layer at a time comes over (the gathered-layer term)
         groups["actor params"], groups["actor Adam"] = (actor_p, actor_p), (shard(P, 8), shard(P, 8))
-    if a.use_kl_loss and r.offload_policy:
+        host_only |= {"actor params", "actor Adam"}
+    if a.use_kl_loss and r.offload_policy and "ref params" in groups:
         groups["ref params"] = (shard(P, c), shard(P, c))
+        host_only.add("ref params")
 
     def resident(*loaded):                     # what every group keeps on the GPU, plus the ones in use
         loaded = loaded + (("actor base",) if "actor params" in loaded else ())   # LoRA: they move together
+        loaded = tuple(g for g in loaded if g not in host_only)
         held = {g: on - (0 if g in loaded else off) for g, (on, off) in groups.items()}
         return {"cuBLAS workspace": CUBLAS, **{g: b for g, b in held.items() if b}}
 
@@ -241,7 +246,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     if engine == "vllm":                       # device-level while vLLM generates: the trainer's leftovers
         dev = {"trainer (allocated)": sum(resident().values()), "vLLM weights": c * P // ro.tensor_parallel_size,
                "vLLM KV cache": kv_bytes, "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
-    pinned = sum(off for on, off in groups.values())
+    pinned = sum(off for on, off in groups.values()) + (actor_p if a.offload_policy else 0)   # + the host grads
     return Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
 
 
@@ -282,8 +287,8 @@ def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, eng
     compute = 2 * s.params * tokens * passes / TFLOPS
     exposed = 0.0
     p_off, a_off = groups["actor params"][1], groups["actor Adam"][1]
-    if a.offload_policy:                       # the optimizer steps on the CPU: measured ~10x at 1.5B
-        return 10 * (compute + 1.0)
+    if a.offload_policy:                       # the optimizer steps on the CPU: 16.2 s for 1.54B params on
+        return compute + 10.5e-9 * s.params / max(world, 1) + 3 * groups["actor params"][0] / PINNED_GBPS  # one H200 host
     exposed += p_off * (1 + (0.25 if a.prefetch_update else 1)) / PINNED_GBPS   # out at the sync, in for the update
     exposed += a_off * (1 + (1 if a.optimizer_load_at_step else 0.5)) / PINNED_GBPS
     exposed += sum(off for g, (on, off) in groups.items() if g not in ("actor params", "actor Adam")) / PINNED_GBPS
@@ -336,12 +341,15 @@ def candidates(cfg, world: int):
         yield c
 
 
-def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str):
-    """(the fastest configuration whose every stage fits, its Plan), or (None, None)."""
+def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0):
+    """(the fastest configuration whose every stage fits, its Plan), or (None, None). `host_bytes`:
+    the pinned host memory one rank may use (0: not checked)."""
     limit = budget(gpu_bytes, margin, engine)
     best, key = None, None
     for c in candidates(cfg, world):
         p = predict(c, world, prompt_len, engine)
+        if host_bytes and p.pinned_host > 0.9 * host_bytes:
+            continue
         if max(s.total for s in p.stages) <= limit and sum(p.vllm_device.values()) <= gpu_bytes * (1 - margin):
             k = (round(p.seconds, 2), len(changes(cfg, c)))     # the fastest; of equals, the fewest changes
             if best is None or k < key:
@@ -361,7 +369,8 @@ def changes(before, after) -> list[str]:
     return out
 
 
-def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str) -> list[str]:
+def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str,
+                   host_bytes: int = 0) -> list[str]:
     """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples,
     shorter responses, FSDP2's CPU offload policy)."""
     import copy
@@ -390,7 +399,7 @@ def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: flo
         change(c)
         if (c.train_batch_size * c.rollout.n) % w or c.train_batch_size % w:
             continue
-        if choose(c, w, prompt_len, gpu_bytes, margin, engine)[0] is not None:
+        if choose(c, w, prompt_len, gpu_bytes, margin, engine, host_bytes)[0] is not None:
             found.append(label)
             kinds.add(kind)
     return found
@@ -410,15 +419,16 @@ def table(plan: Plan, gpu_bytes: int) -> str:
     return "\n".join(lines)
 
 
-def report(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str) -> str:
+def report(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0) -> str:
     """The table for `cfg`, then the fastest configuration that fits (or what would)."""
     plan = predict(cfg, world, prompt_len, engine)
     out = [f"[plan] {cfg.model or 'tiny'} on {world} x {gpu_bytes / GB:.0f} GB, {engine} rollout, "
-           f"prompt {prompt_len} + response {cfg.rollout.response_length} tokens:", table(plan, gpu_bytes)]
-    best, best_plan = choose(cfg, world, prompt_len, gpu_bytes, margin, engine)
+           f"prompt {prompt_len} + response {cfg.rollout.response_length} tokens"
+           + (f", {host_bytes / GB:.0f} GB of host RAM per rank:" if host_bytes else ":"), table(plan, gpu_bytes)]
+    best, best_plan = choose(cfg, world, prompt_len, gpu_bytes, margin, engine, host_bytes)
     limit = budget(gpu_bytes, margin, engine)
     if best is None:
-        fits = what_would_fit(cfg, world, prompt_len, gpu_bytes, margin, engine)
+        fits = what_would_fit(cfg, world, prompt_len, gpu_bytes, margin, engine, host_bytes)
         out.append(f"[plan] nothing fits under {limit / GB:.1f} GB per GPU ({margin:.0%} margin) with any "
                    f"combination of offload flags, checkpointing and micro-batch sizes; what would: "
                    + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
@@ -440,9 +450,10 @@ def templates() -> str:
             cfg = train_grpo.parse_args([f"--model={model}", f"--train_batch_size={8 * world}", "--rollout.n=8",
                                          f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
                                          "--actor.ppo_micro_batch_size_per_gpu=8"])
-            best, p = choose(cfg, world, 512, gb * GB, 0.1, "vllm")
+            host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
+            best, p = choose(cfg, world, 512, gb * GB, 0.1, "vllm", host)
             if best is None:
-                fits = what_would_fit(cfg, world, 512, gb * GB, 0.1, "vllm")
+                fits = what_would_fit(cfg, world, 512, gb * GB, 0.1, "vllm", host)
                 rows.append(f"| {model[7:]} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - |")
             else:
                 rows.append(f"| {model[7:]} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
@@ -574,7 +585,8 @@ def plot(out_dir: str, path: str | None = None) -> str | None:
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm"}
+    own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm",
+           "host_gb": 0.0, "nproc_per_node": 0}       # host_gb: RAM per node (0: pinned memory not checked)
     rest = []
     for arg in argv:
         key, _, value = arg[2:].partition("=")
@@ -595,7 +607,9 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(report(cfg, own["nproc"], prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"]))
+    per_node = own["nproc_per_node"] or min(own["nproc"], 8)
+    print(report(cfg, own["nproc"], prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
+                 int(own["host_gb"] * GB / per_node)))
 
 
 def _prompt_len(cfg) -> int:

@@ -10,6 +10,7 @@ per large tensor) stays far below the 5 % tolerance. Every prediction is per ran
 shapes this rank holds: a dimension that does not split evenly (a 1-row value head over 2 ranks)
 leaves FSDP2's shard storage padded, while Adam's state has the unpadded shape.
 """
+import json
 import os
 
 import pytest
@@ -502,3 +503,27 @@ def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env):
     for a, b in zip(none, off):
         for k in ("reward_mean", "reward_model/score_mean", "pg_loss", "kl", "grad_norm"):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
+
+
+def test_an_oom_is_explained_with_a_snapshot(tmp_path):
+    """A run capped at 7 GB of the GPU (set_per_process_memory_fraction) at Qwen2.5-0.5B shapes runs
+    out of memory: it exits 1, its last stderr line names the stage, what was resident and the
+    plan's prediction with a change to make, a memory snapshot is in out_dir, and metrics.jsonl has
+    no line for the step that failed."""
+    import subprocess
+    import sys
+    fraction = 7 * GB / torch.cuda.get_device_properties(0).total_memory
+    out = tmp_path / "run"
+    code = (f"import torch; torch.cuda.set_per_process_memory_fraction({fraction}); import train_grpo; "
+            f"train_grpo.main(['--model=random:qwen2.5-0.5b', '--rollout.engine=hf', '--steps=2', '--save=false', "
+            f"'--train_batch_size=8', '--actor.ppo_mini_batch_size=8', '--rollout.n=4', "
+            f"'--rollout.response_length=64', '--out_dir={out}'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert last.startswith("error: out of GPU memory in stage ") and "the plan predicted" in last and "--" in last, last
+    snapshot = out / "oom_snapshot.rank0.pickle"
+    assert snapshot.exists() and snapshot.stat().st_size > 0
+    done = (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []
+    assert [json.loads(line)["step"] for line in done] == list(range(len(done))) and len(done) < 2

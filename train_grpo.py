@@ -351,6 +351,11 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     return t
 
 
+def host_bytes_per_rank() -> int:
+    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+
+
 def gpu_bytes(device) -> int:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * plan.GB
 
@@ -361,9 +366,10 @@ def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device
     if device.type != "cuda":
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
-    best, p = plan.choose(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind)
+    host = host_bytes_per_rank()
+    best, p = plan.choose(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind, host)
     if best is None:
-        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind)
+        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind, host)
         raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
                          f"micro-batch sizes that fits {gpu_bytes(device) / plan.GB:.0f} GB per GPU; what would: "
                          + ("; ".join(fits) if fits else "a bigger GPU"))
@@ -583,7 +589,7 @@ def main(argv=None):
     if t.rank == 0:
         open(metrics_path, "w").close()
     t_start, seen = time.time(), {}
-    host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    host = host_bytes_per_rank()
     for step in range(cfg.steps):
         try:
             with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
