@@ -86,7 +86,7 @@ def test_offload_flags_take_their_bytes_out_of_the_stages_that_do_not_use_them()
     stage but the update; ref.param_offload the bf16 ref out of every stage but ref_logp;
     gradient checkpointing shrinks only the update."""
     base = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
-            "--rollout.response_length=256"]
+            "--rollout.response_length=256", "--actor.gradient_checkpointing=false"]
     P = plan.shapes(plan.model_config("random:qwen2.5-7b")).params
     none = {s.name: s for s in plan.predict(_cfg(*base), 1, 128).stages}
     opt = {s.name: s for s in plan.predict(_cfg(*base, "--actor.optimizer_offload=true"), 1, 128).stages}
