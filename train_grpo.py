@@ -31,18 +31,28 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 """
 from __future__ import annotations
 
+import ast
+import datetime
+import inspect
+import io
 import json
+import math
 import os
 import sys
+import textwrap
 import time
+import tokenize
+import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import actor
+import checkpoint
 import critic
 import data as data_io
 import offload
@@ -65,15 +75,23 @@ class Config:
     model: str | None = None               # local HF model dir; None: the embedded tiny model
     data: str | None = None                # .jsonl / .parquet with prompt + answer; None: copy task
     reward: str | None = None              # module:function(response, answer) -> float
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    reward_error: str = "stop"             # a reward that raises or returns no finite number: stop (one line
+                                           # naming the reward and the sample) | zero (it scores 0, counted)
+    prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
+    answer_key: str = "answer"             # the data's answer field, passed to the reward
     max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
     train_batch_size: int = 16             # prompts per step, over all ranks
-    steps: int = 150
-    seed: int = 0
+    steps: int = 150                       # training steps (a resume continues up to this)
+    seed: int = 0                          # model init, data order, sampling
     fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
-    out_dir: str = "out"
+    out_dir: str = "out"                   # metrics, checkpoints, final/ (an earlier run is never overwritten)
     save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
+    save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
+                                           # and on SIGTERM; 0: none
+    keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)
+    resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
+                                           # start fresh | a checkpoint dir (into an empty out_dir)
+    dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -81,7 +99,97 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
+# checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
+RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
+          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0"}
+CHOICES = {"reward_error": ("stop", "zero")}
+ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
+
+
 # --------------------------------------------------------------------------- config
+def sections(cfg: Config) -> dict:
+    """"" for the top level, then each role's section: (its config, its RANGES, its CHOICES)."""
+    return {"": (cfg, RANGES, CHOICES), "actor": (cfg.actor, actor.RANGES, actor.CHOICES),
+            "ref": (cfg.ref, ref.RANGES, {}), "rollout": (cfg.rollout, rollout.RANGES, rollout.CHOICES),
+            "critic": (cfg.critic, critic.RANGES, critic.CHOICES),
+            "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
+
+
+def within(value, rule: str) -> bool:
+    """`value` satisfies `rule`: "any" (finite), ">= a", "> a", "[a, b)" (any bracket mix), "x or RULE"."""
+    if not math.isfinite(value):
+        return False
+    if " or " in rule:
+        first, rest = rule.split(" or ", 1)
+        return value == float(first) or within(value, rest)
+    if rule == "any":
+        return True
+    if rule[0] in "[(":
+        lo, hi = (float(x) for x in rule[1:-1].split(","))
+        return (lo <= value if rule[0] == "[" else lo < value) and (value <= hi if rule[-1] == "]" else value < hi)
+    op, bound = rule.split()
+    return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def check_config(cfg: Config):
+    """Every option against its range or its choices, and the combinations that would train
+    nothing: a bad value stops the run before anything is built, with what to change."""
+    for name, (obj, ranges, choices) in sections(cfg).items():
+        prefix = f"{name}." if name else ""
+        for key, rule in ranges.items():
+            if not within(getattr(obj, key), rule):
+                raise ValueError(f"--{prefix}{key}={getattr(obj, key)}: must be {rule}"
+                                 + (" (a finite number)" if rule == "any" else ""))
+        for key, allowed in choices.items():
+            if getattr(obj, key) not in allowed:
+                raise ValueError(f"--{prefix}{key}={getattr(obj, key)}: use one of {', '.join(map(str, allowed))}")
+    r = cfg.rollout
+    if r.temperature == 0 and r.n > 1 and cfg.algorithm.adv_estimator == "grpo":
+        raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
+                         f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
+                         f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
+    if cfg.actor.offload_policy and (cfg.actor.param_offload or cfg.actor.optimizer_offload):
+        raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
+                         "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+
+
+def field_comments(cls) -> dict:
+    """Each field's comment in the class source (its line's, then comment-only lines under it):
+    what --help prints, so every default and its explanation are written once, in the dataclass."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    by_line = {t.start[0]: t.string.lstrip("#").strip()
+               for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
+    lines = src.splitlines()
+    out = {}
+    for node in ast.parse(src).body[0].body:
+        if isinstance(node, ast.AnnAssign):
+            text, n = [by_line.get(node.lineno, "")], node.lineno + 1
+            while n in by_line and lines[n - 1].lstrip().startswith("#"):   # continuation lines
+                text.append(by_line[n])
+                n += 1
+            out[node.target.id] = " ".join(t for t in text if t)
+    return out
+
+
+def usage() -> str:
+    """--help: every option with its type, default and comment, read from the config dataclasses."""
+    out = ["usage: python train_grpo.py [--key=value ...]   (or torchrun --nproc_per_node=N train_grpo.py ...)",
+           "options are --key=value or --key value; a role's keys take its section: --actor.lr=1e-6", ""]
+    for name, (obj, ranges, choices) in sections(Config()).items():
+        out.append(f"[{name or 'run'}]")
+        comments = field_comments(type(obj))
+        for f in fields(obj):
+            if is_dataclass(getattr(obj, f.name)):
+                continue
+            hint = typing.get_type_hints(type(obj))[f.name]
+            kind = "str or none" if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint.__name__
+            rule = ranges.get(f.name) or ("|".join(map(str, choices[f.name])) if f.name in choices else "")
+            out.append(f"  --{name + '.' if name else ''}{f.name}={getattr(obj, f.name)}  ({kind}"
+                       f"{'; ' + rule if rule and rule != 'any' else ''})  {comments.get(f.name, '')}")
+        out.append("")
+    return "\n".join(out)
+
+
 def _convert(text: str, typ, key: str):
     if typ is bool:
         if text.lower() in ("1", "true", "yes", "on"):
@@ -89,7 +197,7 @@ def _convert(text: str, typ, key: str):
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"--{key}={text}: expected true or false")
-    if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
         return None if text.lower() in ("none", "null", "") else text
     try:
         return typ(text)
@@ -121,6 +229,7 @@ def parse_args(argv: list[str]) -> Config:
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
             raise ValueError(f"unknown option --{key}; known here: {known}")
         setattr(obj, name, _convert(value, hints[name], key))
+    check_config(cfg)
     return cfg
 
 
@@ -140,24 +249,16 @@ def check_sizes(cfg: Config, world: int) -> int:
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
         raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
                          f"does not divide the {mini} samples per rank of a mini-batch")
-    if a.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
-    if a.kl_loss_type not in actor.KL_TYPES:
-        raise ValueError(f"actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
-    if cfg.algorithm.adv_estimator not in ("grpo", "gae"):
-        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: use grpo or gae")
-    if cfg.critic.mode not in ("separate", "shared"):
-        raise ValueError(f"critic.mode={cfg.critic.mode}: use separate or shared")
-    if cfg.critic.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise ValueError(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     return mini
 
 
 # --------------------------------------------------------------------------- distributed
-def init_distributed():
-    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all."""
+def init_distributed(timeout_s: float | None = None):
+    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
+    `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
+    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -165,10 +266,11 @@ def init_distributed():
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if cuda else "gloo"
+        wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None)
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -207,9 +309,10 @@ def reduce_metrics(m: dict, device) -> dict:
     return m
 
 
-def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
+def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
+    """The step's one line; `first`: the step this process started at (a resume), for the eta."""
     done = (step + 1) / steps
-    eta = (time.time() - t_start) / done * (1 - done)
+    eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
     keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
@@ -238,15 +341,34 @@ class Trainer:
     order: list                            # prompt order, the same on every rank
     actor: actor.Actor
     engine: rollout.Engine
+    fingerprint: str                       # of the prompts and answers: a resume checks it walks the same data
     ref: ref.Ref | None = None             # only for the KL loss
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
+    data_offset: int = 0                   # prompts walked before step 0's position (a resume that
+                                           # changed train_batch_size keeps its place in the data)
+    warned: set = field(default_factory=set)   # warnings already printed (each once per run)
+
+
+def preflight(cfg: Config):
+    """Every check that needs no process group and no model, run on every rank before either
+    exists, so that a mistake costs seconds: the batch arithmetic, the model directory (config,
+    weights, a decoder layout this code shards), the data and the reward, then the out_dir policy
+    (`checkpoint.plan`). Returns ((prompt ids, answers), the checkpoint to resume or None)."""
+    check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    actor.check_model(cfg.model)
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
+        critic.check_model(cfg.model)
+    tokenizer = data_io.load_tokenizer(cfg.model)
+    data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    data_io.load_reward(cfg.reward, cfg.data)
+    return data, checkpoint.plan(cfg, data_io.fingerprint(*data))
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
     """Build every role (each offloads what its flags say), then the rollout engine (or reuse
-    `engine`). `data`: (prompt ids, answers) instead of cfg.data (benchmarks)."""
+    `engine`). `data`: (prompt ids, answers) instead of cfg.data (preflight's, or a benchmark's)."""
     actor.check_model_path(cfg.model)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(cfg.dist_timeout_s)
     mini_size = check_sizes(cfg, world)
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(device, world, cfg.fsdp_size)
@@ -267,7 +389,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
-                order=order, actor=a, engine=engine, ref=r, critic=c)
+                order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
+                ref=r, critic=c)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
     return t
@@ -324,6 +447,26 @@ def report(t: Trainer) -> list[str]:
 
 
 # --------------------------------------------------------------------------- one step
+def reward_errors(t: Trainer, errors: list) -> int:
+    """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
+    reward_error=stop every rank raises the first one (so rank 0 can say it); with zero those
+    samples scored 0, and the first is shown once as a warning."""
+    n = int(actor.all_sum(torch.tensor([float(len(errors))], device=t.device)).item())
+    if n and (t.cfg.reward_error == "stop" or "reward" not in t.warned):
+        first = [errors[0] if errors else None]
+        if t.world > 1:                    # every rank learns the first rank's message
+            first = [None] * t.world
+            dist.all_gather_object(first, errors[0] if errors else None)
+        message = next(e for e in first if e)
+        if t.cfg.reward_error == "stop":
+            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
+        t.warned.add("reward")
+        if t.rank == 0:
+            print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "
+                  f"{message}", flush=True)
+    return n
+
+
 STAGES = ("generate", "reward", "old_logp", "ref_logp", "values", "advantage", "critic_update", "update")
 
 
@@ -331,7 +474,7 @@ def train_step(t: Trainer, step: int) -> dict:
     """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
     ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
-    temperature = cfg.rollout.temperature
+    temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
 
     def stage(name):                      # the ledger: time and memory of each stage, vLLM's pool taken out
         assert name in STAGES, name
@@ -340,7 +483,7 @@ def train_step(t: Trainer, step: int) -> dict:
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
     local_bs = cfg.train_batch_size // t.world
-    start = (step * cfg.train_batch_size) % len(t.order)
+    start = (t.data_offset + step * cfg.train_batch_size) % len(t.order)
     idx = [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
 
@@ -358,9 +501,10 @@ def train_step(t: Trainer, step: int) -> dict:
         texts = t.tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
                                                                       mask.sum(-1).tolist())],
                                          skip_special_tokens=True)
-        scores = torch.tensor([t.reward_fn(x, t.answers[i]) for x, i in
-                               zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
-                              dtype=torch.float32, device=device)
+        scores, errors = data_io.score(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), texts,
+                                       [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+        m["reward/errors"] = reward_errors(t, errors)   # stops every rank, or counts (reward_error)
+        scores = torch.tensor(scores, dtype=torch.float32, device=device)
 
     with stage("old_logp"):
         if not on_policy:                  # on-policy: the update's first forward is the old policy
@@ -400,39 +544,113 @@ def train_step(t: Trainer, step: int) -> dict:
     with stage("update"):
         m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
 
-    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
+    groups = scores.view(-1, cfg.rollout.n)
+    flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if cfg.rollout.n > 1 else 0
+    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
                                       device=device, dtype=torch.float64)).tolist()
     m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
              host_rss_gb=offload.host_rss_gb())
+    m["reward/equal_groups_frac"] = sums[3] / sums[4]   # groups whose samples all scored the same
     m["time/step"] = time.perf_counter() - t_step
     return reduce_metrics(m, device)
 
 
 # --------------------------------------------------------------------------- main
-def main(argv=None):
-    try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        t = setup(cfg)
-    except (ValueError, FileNotFoundError) as e:   # bad input: one line that says what to change
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if t.rank == 0:
-        print(json.dumps({"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)},
-                         indent=1))
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if t.rank == 0:
-        open(metrics_path, "w").close()
+def train(t: Trainer, start: int) -> bool:
+    """Steps start .. cfg.steps - 1, one metrics line each, a checkpoint every save_freq steps and
+    after the last. Returns False when a SIGTERM stopped it (after the step and its checkpoint)."""
+    cfg = t.cfg
+    metrics_path = checkpoint.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
+    checkpoint.stop_on_sigterm()
     t_start = time.time()
-    for step in range(cfg.steps):
+    for step in range(start, cfg.steps):
         m = train_step(t, step)
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
-            print(log_line(m, step, cfg.steps, t_start), flush=True)
-    if cfg.save:
-        actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
+            print(log_line(m, step, cfg.steps, t_start, start), flush=True)
+        if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
+            t.warned.add("equal")
+            if t.rank == 0:                # GRPO's advantage is then 0 everywhere: only KL / entropy move weights
+                print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
+                      f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
+                      f"in reward/equal_groups_frac and at the end", flush=True)
+        stop = checkpoint.stop_requested(t.device)   # a SIGTERM on any rank: all stop after this step
+        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
+            checkpoint.save(t, step + 1)
+        if stop:
+            return False
+    return True
+
+
+def summary(metrics_path: str) -> list[str]:
+    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    n = sum(r["optimizer_steps"] for r in rows)
+    applied = n - sum(r["skipped_steps"] for r in rows)
+    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
+    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
+    failed = sum(r["reward/errors"] for r in rows)
+    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
+             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    if dw == 0:
+        lines.append("[warn] the weights never moved: this run trained nothing")
+    return lines
+
+
+def fail(message: str, rank: int):
+    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first
+    waits 5 s, since the same error on rank 0 ends the job sooner (torchrun then stops this rank
+    before it repeats it), and speaks only if that did not happen (an error of its own). Under
+    torchrun the line also goes to its error file, so that its summary's "Root Cause" shows this
+    line rather than a traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    if rank > 0:
+        time.sleep(5)
+        message = message.replace("error: ", f"error: [rank {rank}] ", 1)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+@record           # a crash's traceback reaches torchrun's summary (its "Root Cause")
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
+    rank, timeout = int(os.environ.get("RANK", 0)), None
+    try:
+        cfg = parse_args(argv)
+        timeout = cfg.dist_timeout_s
+        data, resume = preflight(cfg)
+        t = setup(cfg, data=data)
         if t.rank == 0:
-            print(f"[save] {os.path.join(cfg.out_dir, 'final')} (safetensors + config + tokenizer)")
+            resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
+            print(json.dumps(resolved, indent=1))
+            with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
+                json.dump(resolved, f, indent=1)
+        finished = train(t, checkpoint.load(t, resume) if resume else 0)
+        if not finished:                   # SIGTERM: checkpointed; the same command resumes
+            if t.rank == 0:
+                print(f"[preempt] SIGTERM: stopped after a checkpoint in {cfg.out_dir}/checkpoints; the same "
+                      f"command resumes there", flush=True)
+            sys.exit(143)
+        if t.rank == 0:
+            print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
+        if cfg.save:
+            checkpoint.save_final(t)
+    except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
+        fail(f"error: {e}", rank)
+    except RuntimeError as e:              # gloo raises on a timed-out collective; NCCL's watchdog aborts
+        if "timed out" not in str(e).lower():
+            raise
+        fail(f"error: a collective waited more than --dist_timeout_s={timeout:g} s for the other ranks "
+             f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
     dist.barrier()
     dist.destroy_process_group()
 
