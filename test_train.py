@@ -17,8 +17,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update")]
 
 
-def run(args, nproc=0, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run(args, nproc=0, timeout=600, env=None):
+    """train_grpo.py in a subprocess (under torchrun when nproc > 0); `env`: extra variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc > torch.cuda.device_count():     # more ranks than GPUs: run this one on the CPU (gloo)
         env["CUDA_VISIBLE_DEVICES"] = ""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",

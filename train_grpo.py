@@ -38,6 +38,7 @@ import io
 import json
 import math
 import os
+import signal
 import sys
 import textwrap
 import time
@@ -604,15 +605,17 @@ def fail(message: str, rank: int):
     """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first
     waits 5 s, since the same error on rank 0 ends the job sooner (torchrun then stops this rank
     before it repeats it), and speaks only if that did not happen (an error of its own). Under
-    torchrun the line also goes to its error file, so that its summary's "Root Cause" shows this
-    line rather than a traceback."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"message": message, "timestamp": int(time.time())}, f)
+    torchrun the speaking rank also writes the line to its error file, so that torchrun's closing
+    summary shows it as the "Root Cause" rather than a traceback."""
     if rank > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's stop ends the wait (no checkpoint now)
         time.sleep(5)
         message = message.replace("error: ", f"error: [rank {rank}] ", 1)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:                               # the format torchrun's @record writes, with our line as the "traceback"
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
     print(message, file=sys.stderr, flush=True)
     sys.exit(2)
 
