@@ -49,7 +49,7 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
     entropy_coeff: float = 0.0             # weight of the entropy bonus in the loss
     use_kl_loss: bool = True               # KL to the reference policy in the loss (needs ref)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001            # weight of the KL-to-reference term in the loss
     kl_loss_type: str = "low_var_kl"       # kl|k1, abs, mse|k2, low_var_kl|k3
     param_offload: bool = False            # shards to pinned host between uses (manual bracket)
     param_offload_layers: int = -1         # with param_offload: only the first k decoder layers (-1: all)

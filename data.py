@@ -68,8 +68,8 @@ def prompt_text(p, tokenizer, where: str) -> str:
                                  f"(got {str(msg)[:80]})")
         msgs = p
     else:
-        raise ValueError(f"{where}: the prompt is {'empty' if p in ('', []) else f'a {type(p).__name__}'}; "
-                         f"give a non-empty string or a list of chat messages")
+        what = "empty" if p in ("", []) else "null" if p is None else f"a {type(p).__name__}"
+        raise ValueError(f"{where}: the prompt is {what}; give a non-empty string or a list of chat messages")
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return p if isinstance(p, str) else "\n".join(m["content"] for m in msgs)
