@@ -193,6 +193,16 @@ def test_every_numeric_option_has_a_range():
     train_grpo.check_config(train_grpo.Config())
 
 
+def test_range_rules():
+    """options.within on each rule form, at and beside each bound; NaN and inf never pass."""
+    import options
+    cases = [(">= 1", 1, True), (">= 1", 0.999, False), ("> 0", 0, False), ("> 0", 1e-12, True),
+             ("[0, 1)", 0, True), ("[0, 1)", 1, False), ("(0, 1]", 0, False), ("(0, 1]", 1, True),
+             ("-1 or >= 1", -1, True), ("-1 or >= 1", 0, False), ("-1 or >= 1", 2, True),
+             ("any", -5.0, True), ("any", float("nan"), False), (">= 0", float("inf"), False)]
+    assert [options.within(v, rule) for rule, v, _ in cases] == [ok for _, _, ok in cases]
+
+
 @pytest.fixture(scope="module")
 def bad_dir(tmp_path_factory):
     """Model dirs and data files that are each wrong in one way."""

@@ -31,18 +31,12 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 """
 from __future__ import annotations
 
-import ast
 import datetime
-import inspect
-import io
 import json
-import math
 import os
 import signal
 import sys
-import textwrap
 import time
-import tokenize
 import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
@@ -57,6 +51,7 @@ import checkpoint
 import critic
 import data as data_io
 import offload
+import options
 import ref
 import rollout
 from actor import ActorConfig
@@ -116,34 +111,10 @@ def sections(cfg: Config) -> dict:
             "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
 
 
-def within(value, rule: str) -> bool:
-    """`value` satisfies `rule`: "any" (finite), ">= a", "> a", "[a, b)" (any bracket mix), "x or RULE"."""
-    if not math.isfinite(value):
-        return False
-    if " or " in rule:
-        first, rest = rule.split(" or ", 1)
-        return value == float(first) or within(value, rest)
-    if rule == "any":
-        return True
-    if rule[0] in "[(":
-        lo, hi = (float(x) for x in rule[1:-1].split(","))
-        return (lo <= value if rule[0] == "[" else lo < value) and (value <= hi if rule[-1] == "]" else value < hi)
-    op, bound = rule.split()
-    return value >= float(bound) if op == ">=" else value > float(bound)
-
-
 def check_config(cfg: Config):
     """Every option against its range or its choices, and the combinations that would train
     nothing: a bad value stops the run before anything is built, with what to change."""
-    for name, (obj, ranges, choices) in sections(cfg).items():
-        prefix = f"{name}." if name else ""
-        for key, rule in ranges.items():
-            if not within(getattr(obj, key), rule):
-                raise ValueError(f"--{prefix}{key}={getattr(obj, key)}: must be {rule}"
-                                 + (" (a finite number)" if rule == "any" else ""))
-        for key, allowed in choices.items():
-            if getattr(obj, key) not in allowed:
-                raise ValueError(f"--{prefix}{key}={getattr(obj, key)}: use one of {', '.join(map(str, allowed))}")
+    options.check(sections(cfg))
     r = cfg.rollout
     if r.temperature == 0 and r.n > 1 and cfg.algorithm.adv_estimator == "grpo":
         raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
@@ -152,43 +123,6 @@ def check_config(cfg: Config):
     if cfg.actor.offload_policy and (cfg.actor.param_offload or cfg.actor.optimizer_offload):
         raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
                          "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
-
-
-def field_comments(cls) -> dict:
-    """Each field's comment in the class source (its line's, then comment-only lines under it):
-    what --help prints, so every default and its explanation are written once, in the dataclass."""
-    src = textwrap.dedent(inspect.getsource(cls))
-    by_line = {t.start[0]: t.string.lstrip("#").strip()
-               for t in tokenize.generate_tokens(io.StringIO(src).readline) if t.type == tokenize.COMMENT}
-    lines = src.splitlines()
-    out = {}
-    for node in ast.parse(src).body[0].body:
-        if isinstance(node, ast.AnnAssign):
-            text, n = [by_line.get(node.lineno, "")], node.lineno + 1
-            while n in by_line and lines[n - 1].lstrip().startswith("#"):   # continuation lines
-                text.append(by_line[n])
-                n += 1
-            out[node.target.id] = " ".join(t for t in text if t)
-    return out
-
-
-def usage() -> str:
-    """--help: every option with its type, default and comment, read from the config dataclasses."""
-    out = ["usage: python train_grpo.py [--key=value ...]   (or torchrun --nproc_per_node=N train_grpo.py ...)",
-           "options are --key=value or --key value; a role's keys take its section: --actor.lr=1e-6", ""]
-    for name, (obj, ranges, choices) in sections(Config()).items():
-        out.append(f"[{name or 'run'}]")
-        comments = field_comments(type(obj))
-        for f in fields(obj):
-            if is_dataclass(getattr(obj, f.name)):
-                continue
-            hint = typing.get_type_hints(type(obj))[f.name]
-            kind = "str or none" if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint.__name__
-            rule = ranges.get(f.name) or ("|".join(map(str, choices[f.name])) if f.name in choices else "")
-            out.append(f"  --{name + '.' if name else ''}{f.name}={getattr(obj, f.name)}  ({kind}"
-                       f"{'; ' + rule if rule and rule != 'any' else ''})  {comments.get(f.name, '')}")
-        out.append("")
-    return "\n".join(out)
 
 
 def _convert(text: str, typ, key: str):
@@ -624,7 +558,7 @@ def fail(message: str, rank: int):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(usage())
+        print(options.usage(sections(Config())))
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
