@@ -138,16 +138,17 @@ def rng_state() -> dict:
     """This rank's RNG states. The rollout reseeds from (seed, step, rank) every step, so samples do
     not depend on them; they are kept for everything else that draws (a user's reward)."""
     np_state = np.random.get_state()
+    # CUDA: this rank's device only (get_rng_state_all would make a context on every visible GPU)
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:])}
 
 
 def set_rng_state(state: dict):
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
     kind, key, *rest = state["numpy"]
     np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
 

@@ -342,6 +342,9 @@ def report(t: Trainer) -> list[str]:
     auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
+    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
+                                    f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
+                                    if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     if t.engine.kind == "vllm":
         lines.append(f"[rollout] vLLM engine built in {t.engine.build_s:.1f} s; asleep it keeps "
                      f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
