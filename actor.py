@@ -361,7 +361,8 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
             skipped += not math.isfinite(norms[-1])
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
     dw = (probe(model) - before).abs()
-    sums = all_sum(torch.cat([sums / len(norms), torch.stack([dw.sum(), torch.tensor(float(dw.numel()), device=dw.device)]).to(sums)]))
+    dw_sums = torch.stack([dw.sum(), torch.tensor(float(dw.numel()), device=dw.device)]).to(sums)
+    sums = all_sum(torch.cat([sums / len(norms), dw_sums]))
     out = dict(zip(names, sums.tolist()))           # means over optimizer steps of global means
     finite = [n for n in norms if math.isfinite(n)] or [float("nan")]
     out.update(grad_norm=sum(finite) / len(finite), optimizer_steps=len(norms), skipped_steps=skipped,
@@ -452,8 +453,8 @@ def state_in(a: Actor, loading: bool = False):
     (fp32 params + 2 x params of Adam), and each offloaded group is copied in once; after a save
     nothing is copied back (the host copies are current), after a load the new values are."""
     out = [s for s in offloaded(a) + [a.adam] if not s.on_device]
-    for s in out:
-        offload.reload(s)                   # host -> device: the bytes DCP reads or overwrites
+    for s in offloaded(a) + [a.adam]:
+        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
     yield
     if loading:
         # the load created Adam's state (the stash made at build holds none of it): a fresh stash

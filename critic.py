@@ -141,8 +141,8 @@ def state_in(c: Critic, loading: bool = False):
     while the state-dict helpers read or write them, then back where they were (separate mode;
     the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
     out = [s for s in offloaded(c) + [c.adam] if not s.on_device]
-    for s in out:
-        offload.reload(s)                   # host -> device: the bytes DCP reads or overwrites
+    for s in offloaded(c) + [c.adam]:
+        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
     yield
     if loading:                             # Adam's state was made by the load: a fresh stash takes it in
         out = [s for s in out if s is not c.adam]

@@ -26,6 +26,10 @@ Why this order: vLLM's KV cache is the largest block, so it is woken last, once 
 shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
 classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
 (a live state_dict() result keeps GPU shards alive after an offload).
+Around the steps (main): every check that needs no model runs first, on every rank (`preflight`:
+options, batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line,
+`error: ...`, said once, by rank 0. A checkpoint every --save_freq steps, after the last step and
+on SIGTERM; the same command resumes a stopped run (checkpoint.py).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
@@ -516,7 +520,7 @@ def train(t: Trainer, start: int) -> bool:
         stop = checkpoint.stop_requested(t.device)   # a SIGTERM on any rank: all stop after this step
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
             checkpoint.save(t, step + 1)
-        if stop:
+        if stop and step + 1 < cfg.steps:
             return False
     return True
 
@@ -577,8 +581,9 @@ def main(argv=None):
         finished = train(t, checkpoint.load(t, resume) if resume else 0)
         if not finished:                   # SIGTERM: checkpointed; the same command resumes
             if t.rank == 0:
-                print(f"[preempt] SIGTERM: stopped after a checkpoint in {cfg.out_dir}/checkpoints; the same "
-                      f"command resumes there", flush=True)
+                print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
+                                                      f"command resumes there" if cfg.save_freq
+                                                      else "without a checkpoint (--save_freq=0)"), flush=True)
             sys.exit(143)
         if t.rank == 0:
             print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
@@ -586,8 +591,8 @@ def main(argv=None):
             checkpoint.save_final(t)
     except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
         fail(f"error: {e}", rank)
-    except RuntimeError as e:              # gloo raises on a timed-out collective; NCCL's watchdog aborts
-        if "timed out" not in str(e).lower():
+    except RuntimeError as e:              # a timed-out collective (gloo raises; NCCL's watchdog aborts)
+        if not any(w in str(e).lower() for w in ("timed out", "timeout")):
             raise
         fail(f"error: a collective waited more than --dist_timeout_s={timeout:g} s for the other ranks "
              f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
