@@ -91,7 +91,9 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
     latest = checkpoint_dir(out)
-    earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))]
+    # what an earlier run leaves (a run that failed before its first step leaves none of these)
+    earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
+               and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
     if cfg.resume == "never" and earlier:
         raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) and --resume=never "
                          f"starts only in an empty one: pass another --out_dir, or remove {out}")
@@ -249,11 +251,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def keep_metrics(out_dir: str, step: int, rank: int) -> str:
     """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut
-    by a kill is dropped); a fresh run starts it empty. Returns its path."""
+    by a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
     path = os.path.join(out_dir, "metrics.jsonl")
-    if rank == 0:
+    if rank == 0 and step:
         kept = []
-        if step and os.path.isfile(path):
+        if os.path.isfile(path):
             with open(path) as f:
                 for line in f:
                     try:

@@ -203,8 +203,9 @@ def _fake_checkpoint(out, step, fingerprint, seed=0):
 
 
 def test_out_dir_policy(tmp_path):
-    """checkpoint.plan, which main runs before any model: an empty or new out_dir starts fresh;
-    an unfinished run resumes (auto); a finished one, files without a checkpoint, --resume=never
+    """checkpoint.plan, which main runs before any model: an empty or new out_dir, or one of a run
+    that failed before its first step, starts fresh; an unfinished run resumes (auto); a finished
+    one, metrics without a checkpoint, --resume=never
     on a used dir, a checkpoint from another out_dir into a used one, other data, a file as
     out_dir or as final/ are each refused with a line that says what to pass instead."""
     def plan(out, *extra, fp="abc"):
@@ -230,6 +231,10 @@ def test_out_dir_policy(tmp_path):
         plan(run_dir, f"--resume={other}")
     with pytest.raises(ValueError, match="no complete checkpoint there"):
         plan(tmp_path / "run4", f"--resume={tmp_path / 'nothing'}")
+    (tmp_path / "failed").mkdir()                  # a run that failed before its first step's line
+    (tmp_path / "failed" / "metrics.jsonl").write_text("")
+    (tmp_path / "failed" / "run_config.json").write_text("{}")
+    assert plan(tmp_path / "failed") is None
     (tmp_path / "crashed").mkdir()
     (tmp_path / "crashed" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(ValueError, match="but no checkpoint to resume from"):
