@@ -120,6 +120,10 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
                          f"further pass --steps=N with N > {meta['step']} (it resumes there); to start "
                          f"a new run pass another --out_dir, or remove {out}")
+    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
+    if meta.get("roles", roles) != roles:
+        raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
+                         f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
     if meta["data"] != data_fingerprint or meta["config"]["seed"] != cfg.seed:
         raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
                          f"changed): its position would mean nothing; resume with the same ones, or "
@@ -129,7 +133,8 @@ def plan(cfg, data_fingerprint: str) -> str | None:
 
 # --------------------------------------------------------------------------- save and load
 def _roles(t) -> list:
-    """(name, model, optimizer, bracket) of each trained role; the reference is rebuilt from --model."""
+    """(name, model, optimizer, its checkpoint bracket, its state) of each trained role; the frozen
+    reference is not saved (it is rebuilt from --model)."""
     roles = [("actor", t.actor.model, t.actor.optimizer, actor.state_in, t.actor)]
     if t.critic is not None:
         roles.append(("critic", t.critic.model, t.critic.optimizer, critic.state_in, t.critic))
@@ -212,10 +217,6 @@ def load(t, path: str) -> int:
     """Load a checkpoint into a freshly built trainer (any world size: DCP reshards); returns
     the step to start at. Prints how this run's config differs from the checkpoint's."""
     meta = read_meta(path)
-    roles = [r[0] for r in _roles(t)]
-    if meta["roles"] != roles:
-        raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
-                         f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
     for role, model, optimizer, state_in, obj in _roles(t):
         with state_in(obj, loading=True):
             # on a fresh optimizer this makes AdamW's state (a step with zero grads and lr 0: the

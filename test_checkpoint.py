@@ -196,7 +196,7 @@ def _fake_checkpoint(out, step, fingerprint, seed=0):
     path = os.path.join(out, "checkpoints", f"step_{step:06d}")
     os.makedirs(path)
     with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"step": step, "data": fingerprint, "config": {"seed": seed}}, f)
+        json.dump({"step": step, "data": fingerprint, "config": {"seed": seed}, "roles": ["actor"]}, f)
     with open(os.path.join(out, "checkpoints", "latest"), "w") as f:
         f.write(f"step_{step:06d}")
     return path
@@ -204,10 +204,11 @@ def _fake_checkpoint(out, step, fingerprint, seed=0):
 
 def test_out_dir_policy(tmp_path):
     """checkpoint.plan, which main runs before any model: an empty or new out_dir, or one of a run
-    that failed before its first step, starts fresh; an unfinished run resumes (auto); a finished
-    one, metrics without a checkpoint, --resume=never
-    on a used dir, a checkpoint from another out_dir into a used one, other data, a file as
-    out_dir or as final/ are each refused with a line that says what to pass instead."""
+    that failed before its first step, starts fresh; an unfinished run resumes (auto), and a
+    checkpoint path resumes into an empty out_dir; a finished run, metrics without a checkpoint,
+    --resume=never on a used dir, a checkpoint from another out_dir into a used one, other data or
+    seed, other roles (GRPO -> PPO), a file as out_dir or as final/, an unwritable out_dir are each
+    refused with a line that says what to pass instead."""
     def plan(out, *extra, fp="abc"):
         return checkpoint.plan(train_grpo.parse_args([f"--out_dir={out}", "--steps=10", *extra]), fp)
 
@@ -222,6 +223,8 @@ def test_out_dir_policy(tmp_path):
         plan(run_dir, fp="xyz")
     with pytest.raises(ValueError, match="walked other data"):
         plan(run_dir, "--seed=1")
+    with pytest.raises(ValueError, match="holds actor but this run trains actor \\+ critic"):
+        plan(run_dir, "--algorithm.adv_estimator=gae")
     with pytest.raises(ValueError, match="--resume=never starts only in an empty one"):
         plan(run_dir, "--resume=never")
     other = _fake_checkpoint(str(tmp_path / "other"), 2, "abc")
