@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import actor
@@ -182,7 +183,10 @@ def save(t, step: int):
     for role, model, optimizer, state_in, obj in _roles(t):   # one role resident at a time
         with state_in(obj):
             model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
+            try:
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
+            except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
+                raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
             del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{t.rank}.pt"))
     dist.barrier()                                # every rank's files are on disk
@@ -206,6 +210,11 @@ def save(t, step: int):
     dist.barrier()                                # no rank goes on, or exits, before it is complete
 
 
+def _cause(e: CheckpointException) -> str:
+    """The last line of DCP's report (the exception raised on the first failing rank)."""
+    return str(e).strip().splitlines()[-1][:300]
+
+
 def _prune(root: str, step: int, keep: int):
     """Keep the newest `keep` checkpoints up to `step`; later ones are a killed run's leftovers."""
     steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
@@ -224,9 +233,8 @@ def load(t, path: str) -> int:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             try:
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role))
-            except Exception as e:         # DCP wraps what went wrong on each rank in its own exception
-                raise ValueError(f"{path}/{role} does not fit this model (--model changed?): "
-                                 f"{str(e).strip().splitlines()[-1][:300]}") from None
+            except CheckpointException as e:
+                raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
     rng = os.path.join(path, "rng", f"rank{t.rank}.pt")

@@ -192,6 +192,24 @@ def test_half_written_checkpoints_are_never_used_and_only_k_are_kept(tmp_path):
     assert open(os.path.join(root, "latest")).read() == "step_000004"
 
 
+def test_a_checkpoint_of_another_model_is_one_line(tmp_path):
+    """Resuming the embedded model's checkpoint with --model pointing at a wider Qwen2 (same
+    tokenizer and data, so the pre-flight checks pass): the load stops the run with one `error:`
+    line, the last on stderr, naming the checkpoint and the first tensor whose shape differs."""
+    import tiny
+    from transformers import Qwen2ForCausalLM
+    config = tiny.tiny_config()
+    config.hidden_size, config.intermediate_size = 128, 256
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "wide")
+    tiny.build_tokenizer().save_pretrained(tmp_path / "wide")
+    out = str(tmp_path / "run")
+    assert run([f"--out_dir={out}", "--steps=1", "--save=false"] + SMALL).returncode == 0
+    r = run([f"--out_dir={out}", "--steps=2", "--save=false", f"--model={tmp_path / 'wide'}"] + SMALL)
+    mine = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 2 and len(mine) == 1 and r.stderr.strip().splitlines()[-1] == mine[0], r.stderr[-3000:]
+    assert "step_000001/actor does not fit this model (--model changed?): ValueError: Size mismatch" in mine[0]
+
+
 def _fake_checkpoint(out, step, fingerprint, seed=0):
     path = os.path.join(out, "checkpoints", f"step_{step:06d}")
     os.makedirs(path)
