@@ -15,6 +15,8 @@ What the actor moves, and when (its two offload groups, `Actor.params` and `Acto
     the levers          prefetch_update (`prefetch_update`, called during the ref forward),
                         defer_param_offload (`update` keeps the params; the next sync copies them
                         out), optimizer_load_at_step (Adam copied in at the step, not before).
+    checkpoints         `state_in`: both groups in while a checkpoint reads (or a resume writes)
+                        them, then out again (checkpoint.py).
 
 Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
     input_ids, attention_mask, position_ids  (B, P+R)

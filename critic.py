@@ -21,7 +21,8 @@ its fp32 shards come in for the values stage (freed after, no copy back) and for
 update (copied back out); with optimizer_offload its Adam state comes in on a side stream
 during the update's forward/backward and is waited for right before the step, like the actor's.
 In shared mode the values stage needs the actor's trunk: it asks the actor for it
-(`actor.resident`).
+(`actor.resident`). A checkpoint brings the critic's params and Adam in and out again through
+`state_in`, like the actor's.
 """
 import contextlib
 from dataclasses import dataclass
