@@ -273,14 +273,16 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
 
 @pytest.mark.parametrize("args,expect", BAD)
 def test_bad_value_stops_before_anything_is_built(args, expect, bad_dir, capsys):
-    """Each bad option or input file, through main() in this process: exit code 2 and exactly one
-    stderr line, `error: ...` saying what is wrong. All of these are found before the process
-    group and the models (this process has built nothing when it exits)."""
+    """Each bad option or input file, through main() in this process: exit code 2, exactly one
+    stderr line, `error: ...` saying what is wrong, and nothing on stdout: each is found before
+    the set-up (which builds the models and prints its report)."""
     args = [a.replace("{d}", str(bad_dir)) for a in args]
     with pytest.raises(SystemExit) as e:
         train_grpo.main(["--steps=1", "--save=false", f"--out_dir={bad_dir / 'out'}"] + args)
-    err = capsys.readouterr().err.strip().splitlines()
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error:") and expect in err[0], err
+    assert captured.out == ""
 
 
 # --------------------------------------------------------------------------- rewards, greedy, no-op runs
