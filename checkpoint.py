@@ -116,6 +116,9 @@ def plan(cfg, data_fingerprint: str) -> str | None:
             raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
                              f"{cfg.resume} into an empty --out_dir")
     meta = read_meta(path)
+    if meta["step"] >= cfg.steps and cfg.resume != "auto":
+        raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
+                         f"nothing to train; pass --steps=N with N > {meta['step']}")
     if meta["step"] >= cfg.steps:
         saved = f", the policy in {final}" if os.path.isdir(final) else ""
         raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "

@@ -250,6 +250,8 @@ def test_out_dir_policy(tmp_path):
     assert plan(tmp_path / "fresh2", f"--resume={tmp_path / 'other'}") == other   # an out_dir names its latest
     with pytest.raises(ValueError, match="holds another run"):
         plan(run_dir, f"--resume={other}")
+    with pytest.raises(ValueError, match="is at step 2, not before --steps=2: nothing to train"):
+        plan(tmp_path / "fresh3", f"--resume={other}", "--steps=2")
     with pytest.raises(ValueError, match="no complete checkpoint there"):
         plan(tmp_path / "run4", f"--resume={tmp_path / 'nothing'}")
     (tmp_path / "failed").mkdir()                  # a run that failed before its first step's line
