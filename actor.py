@@ -16,6 +16,8 @@ What the actor moves, and when (its two offload groups, `Actor.params` and `Acto
     the levers          prefetch_update (`prefetch_update`, called during the ref forward),
                         defer_param_offload (`update` keeps the params; the next sync copies them
                         out), optimizer_load_at_step (Adam copied in at the step, not before).
+    checkpoints         `state_in`: both groups in while a checkpoint reads (or a resume writes)
+                        them, then out again (checkpoint.py).
 
 LoRA (lora_rank > 0, through peft): only the adapters train. Grads and Adam exist for them alone
 (r x (in + out) per target matrix: a few MB), and the frozen base is held in the compute dtype on a
@@ -33,6 +35,7 @@ Batches are dicts of tensors, one row per sample (prompt left-padded to P, respo
 import contextlib
 import math
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 
@@ -47,19 +50,19 @@ import packing
 @dataclass
 class ActorConfig:
     lr: float = 2e-4                       # tiny model from scratch; real models use ~1e-6
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0              # AdamW's decoupled weight decay
     grad_clip: float = 1.0                 # max global grad norm; a non-finite norm skips the step
     ppo_mini_batch_size: int = 16          # prompts per optimizer step (x n samples, split over ranks)
     ppo_micro_batch_size_per_gpu: int = 16  # samples per forward/backward (gradient accumulation)
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1                    # passes over each step's batch (more than 1: off-policy)
     log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward for old log-probs
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = 0.2            # the ratio is clipped below at 1 - this
+    clip_ratio_high: float = 0.2           # ... and above at 1 + this
     clip_ratio_c: float = 3.0              # dual-clip bound for negative advantages
     loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
-    entropy_coeff: float = 0.0
+    entropy_coeff: float = 0.0             # weight of the entropy bonus in the loss
     use_kl_loss: bool = True               # KL to the reference policy in the loss (needs ref)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001            # weight of the KL-to-reference term in the loss
     kl_loss_type: str = "low_var_kl"       # kl|k1, abs, mse|k2, low_var_kl|k3
     param_offload: bool = False            # shards to pinned host between uses (manual bracket)
     param_offload_layers: int = -1         # with param_offload: only the first k decoder layers (-1: all)
@@ -96,6 +99,14 @@ class ActorConfig:
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# What each option may be, checked when the command line is parsed: outside these a run trains
+# nothing (a zero clip, zero epochs), divides by zero, or crashes in the middle.
+RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_batch_size": ">= 1",
+          "ppo_micro_batch_size_per_gpu": ">= 1", "ppo_epochs": ">= 1", "log_prob_micro_batch_size_per_gpu": ">= 1",
+          "clip_ratio_low": "[0, 1)", "clip_ratio_high": ">= 0", "clip_ratio_c": "> 1", "entropy_coeff": "any",
+          "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1"}
+CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES,
+           "param_dtype": ("bfloat16", "float16", "float32")}
 
 
 # --------------------------------------------------------------------------- build
@@ -103,6 +114,44 @@ def check_model_path(path: str | None):
     if path is not None and not path.startswith("random:") and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"--model {path}: no config.json there; pass a local Hugging Face "
                                 f"model directory (nothing is downloaded)")
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+SUPPORTED = ("decoder-only causal LMs laid out as model.model.layers + model.model.norm "
+             "(Qwen2/2.5/3, Llama, Mistral, Gemma and the like)")
+
+
+def check_model(path: str | None):
+    """Before any process group or weight is loaded: a local Hugging Face directory with a config,
+    weights, and the layout `shard` walks (`model.model.layers`, and `model.model.norm` for the
+    shared critic head). The layout is read from a model built on the meta device (no memory)."""
+    if path is None:
+        return
+    if path.startswith("random:"):
+        import tiny
+        tiny.qwen25_config(path[7:])        # an unknown size is one line
+        return
+    check_model_path(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"--model {path}: no weights there (looked for {', '.join(WEIGHT_FILES)})")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()       # a BERT config's "add is_decoder=True" note is not the error
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model {path}: transformers builds no causal LM from its config.json "
+                         f"({str(e).splitlines()[0]}); supported: {SUPPORTED}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    inner = getattr(model, "model", None)
+    if not (hasattr(inner, "layers") and hasattr(inner, "norm")):
+        raise ValueError(f"--model {path}: {type(model).__name__} has no model.model.layers / "
+                         f"model.model.norm; supported: {SUPPORTED}")
 
 
 def load_model(path: str | None, seed: int = 0) -> torch.nn.Module:
@@ -255,8 +304,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
     """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
-    batch's own. The update passes the mini-batch's global counts (over micro-batches and
-    ranks) so that the gradient does not depend on how the mini-batch is split."""
+    batch's own (sequences: only rows with a valid token, as verl counts them). The update passes
+    the mini-batch's global counts (over micro-batches and ranks) so that the gradient does not
+    depend on how the mini-batch is split."""
     mat = mat * mask
     if mode == "token-mean":
         return mat.sum() / (mask.sum() if tokens is None else tokens)
@@ -265,7 +315,18 @@ def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"loss_agg_mode={mode!r}: use one of {LOSS_AGG_MODES}")
-    return per_seq.sum() / (mask.shape[0] if seqs is None else seqs)
+    return per_seq.sum() / ((mask.sum(-1) > 0).sum() if seqs is None else seqs)
+
+
+def policy_stats(clipped: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
+    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the
+    mini-batch's global count), whatever loss_agg_mode is: summed over micro-batches and ranks
+    they are token means over all of them, as verl reports them (a loss-mode "fraction" could
+    exceed 1). ppo_kl is KL(old || new) estimated per token by k3 = r - 1 - log r (r = new/old
+    probability; >= 0, low variance); verl logs the k1 estimate, the mean of old - new log-prob
+    (same expectation under the old policy, noisier, can be negative)."""
+    k3 = ratio - 1 - torch.log(ratio)
+    return torch.stack([(clipped * mask).sum(), (k3 * mask).sum()]) / tokens
 
 
 def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
@@ -342,18 +403,28 @@ def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None,
     if math.isfinite(norm):
         metrics.update(offload.ready(adam))   # Adam state: wait for its side-stream copy (or copy it in now)
         optimizer.step()
-    else:
+    elif not dist.is_initialized() or dist.get_rank() == 0:   # the norm is global: one rank says it
         print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
     return norm
 
 
 def global_counts(mini: dict) -> tuple[float, float]:
-    """(valid tokens, sequences) of a mini-batch over all ranks: the loss denominators."""
+    """(valid tokens, sequences with a valid token) of a mini-batch over all ranks: the loss
+    denominators (the same rows `agg_loss` counts on its own)."""
     m = mini["response_mask"]
-    c = all_sum(torch.stack([m.sum().double(), torch.tensor(float(m.shape[0]), device=m.device,
-                                                            dtype=torch.float64)]))
+    c = all_sum(torch.stack([m.sum(), (m.sum(-1) > 0).sum()]).double())
     tokens, seqs = c.tolist()                   # one host sync per mini-batch
     return tokens, seqs
+
+
+PROBE = 1024                                    # weights per parameter tensor watched for |delta w|
+
+
+def probe(model) -> torch.Tensor:
+    """The first PROBE elements of each local shard, fp32 (a few KB per tensor): how far an update
+    moved the weights, without a copy of the model (`update_policy` reports the mean |delta|)."""
+    return torch.cat([p.detach().to_local().reshape(-1)[:PROBE].float() if hasattr(p, "to_local")
+                      else p.detach().reshape(-1)[:PROBE].float() for p in model.parameters()])
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
@@ -371,6 +442,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     names = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
     sums = torch.zeros(len(names), device=device, dtype=torch.float64)  # summed on device: no syncs
     norms, skipped, mismatch, moved = [], 0, [], {}
+    before = probe(model)
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
@@ -393,15 +465,18 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                     loss = loss + cfg.kl_loss_coef * kl
                 (loss * world).backward()
                 with torch.no_grad():
-                    r = ratio.detach()
-                    sums += torch.stack([pg, kl, ent_term, agg(clipped), agg(r - 1 - torch.log(r))]).double()
+                    stats = policy_stats(clipped, ratio.detach(), m, tokens)
+                    sums += torch.cat([torch.stack([pg, kl, ent_term]), stats]).double()
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
             skipped += not math.isfinite(norms[-1])
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
-    sums = all_sum(sums) / len(norms)               # mean over optimizer steps of global means
-    out = dict(zip(names, sums.tolist()))
+    dw = (probe(model) - before).abs()
+    dw_sums = torch.stack([dw.sum(), torch.tensor(float(dw.numel()), device=dw.device)]).to(sums)
+    sums = all_sum(torch.cat([sums / len(norms), dw_sums]))
+    out = dict(zip(names, sums.tolist()))           # means over optimizer steps of global means
     finite = [n for n in norms if math.isfinite(n)] or [float("nan")]
-    out.update(grad_norm=sum(finite) / len(finite), skipped_steps=skipped, **moved)
+    out.update(grad_norm=sum(finite) / len(finite), optimizer_steps=len(norms), skipped_steps=skipped,
+               delta_w_abs_mean=(sums[-2] / sums[-1]).item(), **moved)
     if mismatch:
         out.update(logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
                                     {k: torch.cat([mb[k] for _, mb in mismatch])
@@ -514,17 +589,44 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     return stats
 
 
-def save(a: Actor, tokenizer, path: str, rank: int) -> str:
+@contextlib.contextmanager
+def state_in(a: Actor, loading: bool = False):
+    """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read
+    them (a save) or write into them (a load), then back where they were. Why through the live
+    tensors and not straight from the host mirrors: those helpers and DCP's resharding work on the
+    model and the optimizer, and a load must initialise Adam's lazily created state on them. Cost:
+    for the checkpoint's length the device holds what the update does minus grads and activations
+    (fp32 params + 2 x params of Adam), and each offloaded group is copied in once; after a save
+    nothing is copied back (the host copies are current), after a load the new values are."""
+    out = [s for s in offloaded(a) + [a.adam] if not s.on_device]
+    for s in offloaded(a) + [a.adam]:
+        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
+    yield
+    if loading:
+        # the load created Adam's state (the stash made at build holds none of it): a fresh stash
+        # takes these tensors in at its first offload
+        out = [s for s in out if s is not a.adam]
+        a.adam = offload.optimizer_stash("actor_optimizer", a.optimizer)
+        out += [a.adam] if a.cfg.optimizer_offload else []
+        for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's
+            group.update(lr=a.cfg.lr, weight_decay=a.cfg.weight_decay)
+    for s in out:
+        offload.offload(s, modified=loading)   # frees them again (params, or 2 x params of Adam)
+
+
+def save(a: Actor, tokenizer, path: str, rank: int, model_path: str | None = None) -> str:
     """The final checkpoint in `path`: the policy as a Hugging Face model; with LoRA the adapter in
-    peft's format, and with save_merged also the merged model in path/merged. Returns what it wrote."""
+    peft's format, and with save_merged also the merged model in path/merged. From a local
+    `model_path` the input's other files (tokenizer, generation config) are copied as they were.
+    Returns what it wrote."""
     with resident(a, {}):
         if a.lora is None:
-            save_hf(a.model, tokenizer, path, rank, a.device)
+            save_hf(a.model, tokenizer, path, rank, a.device, model_path=model_path)
             return "safetensors + config + tokenizer"
         save_adapter(a, tokenizer, path, rank)
         if a.cfg.save_merged:              # in the base's dtype (bf16 on a GPU), as peft's merge_and_unload gives
             base_dtype = next(p.dtype for p in a.model.parameters() if not p.requires_grad)
-            save_hf(a.model, tokenizer, os.path.join(path, "merged"), rank, a.device, base_dtype)
+            save_hf(a.model, tokenizer, os.path.join(path, "merged"), rank, a.device, base_dtype, model_path)
     return "LoRA adapter: adapter_model.safetensors + adapter_config.json + tokenizer" + \
         ("; merged model in merged/" if a.cfg.save_merged else "")
 
@@ -589,10 +691,20 @@ def save_adapter(a: Actor, tokenizer, path: str, rank: int):
         tokenizer.save_pretrained(path)
 
 
-def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype | None = None):
+# files of an input model directory that are not copied to the output: the weights (written anew)
+# and the config (written from the trained model)
+NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx",
+              ".index.json")
+
+
+def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype | None = None,
+            model_path: str | None = None):
     """A Hugging Face checkpoint (safetensors + config + tokenizer) that from_pretrained and vLLM load
     (with LoRA: the merged weights, cast to `dtype`; None keeps each parameter's). Parameters are
-    gathered one at a time to rank 0's host memory (never a GPU state dict)."""
+    gathered one at a time to rank 0's host memory (never a GPU state dict).
+    From a local `model_path` every other file is copied as it was (tokenizer files,
+    generation_config.json, chat template, license): re-serialising the tokenizer can change its
+    class and how it splits text. The embedded model's tokenizer is saved with save_pretrained."""
     from safetensors.torch import save_file
     tied = getattr(model.config, "tie_word_embeddings", False)
     sd = {}
@@ -607,4 +719,10 @@ def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype |
         hf_class = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
         model.config.architectures = [hf_class.__name__]
         model.config.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        if model_path is None or model_path.startswith("random:"):
+            tokenizer.save_pretrained(path)
+            return
+        for name in sorted(os.listdir(model_path)):
+            src = os.path.join(model_path, name)
+            if os.path.isfile(src) and name != "config.json" and not name.endswith(NOT_COPIED):
+                shutil.copyfile(src, os.path.join(path, name))

@@ -21,7 +21,8 @@ its fp32 shards come in for the values stage (freed after, no copy back) and for
 update (copied back out); with optimizer_offload its Adam state comes in on a side stream
 during the update's forward/backward and is waited for right before the step, like the actor's.
 In shared mode the values stage needs the actor's trunk: it asks the actor for it
-(`actor.resident`).
+(`actor.resident`). A checkpoint brings the critic's params and Adam in and out again through
+`state_in`, like the actor's.
 """
 import contextlib
 from dataclasses import dataclass
@@ -39,18 +40,25 @@ import packing
 class CriticConfig:
     mode: str = "separate"                 # separate | shared (see the module docstring)
     lr: float = 1e-3                       # tiny model from scratch; real critics use ~1e-5
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
+    weight_decay: float = 0.0              # AdamW's decoupled weight decay
+    grad_clip: float = 1.0                 # max global grad norm; a non-finite norm skips the step
     cliprange_value: float = 0.5           # new values stay within old +- this in the clipped loss
-    loss_agg_mode: str = "token-mean"
-    ppo_micro_batch_size_per_gpu: int = 16
-    forward_micro_batch_size_per_gpu: int = 32
+    loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
+    ppo_micro_batch_size_per_gpu: int = 16  # samples per forward/backward of the critic update
+    forward_micro_batch_size_per_gpu: int = 32  # samples per forward of the values stage
     ppo_max_token_len_per_gpu: int = 16384     # with actor.use_dynamic_bsz: tokens per update micro-batch
     forward_max_token_len_per_gpu: int = 32768  # with actor.use_dynamic_bsz: tokens per values forward
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0                     # GAE discount
+    lam: float = 1.0                       # GAE lambda
     param_offload: bool = False            # separate mode: trunk shards to pinned host between uses
     optimizer_offload: bool = False        # separate mode: Adam state to pinned host between updates
+
+
+# checked when the command line is parsed (train_grpo.check_config)
+RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "cliprange_value": "> 0",
+          "ppo_micro_batch_size_per_gpu": ">= 1", "forward_micro_batch_size_per_gpu": ">= 1",
+          "gamma": "[0, 1]", "lam": "[0, 1]"}
+CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": actor.LOSS_AGG_MODES}
 
 
 # --------------------------------------------------------------------------- math
@@ -73,16 +81,21 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the valid tokens of ALL ranks (unbiased variance), zero on padding."""
-    s = actor.all_sum(torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double())
-    mean = s[0] / s[2]
-    var = (s[1] / s[2] - mean ** 2) * s[2] / (s[2] - 1).clamp(min=1)
-    return ((x - mean) * torch.rsqrt(var + eps)).float() * mask
+    """(x - mean) / std over the valid tokens of ALL ranks (unbiased variance), zero on padding.
+    Two passes in float64, the mean first, then the squared deviations from it: one pass of
+    E[x^2] - mean^2 in fp32 loses every digit of the variance when |mean| >> std."""
+    xd, md = x.double(), mask.double()
+    s = actor.all_sum(torch.stack([(xd * md).sum(), md.sum()]))
+    mean = s[0] / s[1]
+    var = actor.all_sum(((xd - mean).square() * md).sum()) / (s[1] - 1).clamp(min=1)
+    return ((xd - mean) * torch.rsqrt(var + eps)).float() * mask
 
 
 def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=None):
-    """0.5 * agg(max((v - R)^2, (clip(v, old +- c) - R)^2)) and the fraction where the clip bit."""
-    clipped = old_v + (v - old_v).clamp(-cfg.cliprange_value, cfg.cliprange_value)
+    """0.5 * agg(max((v - R)^2, (clip(v, old +- c) - R)^2)) and where the clip bit (B, R). v itself
+    is clamped, as verl does: inside the range it stays exactly v (old + clamp(v - old) is not v
+    in fp32, and ~1 % of unclipped tokens would count as clipped)."""
+    clipped = torch.clamp(v, old_v - cfg.cliprange_value, old_v + cfg.cliprange_value)
     l1, l2 = (v - returns).square(), (clipped - returns).square()
     loss = 0.5 * actor.agg_loss(torch.maximum(l1, l2), mask, cfg.loss_agg_mode, tokens, seqs)
     return loss, (l2 > l1).float()
@@ -132,23 +145,57 @@ def offloaded(c: Critic) -> list:
     return [c.params] if c.cfg.param_offload and c.cfg.mode == "separate" else []
 
 
+@contextlib.contextmanager
+def state_in(c: Critic, loading: bool = False):
+    """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
+    while the state-dict helpers read or write them, then back where they were (separate mode;
+    the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
+    out = [s for s in offloaded(c) + [c.adam] if not s.on_device]
+    for s in offloaded(c) + [c.adam]:
+        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
+    yield
+    if loading:                             # Adam's state was made by the load: a fresh stash takes it in
+        out = [s for s in out if s is not c.adam]
+        c.adam = offload.optimizer_stash("critic_optimizer", c.optimizer)
+        out += [c.adam] if c.cfg.optimizer_offload and c.cfg.mode == "separate" else []
+        for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
+            group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)
+    for s in out:
+        offload.offload(s, modified=loading)   # frees them again
+
+
+def check_model(path):
+    """Before anything is built: transformers has a token-classification class (the separate
+    critic's value head) for this model type."""
+    if path is None or path.startswith("random:"):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    kind = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+    if kind not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        raise ValueError(f"--model {path}: transformers has no token-classification model for "
+                         f"model_type {kind!r} (the separate critic); use --critic.mode=shared")
+
+
 def load_value_model(path, seed: int = 0):
     """The actor's architecture with a 1-output head per token (fp32 host weights)."""
-    from transformers import AutoModelForTokenClassification, Qwen2ForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification, Qwen2ForTokenClassification
     import tiny
     torch.manual_seed(seed)
     if path is None or path.startswith("random:"):
         config = tiny.tiny_config() if path is None else tiny.qwen25_config(path[7:])
-        config.num_labels, config.classifier_dropout = 1, 0.0   # no dropout: values are deterministic
-        with torch.device("cuda" if path and torch.cuda.is_available() else "cpu"):
-            # fp32 master weights: the config's bf16 dtype reaches the trunk but not the new head
-            model = Qwen2ForTokenClassification(config).float()
     else:
         actor.check_model_path(path)
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, classifier_dropout=0.0, dtype=torch.float32, local_files_only=True,
-            attn_implementation="sdpa")
-    return model
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    # Set on the config, not passed to from_pretrained: model configs without a classifier_dropout
+    # field (Qwen2's) reject it as a keyword. Without it the head gets dropout 0.1: noisy values.
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    if path is None or path.startswith("random:"):
+        with torch.device("cuda" if path and torch.cuda.is_available() else "cpu"):
+            # fp32 master weights: the config's bf16 dtype reaches the trunk but not the new head
+            return Qwen2ForTokenClassification(config).float()
+    return AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa")
 
 
 # --------------------------------------------------------------------------- values
@@ -242,8 +289,8 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, layout: pack
                 v = _values(model, mb, cfg, layout.pack, mb.get("features"))
                 loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, tokens, seqs)
                 (loss * world).backward()
-                with torch.no_grad():
-                    sums += torch.stack([loss, actor.agg_loss(clipped, m, cfg.loss_agg_mode, tokens, seqs)]).double()
+                with torch.no_grad():      # vf_clipfrac: a token mean over all ranks, whatever the loss mode
+                    sums += torch.stack([loss, (clipped * m).sum() / tokens]).double()
             norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
     sums = actor.all_sum(sums) / len(norms)

@@ -5,8 +5,11 @@
 Nothing is fetched: `--model` and `--data` are local paths; a bad row stops the run with one line
 that names the file, the row and what to change.
 """
+import hashlib
 import importlib
 import json
+import math
+import numbers
 import os
 import re
 
@@ -24,21 +27,60 @@ def read_rows(path: str) -> list[dict]:
         raise FileNotFoundError(f"--data {path}: no such file")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    rows = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {i} is not valid JSON ({e.msg}); "
-                                 f"fix or remove that line") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path} line {i} is not a JSON object")
-            rows.append(row)
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:             # pyarrow raises its own kinds for a damaged file
+            raise ValueError(f"--data {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    else:
+        rows = []
+        with open(path, "rb") as f:        # bytes, so a bad encoding can name its line
+            for i, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path} line {i} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                                     f"re-encode the file as UTF-8") from None
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path} line {i} is not valid JSON ({e.msg}); "
+                                     f"fix or remove that line") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path} line {i} is not a JSON object")
+                rows.append(row)
+    if not rows:
+        raise ValueError(f"--data {path}: the file holds no rows")
     return rows
+
+
+def prompt_text(p, tokenizer, where: str) -> str:
+    """A row's prompt as the text the model sees: a string, or chat messages through the chat
+    template (joined contents without one). Anything else would train on its str() (a null
+    prompt on the text "None"): it is refused, naming the row."""
+    if isinstance(p, str) and p:
+        msgs = [{"role": "user", "content": p}]
+    elif isinstance(p, list) and p:
+        for k, msg in enumerate(p):
+            if not (isinstance(msg, dict) and isinstance(msg.get("content"), str) and "role" in msg):
+                raise ValueError(f"{where}: chat message {k} is not {{'role': ..., 'content': '<text>'}} "
+                                 f"(got {str(msg)[:80]})")
+        msgs = p
+    else:
+        what = "empty" if p in ("", []) else "null" if p is None else f"a {type(p).__name__}"
+        raise ValueError(f"{where}: the prompt is {what}; give a non-empty string or a list of chat messages")
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return p if isinstance(p, str) else "\n".join(m["content"] for m in msgs)
+
+
+def answer_text(a, where: str) -> str:
+    """The answer the reward compares with: a string or a number (not a dict, list or null)."""
+    if isinstance(a, bool) or not isinstance(a, (str, int, float)):
+        raise ValueError(f"{where}: the answer is {'null' if a is None else f'a {type(a).__name__}'}; "
+                         f"give a string or a number")
+    return str(a)
 
 
 def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_length=1024,
@@ -58,21 +100,21 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
             if key not in row:
                 raise ValueError(f"{path} row {i} has no {key!r} field (it has "
                                  f"{sorted(row)}); set --prompt_key / --answer_key")
-        p = row[prompt_key]
-        msgs = p if isinstance(p, list) else [{"role": "user", "content": str(p)}]
-        if getattr(tokenizer, "chat_template", None):
-            p = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        elif isinstance(p, list):
-            p = "\n".join(m["content"] for m in p)
+        where = f"{path} row {i}"
+        p, answer = prompt_text(row[prompt_key], tokenizer, where), answer_text(row[answer_key], where)
+        raw = row[prompt_key]
+        msgs = raw if isinstance(raw, list) else [{"role": "user", "content": raw}]   # for a reward model's template
         ids = tokenizer(p, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"{where}: the prompt tokenizes to nothing")
         if len(ids) > max_prompt_length:
             dropped += 1
             continue
         prompts.append(ids)
-        answers.append(str(row[answer_key]))
+        answers.append(answer)
         chats.append(msgs)
     if not prompts:
-        raise ValueError(f"no prompt fits max_prompt_length={max_prompt_length}; raise it")
+        raise ValueError(f"none of the {len(rows)} prompts fits max_prompt_length={max_prompt_length}; raise it")
     if dropped:
         print(f"[data] dropped {dropped} prompts longer than max_prompt_length={max_prompt_length}")
     return prompts, answers, chats
@@ -94,7 +136,44 @@ def load_reward(spec: str | None, data_path: str | None):
         return gsm8k_reward
     module, _, name = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"--reward {spec}: cannot load it ({e}); "
                          f"give module:function with the module on PYTHONPATH") from None
+    if not callable(fn):
+        raise ValueError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def reward_name(spec: str | None, data_path: str | None) -> str:
+    """How errors name the reward: the --reward spec, or which built-in one."""
+    return spec or ("tiny.copy_reward (built in: the copy task)" if data_path is None
+                    else "data.gsm8k_reward (built in)")
+
+
+def _short(text: str, n: int = 120) -> str:
+    return repr(text if len(text) <= n else text[:n] + "...")
+
+
+def score(reward_fn, name: str, responses: list[str], answers: list[str]) -> tuple[list[float], list[str]]:
+    """Each response's reward, and one message per sample whose reward raised or returned anything
+    but a finite number (that sample scores 0 here; the caller stops the run or counts it,
+    --reward_error). A NaN would otherwise void the whole step on every rank."""
+    scores, errors = [], []
+    for response, answer in zip(responses, answers):
+        try:
+            value = reward_fn(response, answer)
+            bad = None if isinstance(value, numbers.Real) and math.isfinite(value) else f"returned {value!r}"
+        except Exception as e:             # a user's reward can raise anything: name it and the sample
+            value, bad = 0.0, f"raised {type(e).__name__}: {e}"
+        if bad is not None:
+            errors.append(f"reward {name} {bad} for the response {_short(response)} (answer "
+                          f"{_short(answer)}); a reward must return a finite number")
+            value = 0.0
+        scores.append(float(value))
+    return scores, errors
+
+
+def fingerprint(prompts: list[list[int]], answers: list[str]) -> str:
+    """A short hash of the prompt ids and answers: a resume checks it walks the same data."""
+    return hashlib.sha256(json.dumps([prompts, answers]).encode()).hexdigest()[:16]

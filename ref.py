@@ -30,6 +30,9 @@ class RefConfig:
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead (per-layer copy at all-gather)
 
 
+RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1"}   # checked at parse time (train_grpo.check_config)
+
+
 @dataclass
 class Ref:
     """The reference's state (made by `build`)."""

@@ -44,8 +44,8 @@ class RolloutConfig:
     engine: str = "auto"                   # vllm | hf | auto (vllm when it imports and CUDA is there)
     n: int = 8                             # samples per prompt (the GRPO group size)
     response_length: int = 4               # max new tokens; responses are right-padded to this
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0              # 0: greedy (log-probs then use 1: the policy's own distribution)
+    top_p: float = 1.0                     # nucleus sampling: keep the smallest set with this much mass
     top_k: int = 0                         # 0: off
     gpu_memory_utilization: float = 0.0    # vLLM: share of the WHOLE GPU for weights + KV cache; 0: the KV
                                            # cache is sized from the batch instead (kv_cache_bytes)
@@ -55,6 +55,20 @@ class RolloutConfig:
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
+
+
+# checked when the command line is parsed (train_grpo.check_config)
+RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
+          "gpu_memory_utilization": "(0, 1]", "tensor_parallel_size": ">= 1", "sync_bucket_mb": ">= 1"}
+CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2),
+           "dtype": ("auto", "bfloat16", "float16", "float32")}
+
+
+def logprob_temperature(cfg: RolloutConfig) -> float:
+    """What the trainer divides logits by before its log-probs: the sampling temperature, so the
+    ratio compares the distributions the samples came from; for greedy decoding (temperature 0:
+    the argmax, whose sampled log-prob would be 0) the policy's own distribution, temperature 1."""
+    return cfg.temperature if cfg.temperature > 0 else 1.0
 
 
 @dataclass

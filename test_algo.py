@@ -170,3 +170,45 @@ def test_non_finite_grad_norm_skips_the_step(dist_env, capsys):
     assert stats["skipped_steps"] == 1 and "optimizer step skipped" in capsys.readouterr().out
     assert all(torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())       # the bad gradients are gone
+
+
+# --------------------------------------------------------------------------- reported statistics
+def test_sequence_modes_count_only_rows_with_a_valid_token(dist_env):
+    """agg_loss without counts, and global_counts, count a sequence only when it has a valid token
+    (verl's seq_mask): an all-padding row does not dilute the seq-mean modes."""
+    mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])   # row 3: no valid token
+    assert actor.agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
+    assert actor.agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
+    assert actor.agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
+    _, world, _ = dist_env
+    assert actor.global_counts({"response_mask": mask}) == (3.0 * world, 2.0 * world)
+
+
+def test_policy_stats_are_token_means():
+    """pg_clipfrac and ppo_kl: sums over valid tokens divided by the token count, whatever the
+    loss mode; ppo_kl is k3 = r - 1 - log r per token (a masked token counts for nothing)."""
+    clipped = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    ratio = torch.tensor([[math.exp(0.5), 1.0, 2.0], [0.5, 1.0, 1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    frac, kl = actor.policy_stats(clipped, ratio, mask, 5).tolist()
+    assert frac == pytest.approx(2 / 5)
+    assert kl == pytest.approx(((math.exp(0.5) - 1.5) + (0.5 - 1 - math.log(0.5))) / 5, rel=1e-6)
+
+
+def test_clipfrac_is_a_fraction_in_seq_mean_token_sum(dist_env):
+    """One update in seq-mean-token-sum with old log-probs 1 nat above the current ones (ratio
+    e^-1 on every token): the clip binds exactly on the tokens with a negative advantage, so
+    pg_clipfrac is their share of the valid tokens (not a per-sequence sum above 1), and ppo_kl
+    is e^-1 - 1 + 1 = e^-1."""
+    _, world, device = dist_env
+    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
+    batch = tiny_batch(8, 5, device, seed=7)
+    m = batch["response_mask"].float()
+    batch["old_log_probs"] = (actor.compute_log_probs(model, batch, 8, 1.0) + 1.0) * m
+    cfg = actor.ActorConfig(loss_agg_mode="seq-mean-token-sum", ppo_micro_batch_size_per_gpu=3)
+    stats = actor.update_policy(model, actor.build_optimizer(model, cfg), batch, cfg, 8, 1.0)
+    want = actor.all_sum(torch.stack([((batch["advantages"] < 0) * m).sum(), m.sum()]))
+    assert stats["pg_clipfrac"] == pytest.approx((want[0] / want[1]).item(), rel=1e-6)
+    assert stats["ppo_kl"] == pytest.approx(math.exp(-1), rel=1e-4)
+    assert stats["optimizer_steps"] == 1 and stats["delta_w_abs_mean"] > 0

@@ -41,6 +41,14 @@ def test_whiten_over_valid_tokens(dist_env):
     assert torch.allclose(critic.whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-4)
 
 
+def test_whiten_keeps_a_small_spread_around_a_large_mean(dist_env):
+    """4096 +- 0.5 (exact in fp32): mean 4096, unbiased std 0.5, so [-1, 0, 1]. One fp32 pass of
+    E[x^2] - mean^2 cannot see a variance of 0.25 next to x^2 ~ 1.7e7 (fp32 spacing 2 there)."""
+    x = torch.tensor([[4095.5, 4096.0, 4096.5, 7.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    assert torch.allclose(critic.whiten(x, m), torch.tensor([[-1.0, 0.0, 1.0, 0.0]]), atol=1e-6)
+
+
 def test_value_loss_clipping():
     cfg = critic.CriticConfig(cliprange_value=0.5)
     v, old, ret = torch.tensor([[1.0, 0.0, 0.2]]), torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.0, 1.0, 0.0]])
@@ -48,6 +56,29 @@ def test_value_loss_clipping():
     # per token max((v-R)^2, (clip(v)-R)^2): 1 (unclipped is worse), 1, 0.25 (the clip binds)
     assert loss.item() == pytest.approx(0.5 * (1 + 1 + 0.25) / 3)
     assert clipped.tolist() == [[0.0, 0.0, 1.0]]
+
+
+def test_vf_clipfrac_counts_only_where_the_clip_binds():
+    """Token 1 lies inside old +- 0.6, but old + (v - old) is not v in fp32 (-0.19999999 for
+    -0.2, whose square distance to R = -0.25 then comes out larger): clamping v itself keeps it
+    exactly, so it is not counted as clipped. Token 2 is clipped to 0.6 but the unclipped loss is
+    larger; token 3's clip binds. Loss: 0.5 x mean of max((v-R)^2, (clip(v)-R)^2)
+    = 0.5 x (0.0025 + 1 + 1.96) / 3 = 0.49375; vf_clipfrac 1/3."""
+    cfg = critic.CriticConfig(cliprange_value=0.6)
+    old, v, ret = (torch.tensor([[-0.7, 0.0, 0.0]]), torch.tensor([[-0.2, 1.0, 1.0]]),
+                   torch.tensor([[-0.25, 0.0, 2.0]]))
+    assert (old + (v - old))[0, 0] != v[0, 0]             # the fp32 trap the old formula fell into
+    loss, clipped = critic.value_loss(v, old, ret, torch.ones(1, 3), cfg)
+    assert clipped.tolist() == [[0.0, 0.0, 1.0]]
+    assert loss.item() == pytest.approx(0.49375, rel=1e-6)
+
+
+def test_value_loss_seq_mean_skips_empty_rows():
+    """seq-mean-token-sum without global counts: the all-padding second row is not a sequence."""
+    cfg = critic.CriticConfig(loss_agg_mode="seq-mean-token-sum")
+    v, ret = torch.tensor([[1.0, 2.0], [5.0, 5.0]]), torch.zeros(2, 2)
+    loss, _ = critic.value_loss(v, v, ret, torch.tensor([[1.0, 1.0], [0.0, 0.0]]), cfg)
+    assert loss.item() == pytest.approx(0.5 * (1 + 4) / 1)
 
 
 def _critic(dist_env, mode="separate"):

@@ -32,28 +32,37 @@ Why this order: vLLM's KV cache is the largest block, so it is woken last, once 
 shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
 classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
 (a live state_dict() result keeps GPU shards alive after an offload).
+Around the steps (main): every check that needs no model runs first, on every rank (`preflight`:
+options, batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line,
+`error: ...`, said once, by rank 0. A checkpoint every --save_freq steps, after the last step and
+on SIGTERM; the same command resumes a stopped run (checkpoint.py).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
 from __future__ import annotations
 
 import contextlib
-import contextlib
+import datetime
 import json
 import os
+import signal
 import sys
 import time
+import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import actor
+import checkpoint
 import critic
 import data as data_io
 import offload
+import options
 import plan
 import ref
 import reward_model
@@ -76,14 +85,16 @@ class Config:
     model: str | None = None               # local HF model dir; None: the embedded tiny model
     data: str | None = None                # .jsonl / .parquet with prompt + answer; None: copy task
     reward: str | None = None              # module:function(response, answer) -> float
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    reward_error: str = "stop"             # a reward that raises or returns no finite number: stop (one line
+                                           # naming the reward and the sample) | zero (it scores 0, counted)
+    prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
+    answer_key: str = "answer"             # the data's answer field, passed to the reward
     max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
     train_batch_size: int = 16             # prompts per step, over all ranks
-    steps: int = 150
-    seed: int = 0
+    steps: int = 150                       # training steps (a resume continues up to this)
+    seed: int = 0                          # model init, data order, sampling
     fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
-    out_dir: str = "out"
+    out_dir: str = "out"                   # metrics, checkpoints, final/ (an earlier run is never overwritten)
     save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
     profile_steps: str = ""                # e.g. "1,3": torch.profiler traces of those steps (from 0) to
                                            # <out_dir>/profile/; "": off (no profiler is created)
@@ -92,6 +103,12 @@ class Config:
     plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, and its warnings)
     memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
                                            # then shows who allocated what, not only the blocks
+    save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
+                                           # and on SIGTERM; 0: none
+    keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)
+    resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
+                                           # start fresh | a checkpoint dir (into an empty out_dir)
+    dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -100,7 +117,36 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
+# checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
+RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
+          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0"}
+CHOICES = {"reward_error": ("stop", "zero")}
+ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
+
+
 # --------------------------------------------------------------------------- config
+def sections(cfg: Config) -> dict:
+    """"" for the top level, then each role's section: (its config, its RANGES, its CHOICES)."""
+    return {"": (cfg, RANGES, CHOICES), "actor": (cfg.actor, actor.RANGES, actor.CHOICES),
+            "ref": (cfg.ref, ref.RANGES, {}), "rollout": (cfg.rollout, rollout.RANGES, rollout.CHOICES),
+            "critic": (cfg.critic, critic.RANGES, critic.CHOICES),
+            "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
+
+
+def check_config(cfg: Config):
+    """Every option against its range or its choices, and the combinations that would train
+    nothing: a bad value stops the run before anything is built, with what to change."""
+    options.check(sections(cfg))
+    r = cfg.rollout
+    if r.temperature == 0 and r.n > 1 and cfg.algorithm.adv_estimator == "grpo":
+        raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
+                         f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
+                         f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
+    if cfg.actor.offload_policy and (cfg.actor.param_offload or cfg.actor.optimizer_offload):
+        raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
+                         "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+
+
 def _convert(text: str, typ, key: str):
     if typ is bool:
         if text.lower() in ("1", "true", "yes", "on"):
@@ -108,7 +154,7 @@ def _convert(text: str, typ, key: str):
         if text.lower() in ("0", "false", "no", "off"):
             return False
         raise ValueError(f"--{key}={text}: expected true or false")
-    if typing.get_origin(typ) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
         return None if text.lower() in ("none", "null", "") else text
     try:
         return typ(text)
@@ -140,6 +186,7 @@ def parse_args(argv: list[str]) -> Config:
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
             raise ValueError(f"unknown option --{key}; known here: {known}")
         setattr(obj, name, _convert(value, hints[name], key))
+    check_config(cfg)
     return cfg
 
 
@@ -159,16 +206,6 @@ def check_sizes(cfg: Config, world: int) -> int:
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
         raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
                          f"does not divide the {mini} samples per rank of a mini-batch")
-    if a.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise ValueError(f"actor.loss_agg_mode={a.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
-    if a.kl_loss_type not in actor.KL_TYPES:
-        raise ValueError(f"actor.kl_loss_type={a.kl_loss_type}: use one of {actor.KL_TYPES}")
-    if cfg.algorithm.adv_estimator not in ("grpo", "gae"):
-        raise ValueError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: use grpo or gae")
-    if cfg.critic.mode not in ("separate", "shared"):
-        raise ValueError(f"critic.mode={cfg.critic.mode}: use separate or shared")
-    if cfg.critic.loss_agg_mode not in actor.LOSS_AGG_MODES:
-        raise ValueError(f"critic.loss_agg_mode={cfg.critic.loss_agg_mode}: use one of {actor.LOSS_AGG_MODES}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     if cfg.rollout.tensor_parallel_size < 1 or world % cfg.rollout.tensor_parallel_size:
@@ -178,11 +215,13 @@ def check_sizes(cfg: Config, world: int) -> int:
 
 
 # --------------------------------------------------------------------------- distributed
-def init_distributed():
+def init_distributed(timeout_s: float | None = None):
     """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
     On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
     CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
-    with "No backend type associated with device type cpu"). CPU runs: gloo alone."""
+    with "No backend type associated with device type cpu"). CPU runs: gloo alone.
+    `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
+    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
     cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
@@ -190,10 +229,11 @@ def init_distributed():
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None)
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -239,9 +279,10 @@ def reduce_metrics(m: dict, device) -> dict:
     return m
 
 
-def log_line(m: dict, step: int, steps: int, t_start: float) -> str:
+def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
+    """The step's one line; `first`: the step this process started at (a resume), for the eta."""
     done = (step + 1) / steps
-    eta = (time.time() - t_start) / done * (1 - done)
+    eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
     keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
@@ -302,20 +343,41 @@ class Trainer:
     order: list                            # prompt order, the same on every rank
     actor: actor.Actor
     engine: rollout.Engine
+    fingerprint: str                       # of the prompts and answers: a resume checks it walks the same data
     ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
     plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
+    data_offset: int = 0                   # prompts walked before step 0's position (a resume that
+                                           # changed train_batch_size keeps its place in the data)
+    warned: set = field(default_factory=set)   # warnings already printed (each once per run)
+
+
+def preflight(cfg: Config):
+    """Every check that needs no process group and no model, run on every rank before either
+    exists, so that a mistake costs seconds: the batch arithmetic, the model directory (config,
+    weights, a decoder layout this code shards), the data and the reward, then the out_dir policy
+    (`checkpoint.plan`). Returns ((prompt ids, answers, chats), the checkpoint to resume or None)."""
+    check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    actor.check_model(cfg.model)
+    reward_model.check(cfg.reward_model)
+    profile_steps(cfg.profile_steps)
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
+        critic.check_model(cfg.model)
+    tokenizer = data_io.load_tokenizer(cfg.model)
+    data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    data_io.load_reward(cfg.reward, cfg.data)
+    return data, checkpoint.plan(cfg, data_io.fingerprint(*data[:2]))
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
     """Build every role (each offloads what its flags say), then the rollout engine (or reuse
-    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (benchmarks)."""
+    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
+    benchmark's)."""
     actor.check_model_path(cfg.model)
     reward_model.check(cfg.reward_model)
-    profile_steps(cfg.profile_steps)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(cfg.dist_timeout_s)
     mini_size = check_sizes(cfg, world)
     torch.manual_seed(cfg.seed)
     mesh = build_mesh(device, world, cfg.fsdp_size)
@@ -343,8 +405,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
-                order=order, actor=a, engine=engine, ref=r, critic=c, chats=chats, reward_model=rm,
-                plan=plan.predict(cfg, world, prompt_len, engine.kind))
+                order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
     if rank == 0:
         print("\n".join(report(t)), flush=True)
         print(plan.table(t.plan, gpu_bytes(device)), flush=True)
@@ -403,6 +465,9 @@ def report(t: Trainer) -> list[str]:
     auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
+    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
+                                    f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
+                                    if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     if t.engine.kind == "vllm":
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
@@ -468,6 +533,28 @@ class StageOutOfMemory(RuntimeError):
     """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
 
 
+
+def reward_errors(t: Trainer, errors: list) -> int:
+    """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
+    reward_error=stop every rank raises the first one (so rank 0 can say it); with zero those
+    samples scored 0, and the first is shown once as a warning."""
+    n = int(actor.all_sum(torch.tensor([float(len(errors))], device=t.device)).item())
+    if n and (t.cfg.reward_error == "stop" or "reward" not in t.warned):
+        first = [errors[0] if errors else None]
+        if t.world > 1:                    # every rank learns the first rank's message
+            first = [None] * t.world
+            dist.all_gather_object(first, errors[0] if errors else None)
+        message = next(e for e in first if e)
+        if t.cfg.reward_error == "stop":
+            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
+        t.warned.add("reward")
+        if t.rank == 0:
+            print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "
+                  f"{message}", flush=True)
+    return n
+
+
+
 # reward_model sits before old_logp and ref_logp: the actor's offloaded params have left after the sync
 # and nothing is prefetched yet, so its shards and activations meet the fewest trainer bytes of the step
 STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
@@ -478,7 +565,7 @@ def train_step(t: Trainer, step: int) -> dict:
     """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
     ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
     cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
-    temperature = cfg.rollout.temperature
+    temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
 
     @contextlib.contextmanager
     def stage(name):                      # the ledger: time and memory of each stage, vLLM's pool taken out
@@ -495,7 +582,7 @@ def train_step(t: Trainer, step: int) -> dict:
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
     local_bs = cfg.train_batch_size // t.world
-    start = (step * cfg.train_batch_size) % len(t.order)
+    start = (t.data_offset + step * cfg.train_batch_size) % len(t.order)
     idx = [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
     on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
 
@@ -514,9 +601,10 @@ def train_step(t: Trainer, step: int) -> dict:
         texts = t.tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
                                                                       mask.sum(-1).tolist())],
                                          skip_special_tokens=True)
-        scores = torch.tensor([t.reward_fn(x, t.answers[i]) for x, i in
-                               zip(texts, [i for i in idx for _ in range(cfg.rollout.n)])],
-                              dtype=torch.float32, device=device)
+        scores, errors = data_io.score(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), texts,
+                                       [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+        m["reward/errors"] = reward_errors(t, errors)   # stops every rank, or counts (reward_error)
+        scores = torch.tensor(scores, dtype=torch.float32, device=device)
 
     if t.reward_model is not None:         # its shards in, scores, out (its position: STAGES)
         with stage("reward_model"):
@@ -566,50 +654,124 @@ def train_step(t: Trainer, step: int) -> dict:
     with stage("update"):
         m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
 
-    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item()],
+    groups = scores.view(-1, cfg.rollout.n)
+    flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if cfg.rollout.n > 1 else 0
+    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
                                       device=device, dtype=torch.float64)).tolist()
     m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
              host_rss_gb=offload.host_rss_gb())
+    m["reward/equal_groups_frac"] = sums[3] / sums[4]   # groups whose samples all scored the same
     m["time/step"] = time.perf_counter() - t_step
     return reduce_metrics(m, device)
 
 
 # --------------------------------------------------------------------------- main
-def main(argv=None):
-    try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        t = setup(cfg)
-    except (ValueError, FileNotFoundError) as e:   # bad input: one line that says what to change
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if t.rank == 0:
-        print(json.dumps({"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)},
-                         indent=1))
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if t.rank == 0:
-        open(metrics_path, "w").close()
-    t_start, seen = time.time(), {}
-    host = host_bytes_per_rank()
-    for step in range(cfg.steps):
-        try:
-            with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
-                m = train_step(t, step)
-        except StageOutOfMemory as e:      # the step's metrics are not written: nothing half-done is kept
-            print(f"error: {e} (memory snapshot: {cfg.out_dir}/oom_snapshot.rank{t.rank}.pickle)", file=sys.stderr)
-            sys.exit(1)
+def train(t: Trainer, start: int) -> bool:
+    """Steps start .. cfg.steps - 1, one metrics line each, a checkpoint every save_freq steps and
+    after the last. Returns False when a SIGTERM stopped it (after the step and its checkpoint)."""
+    cfg = t.cfg
+    metrics_path = checkpoint.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
+    checkpoint.stop_on_sigterm()
+    t_start, seen, host = time.time(), {}, host_bytes_per_rank()
+    for step in range(start, cfg.steps):
+        with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
+            m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
-            print(log_line(m, step, cfg.steps, t_start), flush=True)
-            if t.device.type == "cuda":
+            print(log_line(m, step, cfg.steps, t_start, start), flush=True)
+            if t.device.type == "cuda":    # early warnings: near the limit, retries, off the plan, creep
                 for line in plan.watch(m, seen, t.plan, gpu_bytes(t.device), host):
                     print(line, flush=True)
-    if t.rank == 0 and t.device.type == "cuda":
-        plan.plot(cfg.out_dir)             # <out_dir>/memory.png: peaks per stage over the steps, and the plan
-    if cfg.save:
-        what = actor.save(t.actor, t.tokenizer, os.path.join(cfg.out_dir, "final"), t.rank)
+        if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
+            t.warned.add("equal")
+            if t.rank == 0:                # GRPO's advantage is then 0 everywhere: only KL / entropy move weights
+                print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
+                      f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
+                      f"in reward/equal_groups_frac and at the end", flush=True)
+        stop = checkpoint.stop_requested(t.device)   # a SIGTERM on any rank: all stop after this step
+        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
+            checkpoint.save(t, step + 1)
+        if stop and step + 1 < cfg.steps:
+            return False
+    return True
+
+
+def summary(metrics_path: str) -> list[str]:
+    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    n = sum(r["optimizer_steps"] for r in rows)
+    applied = n - sum(r["skipped_steps"] for r in rows)
+    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
+    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
+    failed = sum(r["reward/errors"] for r in rows)
+    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
+             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    if dw == 0:
+        lines.append("[warn] the weights never moved: this run trained nothing")
+    return lines
+
+
+def fail(message: str, rank: int, code: int = 2):
+    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first
+    waits 5 s, since the same error on rank 0 ends the job sooner (torchrun then stops this rank
+    before it repeats it), and speaks only if that did not happen (an error of its own). Under
+    torchrun the speaking rank also writes the line to its error file, so that torchrun's closing
+    summary shows it as the "Root Cause" rather than a traceback."""
+    if rank > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's stop ends the wait (no checkpoint now)
+        time.sleep(5)
+        message = message.replace("error: ", f"error: [rank {rank}] ", 1)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:                               # the format torchrun's @record writes, with our line as the "traceback"
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+@record           # a crash's traceback reaches torchrun's summary (its "Root Cause")
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(options.usage(sections(Config())))
+        return
+    rank, timeout = int(os.environ.get("RANK", 0)), None
+    try:
+        cfg = parse_args(argv)
+        timeout = cfg.dist_timeout_s
+        data, resume = preflight(cfg)
+        t = setup(cfg, data=data)
         if t.rank == 0:
-            print(f"[save] {os.path.join(cfg.out_dir, 'final')} ({what})")
+            resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
+            print(json.dumps(resolved, indent=1))
+            with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
+                json.dump(resolved, f, indent=1)
+        finished = train(t, checkpoint.load(t, resume) if resume else 0)
+        if not finished:                   # SIGTERM: checkpointed; the same command resumes
+            if t.rank == 0:
+                print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
+                                                      f"command resumes there" if cfg.save_freq
+                                                      else "without a checkpoint (--save_freq=0)"), flush=True)
+            sys.exit(143)
+        if t.rank == 0:
+            print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
+            if t.device.type == "cuda":
+                plan.plot(cfg.out_dir)     # <out_dir>/memory.png: the peaks per stage over the steps, and the plan
+        if cfg.save:
+            checkpoint.save_final(t)
+    except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
+        fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
+    except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
+        fail(f"error: {e}", rank)
+    except RuntimeError as e:              # a timed-out collective (gloo raises; NCCL's watchdog aborts)
+        if not any(w in str(e).lower() for w in ("timed out", "timeout")):
+            raise
+        fail(f"error: a collective waited more than --dist_timeout_s={timeout:g} s for the other ranks "
+             f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
     dist.barrier()
     dist.destroy_process_group()
 
