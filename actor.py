@@ -104,7 +104,9 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_batch_size": ">= 1",
           "ppo_micro_batch_size_per_gpu": ">= 1", "ppo_epochs": ">= 1", "log_prob_micro_batch_size_per_gpu": ">= 1",
           "clip_ratio_low": "[0, 1)", "clip_ratio_high": ">= 0", "clip_ratio_c": "> 1", "entropy_coeff": "any",
-          "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1"}
+          "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1", "logits_chunk_tokens": ">= 0",
+          "ppo_max_token_len_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1", "lora_rank": ">= 0",
+          "lora_alpha": "> 0"}
 CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES,
            "param_dtype": ("bfloat16", "float16", "float32")}
 

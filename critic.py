@@ -57,7 +57,8 @@ class CriticConfig:
 # checked when the command line is parsed (train_grpo.check_config)
 RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "cliprange_value": "> 0",
           "ppo_micro_batch_size_per_gpu": ">= 1", "forward_micro_batch_size_per_gpu": ">= 1",
-          "gamma": "[0, 1]", "lam": "[0, 1]"}
+          "gamma": "[0, 1]", "lam": "[0, 1]", "ppo_max_token_len_per_gpu": ">= 1",
+          "forward_max_token_len_per_gpu": ">= 1"}
 CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": actor.LOSS_AGG_MODES}
 
 

@@ -30,7 +30,7 @@ class RefConfig:
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead (per-layer copy at all-gather)
 
 
-RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1"}   # checked at parse time (train_grpo.check_config)
+RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1"}   # checked at parse time (train_grpo.check_config)
 
 
 @dataclass

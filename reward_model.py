@@ -51,10 +51,14 @@ class RewardModel:
 
 
 # --------------------------------------------------------------------------- build
+# checked when the command line is parsed (train_grpo.sections)
+RANGES = {"weight": "[0, 1]", "micro_batch_size_per_gpu": ">= 1"}
+
+
 def check(cfg: RewardModelConfig):
     """Before anything is built: the options make sense and the path holds a one-label sequence
     classifier (reads config.json only)."""
-    if not 0.0 <= cfg.weight <= 1.0:
+    if not 0.0 <= cfg.weight <= 1.0:       # (also at parse time, through RANGES)
         raise ValueError(f"reward_model.weight={cfg.weight}: use a value in [0, 1] "
                          f"(score = weight * model + (1 - weight) * rule)")
     if cfg.micro_batch_size_per_gpu < 1:

@@ -59,7 +59,8 @@ class RolloutConfig:
 
 # checked when the command line is parsed (train_grpo.check_config)
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
-          "gpu_memory_utilization": "(0, 1]", "tensor_parallel_size": ">= 1", "sync_bucket_mb": ">= 1"}
+          "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
+          "sync_bucket_mb": ">= 1"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2),
            "dtype": ("auto", "bfloat16", "float16", "float32")}
 

@@ -119,8 +119,9 @@ class Config:
 
 # checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
-          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0"}
-CHOICES = {"reward_error": ("stop", "zero")}
+          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
+          "plan_margin": "[0, 1)"}
+CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto")}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 
@@ -130,6 +131,7 @@ def sections(cfg: Config) -> dict:
     return {"": (cfg, RANGES, CHOICES), "actor": (cfg.actor, actor.RANGES, actor.CHOICES),
             "ref": (cfg.ref, ref.RANGES, {}), "rollout": (cfg.rollout, rollout.RANGES, rollout.CHOICES),
             "critic": (cfg.critic, critic.RANGES, critic.CHOICES),
+            "reward_model": (cfg.reward_model, reward_model.RANGES, {}),
             "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
 
 
@@ -180,7 +182,7 @@ def parse_args(argv: list[str]) -> Config:
         for part in path:
             obj = getattr(obj, part, None)
             if not is_dataclass(obj):
-                raise ValueError(f"unknown option --{key}; sections: actor, ref, rollout, critic, algorithm")
+                raise ValueError(f"unknown option --{key}; sections: actor, ref, rollout, critic, reward_model, algorithm")
         hints = typing.get_type_hints(type(obj))
         if name not in hints or is_dataclass(hints[name]):
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
