@@ -205,7 +205,7 @@ def test_clipfrac_is_a_fraction_in_seq_mean_token_sum(dist_env):
     model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
     batch = tiny_batch(8, 5, device, seed=7)
     m = batch["response_mask"].float()
-    batch["old_log_probs"] = (actor.compute_log_probs(model, batch, 8, 1.0) + 1.0) * m
+    batch["old_log_probs"] = (actor.compute_log_probs(model, batch, layout(8), 1.0) + 1.0) * m
     cfg = actor.ActorConfig(loss_agg_mode="seq-mean-token-sum", ppo_micro_batch_size_per_gpu=3)
     stats = actor.update_policy(model, actor.build_optimizer(model, cfg), batch, cfg, 8, 1.0)
     want = actor.all_sum(torch.stack([((batch["advantages"] < 0) * m).sum(), m.sum()]))
