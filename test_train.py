@@ -224,7 +224,7 @@ def test_config_overrides_are_typed():
     (["--data=/nonexistent.jsonl"], "no such file"),
     (["--reward=nosuchmodule:fn"], "cannot load it"),
     (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
-    (["--actor.lora_rank=-1"], "use 0 (off) or a positive rank"),
+    (["--actor.lora_rank=-1"], "--actor.lora_rank=-1: must be >= 0"),
 ])
 def test_bad_input_gives_one_clear_line(args, expect):
     r = run(args + ["--steps=1", "--save=false", "--out_dir=/tmp/grpo-bad-input"])
