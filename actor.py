@@ -594,26 +594,16 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
 @contextlib.contextmanager
 def state_in(a: Actor, loading: bool = False):
     """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read
-    them (a save) or write into them (a load), then back where they were. Why through the live
-    tensors and not straight from the host mirrors: those helpers and DCP's resharding work on the
-    model and the optimizer, and a load must initialise Adam's lazily created state on them. Cost:
-    for the checkpoint's length the device holds what the update does minus grads and activations
-    (fp32 params + 2 x params of Adam), and each offloaded group is copied in once; after a save
-    nothing is copied back (the host copies are current), after a load the new values are."""
-    out = [s for s in offloaded(a) + [a.adam] if not s.on_device]
-    for s in offloaded(a) + [a.adam]:
-        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
-    yield
-    if loading:
-        # the load created Adam's state (the stash made at build holds none of it): a fresh stash
-        # takes these tensors in at its first offload
-        out = [s for s in out if s is not a.adam]
-        a.adam = offload.optimizer_stash("actor_optimizer", a.optimizer)
-        out += [a.adam] if a.cfg.optimizer_offload else []
-        for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's
-            group.update(lr=a.cfg.lr, weight_decay=a.cfg.weight_decay)
-    for s in out:
-        offload.offload(s, modified=loading)   # frees them again (params, or 2 x params of Adam)
+    them (a save) or write into them (a load), then back where they were (`offload.holding`). Why
+    through the live tensors and not straight from the host mirrors: those helpers and DCP's
+    resharding work on the model and the optimizer, and a load must initialise Adam's lazily created
+    state on them. Cost: for the checkpoint's length the device holds what the update does minus
+    grads and activations (fp32 params + 2 x params of Adam)."""
+    with offload.holding(offloaded(a) + ([a.adam] if a.cfg.optimizer_offload else []), loading):
+        yield
+        if loading:
+            for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's
+                group.update(lr=a.cfg.lr, weight_decay=a.cfg.weight_decay)
 
 
 def save(a: Actor, tokenizer, path: str, rank: int, model_path: str | None = None) -> str:

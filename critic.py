@@ -151,18 +151,12 @@ def state_in(c: Critic, loading: bool = False):
     """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
     while the state-dict helpers read or write them, then back where they were (separate mode;
     the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
-    out = [s for s in offloaded(c) + [c.adam] if not s.on_device]
-    for s in offloaded(c) + [c.adam]:
-        offload.ready(s)                    # host -> device (or a side-stream copy waited for)
-    yield
-    if loading:                             # Adam's state was made by the load: a fresh stash takes it in
-        out = [s for s in out if s is not c.adam]
-        c.adam = offload.optimizer_stash("critic_optimizer", c.optimizer)
-        out += [c.adam] if c.cfg.optimizer_offload and c.cfg.mode == "separate" else []
-        for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
-            group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)
-    for s in out:
-        offload.offload(s, modified=loading)   # frees them again
+    adam = [c.adam] if c.cfg.optimizer_offload and c.cfg.mode == "separate" else []
+    with offload.holding(offloaded(c) + adam, loading):
+        yield
+        if loading:
+            for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
+                group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)
 
 
 def check_model(path):

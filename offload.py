@@ -240,6 +240,20 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
             metrics.update(offload(s, modified))
 
 
+@contextlib.contextmanager
+def holding(stashes, loading: bool):
+    """A checkpoint's bracket: every stash on the device while the state-dict helpers read (a save)
+    or write (a load) the live tensors, then back where it was. After a save nothing is copied out
+    (the host copies are current); after a load the new values are. An optimizer stash still empty
+    at a load (Adam's state is born by the load) takes that state in at its offload (`_fill`)."""
+    out = [s for s in stashes if not s.on_device or (loading and s.source is not None and not s.views)]
+    for s in stashes:
+        ready(s)                          # host -> device (or a side-stream copy waited for)
+    yield
+    for s in out:
+        offload(s, modified=loading)      # frees them again
+
+
 # --------------------------------------------------------------------------- the ledger
 def host_rss_gb() -> float:
     with open("/proc/self/statm") as f:
