@@ -280,15 +280,6 @@ def merge_lora(weight: torch.Tensor, layer, device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- math
-def logprobs_from_logits(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids) under logits (B, R, V) -> (B, R), without materialising a second (B, R, V)."""
-    return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, -1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
-
-
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3)."""
     d = logp - ref_logp

@@ -48,13 +48,12 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))      # (T, H, D)
+    L = int(kwargs["max_length_q"])    # a host int (packing knows it): no device sync per layer
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # FlashAttention-2's varlen kernel as built into PyTorch (autograd included); GQA natively
-        n = int(kwargs["max_length_q"])
-        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, n, n, 0.0, True, False, scale=scaling)[0]
+        out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, L, L, 0.0, True, False, scale=scaling)[0]
     else:                          # CPU / fp32: the sequences side by side again, just for attention
         lengths = cu.diff().long()
-        n, L = lengths.numel(), int(lengths.max())
         col = torch.arange(L, device=q.device)
         valid = col[None, :] < lengths[:, None]                               # (n, L)
         index = (cu[:-1].long()[:, None] + col[None, :]).clamp(max=q.shape[0] - 1)   # (n, L) -> packed row

@@ -72,13 +72,17 @@ def test_loss_aggregation_modes():
         actor.agg_loss(mat, mask, "token-sum")
 
 
-def test_logprobs_and_entropy_match_torch():
-    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0))
-    ids = torch.randint(0, 7, (2, 3))
-    want = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
-    assert torch.allclose(actor.logprobs_from_logits(logits, ids), want, atol=1e-6)
-    ent = torch.distributions.Categorical(logits=logits).entropy()
-    assert torch.allclose(actor.entropy_from_logits(logits), ent, atol=1e-5)
+def test_lm_head_chunk_matches_torch():
+    """The LM head's chunk function (hidden states and head weight -> log p(ids), entropy) equals
+    torch's log_softmax and Categorical entropy over the same logits at temperature 0.7."""
+    import packing
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 5, generator=g), torch.randn(7, 5, generator=g)
+    ids = torch.randint(0, 7, (6,), generator=g)
+    logits = (h @ w.t()) / 0.7
+    out = packing._head_chunk(h, w, ids, 0.7, False)
+    assert torch.allclose(out[:, 0], torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0], atol=1e-6)
+    assert torch.allclose(out[:, 1], torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5)
 
 
 # --------------------------------------------------------------------------- micro-batch invariance

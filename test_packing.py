@@ -34,7 +34,8 @@ def _full_logits(model, mb, temperature=1.0):
                    position_ids=mb["position_ids"], use_cache=False, logits_to_keep=R + 1).logits
     logits = logits[:, :-1].float() / temperature
     m = mb["response_mask"]
-    return actor.logprobs_from_logits(logits, mb["responses"]) * m, actor.entropy_from_logits(logits) * m
+    logp = torch.log_softmax(logits, -1).gather(-1, mb["responses"][..., None])[..., 0]
+    return logp * m, torch.distributions.Categorical(logits=logits).entropy() * m
 
 
 def _grads(model):
