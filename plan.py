@@ -241,7 +241,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     at_step = {**resident("actor params", "actor Adam"), "actor grads": 0 if a.offload_policy else actor_p}
     stages.append(Stage("update", update if sum(update.values()) >= sum(at_step.values()) else at_step))
 
-    kv_bytes = _kv_budget(cfg, s, world, T)
+    kv_bytes = _kv_budget(cfg, world, T)
     dev = {}
     if engine == "vllm":                       # device-level while vLLM generates: the trainer's leftovers
         dev = {"trainer (allocated)": sum(resident().values()), "vLLM weights": c * P // ro.tensor_parallel_size,
@@ -257,23 +257,15 @@ def _activations(s: Shapes, n_tok: int, checkpointing: bool, c: int) -> dict:
     return {"activations": s.layers * n_tok * s.saved_per_token(c) + n_tok * (4 + c) * s.hidden}
 
 
-def _kv_budget(cfg, s: Shapes, world: int, T: int) -> int:
+def _kv_budget(cfg, world: int, T: int) -> int:
+    """The KV bytes rollout.build gives vLLM on each GPU (an engine serves its tp ranks' sequences);
+    0 when a share of the GPU sizes it instead."""
     ro = cfg.rollout
-    if ro.gpu_memory_utilization > 0:           # a share of the whole GPU (weights included)
+    if ro.gpu_memory_utilization > 0:
         return 0
     import rollout
-    return rollout.kv_cache_bytes(_Cfg(s), cfg.train_batch_size // world * ro.n, T, 2, ro.tensor_parallel_size,
-                                  ro.kv_cache_margin)
-
-
-@dataclass
-class _Cfg:                                    # the attributes rollout.kv_cache_bytes reads from an HF config
-    s: Shapes
-
-    def __getattr__(self, name):
-        m = {"head_dim": "head_dim", "hidden_size": "hidden", "num_attention_heads": "heads",
-             "num_key_value_heads": "kv_heads", "num_hidden_layers": "layers"}
-        return getattr(self.s, m[name])
+    return rollout.kv_cache_bytes(model_config(cfg.model), cfg.train_batch_size // world * ro.n * ro.tensor_parallel_size,
+                                  T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
 
 
 def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, engine: str) -> float:

@@ -411,7 +411,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
                 ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
     if rank == 0:
         print("\n".join(report(t)), flush=True)
-        print(plan.table(t.plan, gpu_bytes(device)), flush=True)
+        print(plan.table(t.plan, gpu_capacity(device)), flush=True)
     return t
 
 
@@ -420,7 +420,8 @@ def host_bytes_per_rank() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
 
 
-def gpu_bytes(device) -> int:
+def gpu_capacity(device) -> int:
+    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * plan.GB
 
 
@@ -431,11 +432,11 @@ def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
     host = host_bytes_per_rank()
-    best, p = plan.choose(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind, host)
+    best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
     if best is None:
-        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_bytes(device), cfg.plan_margin, engine_kind, host)
+        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
         raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
-                         f"micro-batch sizes that fits {gpu_bytes(device) / plan.GB:.0f} GB per GPU; what would: "
+                         f"micro-batch sizes that fits {gpu_capacity(device) / plan.GB:.0f} GB per GPU; what would: "
                          + ("; ".join(fits) if fits else "a bigger GPU"))
     say(f"[plan] --offload=auto chose: {' '.join(plan.changes(cfg, best)) or 'the flags as given'} "
         f"(predicted peak {p.peak / plan.GB:.1f} GB, step ~{p.seconds:.1f} s)")
@@ -576,7 +577,7 @@ def train_step(t: Trainer, step: int) -> dict:
             with offload.stage(name, m, device, t.engine.pool_bytes):
                 yield
         except torch.OutOfMemoryError as e:   # say where, what was resident, the plan, the change
-            raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, gpu_bytes(device) / plan.GB)) from e
+            raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, gpu_capacity(device) / plan.GB)) from e
         predicted = t.plan.stage(name) if t.plan else None
         if predicted is not None:
             m[f"plan/{name}/predicted_gb"] = predicted.total / plan.GB
@@ -683,7 +684,7 @@ def train(t: Trainer, start: int) -> bool:
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
             if t.device.type == "cuda":    # early warnings: near the limit, retries, off the plan, creep
-                for line in plan.watch(m, seen, t.plan, gpu_bytes(t.device), host):
+                for line in plan.watch(m, seen, t.plan, gpu_capacity(t.device), host):
                     print(line, flush=True)
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
