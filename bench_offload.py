@@ -140,8 +140,8 @@ def run_config(name, args, extra, engine, data, layers):
         t = train_grpo.setup(cfg, engine=engine, data=data)
         m = median_of_steps([train_grpo.train_step(t, s) for s in range(args.steps)])
         m["ok"] = True
-    except torch.OutOfMemoryError as e:
-        m = {"ok": False, "error": f"OOM: {str(e).splitlines()[0][:160]}"}
+    except (torch.OutOfMemoryError, train_grpo.StageOutOfMemory) as e:   # a stage's OOM comes explained
+        m = {"ok": False, "error": f"OOM: {str(e).splitlines()[0][:300]}"}
     t = None
     release()
     return m
