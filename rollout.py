@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-import actor
+import weights
 import offload
 
 
@@ -307,11 +307,11 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     Tensor parallel: every rank sends the whole tensor; each parameter's vLLM weight_loader keeps
     this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint.
     With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
-    on the way (`actor.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
+    on the way (`weights.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
     (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
     weights it drops must be re-sent anyway.)"""
     target, bucket, size, sent = vllm_model(llm), [], 0, 0
-    for name, t in actor.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
+    for name, t in weights.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
         bucket.append((name, t))
         size += t.numel() * t.element_size()
         if size >= bucket_mb * 2 ** 20:

@@ -19,6 +19,7 @@ import actor
 import offload
 import rollout
 import train_grpo
+import weights
 from conftest import layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +63,7 @@ def _rollout_collectives(out_path: str):
     model = actor.shard(actor.load_model(None, seed=0), mesh, device)
     odd = fully_shard(torch.nn.Linear(8, 3), mesh=mesh)
     params = list(model.parameters()) + list(odd.parameters())
-    synced = [actor.full_param(p, device, torch.bfloat16) for p in params]
+    synced = [weights.full_param(p, device, torch.bfloat16) for p in params]
     same = [s.dtype == torch.bfloat16 and torch.equal(s, p.full_tensor().to(torch.bfloat16))
             for s, p in zip(synced, params)]
     if rank == 0:

@@ -18,6 +18,7 @@ import offload
 import rollout
 import tiny
 import train_grpo
+import weights
 from conftest import layout, tiny_batch
 from test_train import metrics, run
 
@@ -42,7 +43,7 @@ def _nonzero_adapter(a, seed: int = 1, std: float = 0.3):
 
 def _peft_merged(a):
     """peft's own answer: the same base with the actor's adapter values, merge_and_unload()."""
-    adapter = {n: actor.full_param(p, torch.device("cpu")) for n, p in a.model.named_parameters() if p.requires_grad}
+    adapter = {n: weights.full_param(p, torch.device("cpu")) for n, p in a.model.named_parameters() if p.requires_grad}
     base = actor.load_model(None, seed=0)
     wrapper = actor.apply_lora(base, a.cfg, torch.device("cpu"))
     missing = set(adapter) - {n for n, _ in base.named_parameters()}
@@ -107,10 +108,10 @@ def test_lora_update_trains_only_the_adapters(dist_env):
     results = []
     for ckpt in (False, True):
         a = _lora_actor(device, mesh, gradient_checkpointing=ckpt, ppo_micro_batch_size_per_gpu=4, lr=1e-2)
-        before = {n: actor.full_param(p, device).clone() for n, p in a.model.named_parameters()}
+        before = {n: weights.full_param(p, device).clone() for n, p in a.model.named_parameters()}
         for step in range(2):
             actor.update(a, tiny_batch(8, 5, device, seed=10 + step), 8, 1.0, {})
-        after = {n: actor.full_param(p, device) for n, p in a.model.named_parameters()}
+        after = {n: weights.full_param(p, device) for n, p in a.model.named_parameters()}
         adapters = [n for n, p in a.model.named_parameters() if p.requires_grad]
         assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
         assert all(torch.equal(before[n], after[n]) for n in before if n not in adapters)
@@ -138,7 +139,7 @@ def _one_lora_update(out_path: str):
     n = 16 // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(a.model, a.optimizer, mine, a.cfg, mini_size=n, temperature=1.0, adam=None)
-    params = {k: actor.full_param(p, device).cpu() for k, p in a.model.named_parameters()}
+    params = {k: weights.full_param(p, device).cpu() for k, p in a.model.named_parameters()}
     if rank == 0:
         torch.save({"params": params, "stats": stats, "trains": [k for k, p in a.model.named_parameters()
                                                                  if p.requires_grad]}, out_path)

@@ -17,6 +17,7 @@ import actor
 import offload
 import rollout
 import train_grpo
+import weights
 from conftest import layout, mid_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
@@ -93,7 +94,7 @@ def test_lora_greedy_parity_after_merged_sync(env):
                 local = p.to_local()
                 local.copy_(torch.randn(local.shape, generator=g) * 0.3)
     vb, m = _vllm((a.model, *env[1:]), temperature=0.0)
-    adapter = {n: actor.full_param(p, device).cpu() for n, p in a.model.named_parameters() if p.requires_grad}
+    adapter = {n: weights.full_param(p, device).cpu() for n, p in a.model.named_parameters() if p.requires_grad}
     first = {}
     for kind in ("merged", "base"):
         model = mid_model()
