@@ -1,5 +1,6 @@
-"""The command line's options: the range or the choices of each, checked at parse time, and
---help, both read from the config dataclasses (every default and its comment written once, there).
+"""The command line's options: parsing `--section.key=value`, the range or the choices of each
+(checked at parse time) and --help, all read from the config dataclasses (every default and its
+comment written once, there).
 
     python train_grpo.py --help
     python -m pytest test_train.py -q -k "help or range or bad"
@@ -47,6 +48,50 @@ def check(sections: dict):
         for key, allowed in choices.items():
             if getattr(obj, key) not in allowed:
                 raise ValueError(f"--{prefix}{key}={getattr(obj, key)}: use one of {', '.join(map(str, allowed))}")
+
+
+def apply(argv: list[str], cfg):
+    """`cfg` (a dataclass with dataclass sections) with each `--key=value` / `--key value` of
+    `argv` set, converted to the field's type; an unknown key or a value of the wrong type raises
+    with what to change."""
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}; options look like --actor.lr=1e-6")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if not args:
+                raise ValueError(f"--{key} needs a value")
+            value = args.pop(0)
+        *path, name = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part, None)
+            if not is_dataclass(obj):
+                names = ", ".join(f.name for f in fields(cfg) if is_dataclass(getattr(cfg, f.name)))
+                raise ValueError(f"unknown option --{key}; sections: {names}")
+        hints = typing.get_type_hints(type(obj))
+        if name not in hints or is_dataclass(hints[name]):
+            known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
+            raise ValueError(f"unknown option --{key}; known here: {known}")
+        setattr(obj, name, _convert(value, hints[name], key))
+    return cfg
+
+
+def _convert(text: str, typ, key: str):
+    if typ is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"--{key}={text}: expected true or false")
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        return None if text.lower() in ("none", "null", "") else text
+    try:
+        return typ(text)
+    except ValueError:
+        raise ValueError(f"--{key}={text}: expected {typ.__name__}") from None
 
 
 def field_comments(cls) -> dict:

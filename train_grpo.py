@@ -48,9 +48,7 @@ import os
 import signal
 import sys
 import time
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -149,45 +147,10 @@ def check_config(cfg: Config):
                          "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
 
 
-def _convert(text: str, typ, key: str):
-    if typ is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"--{key}={text}: expected true or false")
-    if typing.get_origin(typ) in (typing.Union, types.UnionType):
-        return None if text.lower() in ("none", "null", "") else text
-    try:
-        return typ(text)
-    except ValueError:
-        raise ValueError(f"--{key}={text}: expected {typ.__name__}") from None
-
-
 def parse_args(argv: list[str]) -> Config:
-    """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`)."""
-    cfg = Config()
-    args = list(argv)
-    while args:
-        arg = args.pop(0)
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}; options look like --actor.lr=1e-6")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if not args:
-                raise ValueError(f"--{key} needs a value")
-            value = args.pop(0)
-        *path, name = key.split(".")
-        obj = cfg
-        for part in path:
-            obj = getattr(obj, part, None)
-            if not is_dataclass(obj):
-                raise ValueError(f"unknown option --{key}; sections: actor, ref, rollout, critic, reward_model, algorithm")
-        hints = typing.get_type_hints(type(obj))
-        if name not in hints or is_dataclass(hints[name]):
-            known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
-            raise ValueError(f"unknown option --{key}; known here: {known}")
-        setattr(obj, name, _convert(value, hints[name], key))
+    """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`),
+    typed and range-checked (options.py)."""
+    cfg = options.apply(argv, Config())
     check_config(cfg)
     return cfg
 
