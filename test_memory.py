@@ -521,6 +521,8 @@ def test_an_oom_is_explained_with_a_snapshot(tmp_path):
     no line for the step that failed."""
     import subprocess
     import sys
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        pytest.skip("one process of its own on GPU 0: the one-GPU run makes it, not each torchrun rank")
     fraction = 7 * GB / torch.cuda.get_device_properties(0).total_memory
     out = tmp_path / "run"
     code = (f"import torch; torch.cuda.set_per_process_memory_fraction({fraction}); import train_grpo; "
@@ -555,4 +557,6 @@ def test_plan_predicts_each_stage_within_10_percent(env, flags):
     m = [train_grpo.train_step(t, s) for s in range(2)][-1]
     for stage in ("ref_logp", "update"):
         measured, predicted = m[f"mem/{stage}/peak_gb"], m[f"plan/{stage}/predicted_gb"]
+        print(f"[plan-truth] world={world} rank={torch.distributed.get_rank()} flags={flags} {stage} "
+              f"measured {measured:.3f} GB predicted {predicted:.3f} GB", flush=True)
         assert abs(predicted - measured) <= 0.1 * measured, (stage, measured, predicted)
