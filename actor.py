@@ -487,6 +487,8 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     model = model if model is not None else load_model(model_path, seed)
     lora = apply_lora(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards what peft made
     model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
+    if lora:
+        settle_grad_dtypes(model, device)
     k = cfg.param_offload_layers           # partial offload: only the first k decoder layers' shards
     groups = [model] if k < 0 else model.model.layers[:k]
     optimizer = build_optimizer(model, cfg)
@@ -496,6 +498,17 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     for s in offloaded(a):
         offload.offload(s)                 # frees the shard bytes until their first use
     return a
+
+
+def settle_grad_dtypes(model: torch.nn.Module, device: torch.device):
+    """FSDP2 fixes each group's gradient dtypes (reduce in fp32, fp32 grads for the fp32 adapters) at
+    the model's first forward, from the parameters that require grad at that moment. peft's
+    disable_adapter() turns requires_grad off on the adapters, so if LoRA's reference forward came
+    first (GRPO on-policy with vLLM: the actor's first forward), every backward after it would hand
+    bf16 grads to fp32 shards and fail (pytorch issue 186998). One no-grad forward of one token with
+    the adapters on settles them first: one all-gather per layer at build, nothing kept."""
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device))
 
 
 def describe_lora(a: Actor) -> str:

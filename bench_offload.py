@@ -124,10 +124,7 @@ def release():
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):   # the name moved across torch versions
-            if hasattr(torch._C, name):    # pinned host blocks go back to the OS between configurations
-                getattr(torch._C, name)()
-                break
+        offload.empty_host_cache()         # pinned host blocks go back to the OS between configurations
 
 
 def run_config(name, args, extra, engine, data, layers):

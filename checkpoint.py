@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import actor
 import critic
+import offload
 
 # --------------------------------------------------------------------------- the out_dir policy
 
@@ -191,6 +192,7 @@ def save(t, step: int):
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
                 raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
             del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
+    offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{t.rank}.pt"))
     dist.barrier()                                # every rank's files are on disk
     if t.rank == 0:
@@ -240,6 +242,7 @@ def load(t, path: str) -> int:
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
+    offload.empty_host_cache()
     rng = os.path.join(path, "rng", f"rank{t.rank}.pt")
     if os.path.isfile(rng):                       # a rank the saving run did not have keeps its seed
         set_rng_state(torch.load(rng, weights_only=True))

@@ -254,6 +254,19 @@ def holding(stashes, loading: bool):
         offload(s, modified=loading)      # frees them again
 
 
+def empty_host_cache():
+    """Give the pinned host blocks that PyTorch's caching host allocator holds unused back to the
+    OS. A non_blocking device -> host copy into a new tensor takes pinned memory from that cache,
+    and the cache keeps it: DCP's checkpoint writer stages every tensor that way (host RSS +11.4 GB
+    after one checkpoint at Qwen2.5-0.5B with every offload flag, kept for the rest of the run).
+    Blocks in use (the stashes' host mirrors) are not touched."""
+    if torch.cuda.is_available():
+        for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):   # the name moved across torch versions
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                return
+
+
 # --------------------------------------------------------------------------- the ledger
 def host_rss_gb() -> float:
     with open("/proc/self/statm") as f:

@@ -190,6 +190,10 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         bins = math.ceil(mini * T / budget)    # the fewest bins that fit, balanced (packing.micro_batches)
         return min(budget, math.ceil(mini / bins) * T)
 
+    def accumulating(micro, budget):          # 2+ micro-batches per optimizer step: grads already held
+        bins = math.ceil(mini / micro) if not a.use_dynamic_bsz else math.ceil(mini * T / budget)
+        return bins > 1
+
     def head(n_tok, per_elt):                  # one LM-head chunk of response tokens
         n_resp = n_tok * R // T
         return min(a.logits_chunk_tokens or n_resp, n_resp) * s.vocab * per_elt + n_resp * s.hidden * c
@@ -229,17 +233,20 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                                        "features": 0 if crit else samples * R * s.hidden * c}))
         if crit:
             n = tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
-            stages.append(Stage("critic_update", {**resident("critic params", "critic Adam"), "critic grads": crit,
-                                                  **_activations(s, n, a.gradient_checkpointing, c),
-                                                  "gathered layers + root": gather}))
+            held = resident("critic params", "critic Adam")
+            stages.append(Stage("critic_update", _update_peak(
+                held, {"critic grads": crit}, {**_activations(s, n, a.gradient_checkpointing, c),
+                                               "gathered layers + root": gather},
+                accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), gather, {})))
     stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
     n = tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
-    update = {**resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"])),
-              "actor grads": 0 if a.offload_policy else actor_p,
-              **_activations(s, n, a.gradient_checkpointing, c), "gathered layers + root": gather,
-              "LM head chunk (backward)": head(n, 20)}
-    at_step = {**resident("actor params", "actor Adam"), "actor grads": 0 if a.offload_policy else actor_p}
-    stages.append(Stage("update", update if sum(update.values()) >= sum(at_step.values()) else at_step))
+    grads = {"actor grads": 0 if a.offload_policy else actor_p}
+    held = resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
+    busy = {**_activations(s, n, a.gradient_checkpointing, c), "gathered layers + root": gather,
+            "LM head chunk (backward)": head(n, 20)}
+    stages.append(Stage("update", _update_peak(
+        held, grads, busy, accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu), gather,
+        {**resident("actor params", "actor Adam"), **grads})))
 
     kv_bytes = _kv_budget(cfg, world, T)
     dev = {}
@@ -248,6 +255,19 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                "vLLM KV cache": kv_bytes, "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
     pinned = sum(off for on, off in groups.values()) + (actor_p if a.offload_policy else 0)   # + the host grads
     return Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
+
+
+def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, gather: int, at_step: dict) -> dict:
+    """An update stage's peak, by phase. The sharded grads exist from the first micro-batch's
+    backward until the optimizer step frees them: the transients of a micro-batch (activations, the
+    LM head's chunk, gathered layers) meet the full grads only when an earlier micro-batch of the
+    same optimizer step left them (accumulation). With one micro-batch per step the worst moments
+    are its head backward (no grads yet) and the end of its backward (every grad, a layer and the
+    root still gathered), and the optimizer step itself (`at_step`: Adam in, with
+    optimizer_load_at_step)."""
+    phases = [{**held, **grads, **busy}] if accumulating else \
+        [{**held, **busy}, {**held, **grads, "gathered layers + root": gather}]
+    return max(phases + ([at_step] if at_step else []), key=lambda p: sum(p.values()))
 
 
 def _activations(s: Shapes, n_tok: int, checkpointing: bool, c: int) -> dict:
@@ -481,8 +501,9 @@ def relief(st: Stage) -> str:
 
 def watch(m: dict, seen: dict, p: Plan, gpu_bytes: int, host_bytes: int, every: int = 50) -> list[str]:
     """This step's early warnings, one line each, each kind at most once per `every` steps: a stage
-    above 90 % of the GPU; allocator retries; a measured peak more than 10 % off the plan; reserved
-    memory growing while allocated does not; host RSS growing; pinned host memory short."""
+    above 90 % of the GPU; allocator retries; a measured peak off the plan by more than 10 % and
+    0.25 GB; reserved memory growing while allocated does not; host RSS growing; pinned host memory
+    short."""
     out = []
 
     def warn(kind, text):
@@ -501,8 +522,8 @@ def watch(m: dict, seen: dict, p: Plan, gpu_bytes: int, host_bytes: int, every: 
             warn(f"retries/{st.name}", f"{st.name}: the allocator freed its cache and retried "
                                        f"{m[f'mem/{st.name}/alloc_retries']:.0f} times (it runs at the memory "
                                        f"limit, and pays in time); {relief(st)}")
-        pred = st.total / GB
-        if m["step"] >= 1 and abs(peak - pred) > 0.1 * max(pred, 1e-9):
+        pred = st.total / GB                   # off by 10 %, and by more than the model's resolution
+        if m["step"] >= 1 and abs(peak - pred) > max(0.1 * pred, 0.25):   # (a 30 MB stage is no news)
             warn(f"plan/{st.name}", f"{st.name} peaked at {peak:.2f} GB, the plan predicted {pred:.2f} GB "
                                     f"({peak / pred - 1:+.0%}); plan.py's terms for it: "
                                     + ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v))

@@ -281,6 +281,28 @@ def test_frozen_bf16_base_with_fp32_adapters_under_fsdp2(dist_env):
         actor.forward(sharded(True), tiny_batch(4, 5, device), 1.0, layout(4))
 
 
+def test_reference_forward_first_keeps_fp32_adapter_grads(dist_env):
+    """The GPU layout (bf16 base, fp32 adapters, bf16 compute) when the adapter-off reference forward
+    is the model's first (GRPO on-policy with vLLM): after `actor.settle_grad_dtypes` the backward
+    gives fp32 grads on the adapters. Without it FSDP2 fixes the groups' gradient dtype while peft
+    has the adapters frozen: the backward fails (torch >= 2.10) or reduces in bf16."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    _, world, device = dist_env
+    mesh = train_grpo.build_mesh(device, world, -1)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = actor.load_model(None, seed=0)
+    wrapper = actor.apply_lora(model, actor.ActorConfig(lora_rank=8), torch.device("cuda"))  # only its type is read
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    actor.settle_grad_dtypes(model, device)
+    with torch.no_grad(), wrapper.disable_adapter():
+        actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4))
+    logp, _ = actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
+    logp.sum().backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
 # --------------------------------------------------------------------------- end to end
 def test_lora_offload_flags_change_no_number(tmp_path):
     """Three LoRA steps with no offload, with param + optimizer offload and the copy levers on, and

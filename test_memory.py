@@ -298,7 +298,7 @@ def test_cpu_offload_policy_keeps_params_off_the_gpu(dist_env, deterministic, fs
     """CPUOffloadPolicy on however many ranks pytest runs on (the process group needs a CPU backend
     beside NCCL: the shards, grads and the grad-norm reduction are on the host): the shards live
     pinned on the host and only buffers (rotary tables) take GPU memory; one update (fp32 compute,
-    deterministic kernels) gives the same losses (1e-6) and grad norm (1e-5) as a twin whose shards
+    deterministic kernels) gives the same losses (1e-6) and grad norm (1e-3) as a twin whose shards
     stay on the GPU, and moves the parameters as the twin does: the same sign of change on 99.9 % of
     the elements that the twin moves by more than half the largest change (Adam's first step moves an
     element by about lr x sign(grad); elements whose gradient is near Adam's eps differ, since Adam
@@ -317,7 +317,9 @@ def test_cpu_offload_policy_keeps_params_off_the_gpu(dist_env, deterministic, fs
     stats = [_update(m, actor.build_optimizer(m, actor.ActorConfig()), device) for m in (model, twin)]
     for k in ("pg_loss", "kl", "entropy"):
         assert stats[0][k] == pytest.approx(stats[1][k], rel=1e-6, abs=1e-7), k
-    assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-5) and stats[0]["grad_norm"] > 0
+    # the offloaded grads' norm is summed on the CPU: its fp32 sum of ~10^8 squares differs from the
+    # GPU's by 2.3e-4 relative on an H200 host; the losses agree to 1e-6, the step is checked by sign below
+    assert stats[0]["grad_norm"] == pytest.approx(stats[1]["grad_norm"], rel=1e-3) and stats[0]["grad_norm"] > 0
     got = [p.detach().full_tensor().cpu() for p in model.parameters()]     # a gather on gloo: CPU shards
     want = [p.detach().full_tensor().cpu() for p in twin.parameters()]
     moved = max((w - s).abs().max() for w, s in zip(want, start))
@@ -560,3 +562,29 @@ def test_plan_predicts_each_stage_within_10_percent(env, flags):
         print(f"[plan-truth] world={world} rank={torch.distributed.get_rank()} flags={flags} {stage} "
               f"measured {measured:.3f} GB predicted {predicted:.3f} GB", flush=True)
         assert abs(predicted - measured) <= 0.1 * measured, (stage, measured, predicted)
+
+
+def test_a_checkpoint_leaves_host_memory_where_it_was(env):
+    """A DCP checkpoint of an actor with every offload flag (Qwen2.5-0.5B shapes, after one step, so
+    Adam exists), twice: host RSS after each save is within 0.5 GB of before it (DCP stages every
+    tensor through pinned host memory that the caching host allocator would otherwise keep: 11.4 GB
+    in a 200-step run before checkpoint.save released it), and the second save adds nothing."""
+    import shutil
+    import checkpoint
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    out = "/tmp/ckpt_host_rss_test"                  # one folder for every rank (tmp_path differs per rank)
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    torch.distributed.barrier()
+    t = train_grpo.setup(train_grpo.parse_args(
+        ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
+         f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
+         "--rollout.response_length=16", f"--out_dir={out}", "--actor.param_offload=true",
+         "--actor.optimizer_offload=true", "--ref.param_offload=true"]))
+    train_grpo.train_step(t, 0)
+    rss = [offload.host_rss_gb()]
+    for step in (1, 2):
+        checkpoint.save(t, step)
+        rss.append(offload.host_rss_gb())
+    print(f"\n[checkpoint] host RSS {rss[0]:.2f} -> {rss[1]:.2f} -> {rss[2]:.2f} GB", flush=True)
+    assert rss[1] - rss[0] < 0.5 and rss[2] - rss[1] < 0.25, rss
