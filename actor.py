@@ -488,7 +488,7 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     lora = apply_lora(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards what peft made
     model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
     if lora:
-        settle_grad_dtypes(model, device)
+        settle_grad_dtypes(model)
     k = cfg.param_offload_layers           # partial offload: only the first k decoder layers' shards
     groups = [model] if k < 0 else model.model.layers[:k]
     optimizer = build_optimizer(model, cfg)
@@ -500,15 +500,15 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     return a
 
 
-def settle_grad_dtypes(model: torch.nn.Module, device: torch.device):
+def settle_grad_dtypes(model: torch.nn.Module):
     """FSDP2 fixes each group's gradient dtypes (reduce in fp32, fp32 grads for the fp32 adapters) at
-    the model's first forward, from the parameters that require grad at that moment. peft's
-    disable_adapter() turns requires_grad off on the adapters, so if LoRA's reference forward came
-    first (GRPO on-policy with vLLM: the actor's first forward), every backward after it would hand
-    bf16 grads to fp32 shards and fail (pytorch issue 186998). One no-grad forward of one token with
-    the adapters on settles them first: one all-gather per layer at build, nothing kept."""
-    with torch.no_grad():
-        model(input_ids=torch.ones(1, 1, dtype=torch.long, device=device))
+    its lazy initialisation, normally the model's first forward, from the parameters that require
+    grad at that moment. peft's disable_adapter() turns requires_grad off on the adapters, so if
+    LoRA's reference forward came first (GRPO on-policy with vLLM: the actor's first forward), every
+    backward after it would hand bf16 grads to fp32 shards and fail (pytorch issue 186998). Running
+    that initialisation now, adapters on, settles them; it moves and allocates nothing. (FSDP2 has
+    no public call for it; a one-token forward would do the same and leave cuBLAS's workspace.)"""
+    model._get_fsdp_state()._lazy_init()
 
 
 def describe_lora(a: Actor) -> str:

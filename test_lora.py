@@ -295,7 +295,7 @@ def test_reference_forward_first_keeps_fp32_adapter_grads(dist_env):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    actor.settle_grad_dtypes(model, device)
+    actor.settle_grad_dtypes(model)
     with torch.no_grad(), wrapper.disable_adapter():
         actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4))
     logp, _ = actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
