@@ -11,6 +11,15 @@ def dist_env():
     return train_grpo.init_distributed()
 
 
+@pytest.fixture
+def clean_gpu():
+    """Models of earlier tests sit in reference cycles until collected: a GPU test whose figures are
+    device-level starts empty (the GPU modules use it for every test)."""
+    import gc
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def tiny_batch(B: int, R: int, device, seed: int = 0, vocab: int = 16) -> dict:
     """A random rollout batch with prompts and responses of varied lengths (some end in EOS)."""
     import rollout

@@ -237,7 +237,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
             stages.append(Stage("critic_update", _update_peak(
                 held, {"critic grads": crit}, {**_activations(s, n, a.gradient_checkpointing, c),
                                                "gathered layers + root": gather},
-                accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), gather, {})))
+                accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {})))
     stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
     n = tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
     grads = {"actor grads": 0 if a.offload_policy else actor_p}
@@ -245,7 +245,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     busy = {**_activations(s, n, a.gradient_checkpointing, c), "gathered layers + root": gather,
             "LM head chunk (backward)": head(n, 20)}
     stages.append(Stage("update", _update_peak(
-        held, grads, busy, accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu), gather,
+        held, grads, busy, accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
         {**resident("actor params", "actor Adam"), **grads})))
 
     kv_bytes = _kv_budget(cfg, world, T)
@@ -257,7 +257,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     return Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
 
 
-def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, gather: int, at_step: dict) -> dict:
+def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, at_step: dict) -> dict:
     """An update stage's peak, by phase. The sharded grads exist from the first micro-batch's
     backward until the optimizer step frees them: the transients of a micro-batch (activations, the
     LM head's chunk, gathered layers) meet the full grads only when an earlier micro-batch of the
@@ -266,7 +266,7 @@ def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, gather
     root still gathered), and the optimizer step itself (`at_step`: Adam in, with
     optimizer_load_at_step)."""
     phases = [{**held, **grads, **busy}] if accumulating else \
-        [{**held, **busy}, {**held, **grads, "gathered layers + root": gather}]
+        [{**held, **busy}, {**held, **grads, "gathered layers + root": busy["gathered layers + root"]}]
     return max(phases + ([at_step] if at_step else []), key=lambda p: sum(p.values()))
 
 

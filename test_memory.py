@@ -23,19 +23,12 @@ import reward_model
 import train_grpo
 from conftest import layout, mid_model, tiny_batch
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("clean_gpu")]
 MB = 1024 ** 2
 GB = 1024 ** 3
 # deterministic cuBLAS for the bit-exact test: read when the first handle is made, i.e. after import
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-@pytest.fixture(autouse=True)
-def clean_gpu():
-    """Models of earlier tests sit in reference cycles until collected: start each test empty."""
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")

@@ -20,18 +20,10 @@ import train_grpo
 import weights
 from conftest import layout, mid_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                reason="needs a CUDA GPU and vLLM")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                 reason="needs a CUDA GPU and vLLM"),
+              pytest.mark.usefixtures("clean_gpu")]     # the LoRA test's actor must not leave mid-measurement
 GB = offload.GB
-
-
-@pytest.fixture(autouse=True)
-def clean_gpu():
-    """Models of earlier tests (the LoRA actor) sit in reference cycles until collected: the
-    device-level figures below must not see them go in the middle of a test."""
-    import gc
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")
