@@ -302,7 +302,7 @@ def main():
             json.dump(res, f, indent=1)
         if args.plot:
             plot(res, args.plot)
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def peak(m: dict) -> float:

@@ -101,7 +101,7 @@ def main():
     if t.rank == 0:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":

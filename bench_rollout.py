@@ -88,7 +88,7 @@ def main():
         print(json.dumps(res, indent=1))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":

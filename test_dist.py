@@ -42,8 +42,7 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     shard = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
         torch.save({"params": params, "stats": stats, "shard_fraction": shard}, out_path)
-    torch.distributed.barrier()              # no rank tears gloo down while another still talks
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _rollout_collectives(out_path: str):
@@ -68,8 +67,7 @@ def _rollout_collectives(out_path: str):
             for s, p in zip(synced, params)]
     if rank == 0:
         torch.save({"requests": seen, "sync_equal": same}, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):

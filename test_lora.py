@@ -143,8 +143,7 @@ def _one_lora_update(out_path: str):
     if rank == 0:
         torch.save({"params": params, "stats": stats, "trains": [k for k, p in a.model.named_parameters()
                                                                  if p.requires_grad]}, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _launch(nproc: int, out_path: str):

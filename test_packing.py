@@ -148,8 +148,7 @@ def _update_with_lengths(out_path: str, dynamic: bool):
     torch.distributed.all_gather(gathered, torch.tensor([bins]))
     if rank == 0:
         torch.save({"params": params, "stats": stats, "bins": [int(c) for c in gathered]}, out_path)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def test_token_budget_update_equals_fixed_on_two_ranks(tmp_path):

@@ -231,8 +231,7 @@ def _score_my_half(path: str, out_path: str):
     scores = reward_model.compute_scores(rm, {k: v[rank * n:(rank + 1) * n] for k, v in full.items()})
     whole = 4 * sum(p.numel() for p in rm.model.parameters())         # fp32 bytes of the full model
     torch.save({"scores": scores, "shard_fraction": rm.params.nbytes / whole}, f"{out_path}.rank{rank}")
-    torch.distributed.barrier()            # no rank tears gloo down while another still talks
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":

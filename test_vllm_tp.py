@@ -58,8 +58,7 @@ def _generate(out_dir: str, tp: int):
                 "generate_device_gb": m["rollout/generate_device_gb"], "sync_s": m["rollout/sync_s"],
                 "logp_diff_mean": (diff.sum() / mask.sum()).item(), "logp_diff_max": diff.max().item()},
                os.path.join(out_dir, f"tp{tp}.rank{rank}.pt"))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _run(out_dir: str, tp: int) -> list[dict]:
