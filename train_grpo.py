@@ -764,5 +764,5 @@ if __name__ == "__main__":
         main()
         exit_code = 0
     except SystemExit as e:                # fail()'s one line (1, 2) or a preemption's 143
-        exit_code = e.code if isinstance(e.code, int) else 1
+        exit_code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     leave(exit_code)
