@@ -119,10 +119,13 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
     group = tp_group(tp)
     seed = gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
     max_num_seqs *= tp                     # the engine serves the sequences of all its ranks at once
+    dtype = dtype if cfg.dtype == "auto" else cfg.dtype
+    nbytes = torch.finfo(getattr(torch, dtype)).bits // 8
     kv = 0 if cfg.gpu_memory_utilization > 0 else kv_cache_bytes(
-        config, max_num_seqs, max_model_len, torch.finfo(getattr(torch, dtype)).bits // 8, tp, cfg.kv_cache_margin)
+        config, max_num_seqs, max_model_len, nbytes, tp, cfg.kv_cache_margin)
+    need = engine_bytes(config, kv_bytes=kv, max_num_seqs=max_num_seqs, dtype_bytes=nbytes, tp=tp)
     return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed,
-                      kv_bytes=kv, max_num_seqs=max_num_seqs, group=group)
+                      kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group)
 
 
 def tp_group(tp: int):
@@ -173,6 +176,35 @@ def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: 
     heads = max(1, config.num_key_value_heads // tp)
     per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
     return int(seqs * -(-max_model_len // 16) * 16 * per_token * (1 + margin))
+
+
+VLLM_BATCHED_TOKENS = 16384   # vLLM 0.26's default max_num_batched_tokens for LLM() on a GPU of >= 70 GiB
+                              # (8192 below): the tokens of its profiling forward, its largest step
+VLLM_GRAPHS = int(1.2 * 2 ** 30)   # CUDA graphs and buffers an engine keeps even asleep (measured, 0.5B-7B)
+
+
+def weight_count(config) -> int:
+    """The model's parameters (tied embeddings once), from a meta-device build: no memory, exact for
+    any architecture transformers knows."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def engine_bytes(config, *, kv_bytes: int, max_num_seqs: int, dtype_bytes: int, tp: int) -> dict:
+    """What one GPU of an awake engine takes, by part: its weights (1/tp of them), the KV budget, and
+    the workspace (the profiling forward of VLLM_BATCHED_TOKENS tokens through the widest layer, the
+    sampler's fp32 logits of every sequence, CUDA graphs and buffers). vLLM 0.26 refuses to start
+    unless the free memory is at least gpu_memory_utilization x the GPU, even when the KV cache is
+    given in bytes (kv_cache_memory_bytes then sizes the cache, the share is only that check):
+    build_vllm passes the sum of these parts as that share, so the check asks for what the engine
+    will take and no more."""
+    h, ffn = config.hidden_size, config.intermediate_size
+    act = VLLM_BATCHED_TOKENS * dtype_bytes * (4 * h + 3 * ffn) // tp
+    logits = max_num_seqs * config.vocab_size * 4 * 2
+    return {"weights": weight_count(config) * dtype_bytes // tp, "KV cache": kv_bytes,
+            "workspace": act + logits + VLLM_GRAPHS}
 
 
 def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> str:
@@ -256,12 +288,15 @@ def _used_gb() -> float:
 
 
 def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int, *,
-               kv_bytes: int, max_num_seqs: int, group=None) -> Engine:
+               kv_bytes: int, need: dict, max_num_seqs: int, group=None) -> Engine:
     """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
     when returned. `model_dir` needs only a config.json: the weights are random until the first
-    sync (nothing is read from disk twice). `dtype`: "bfloat16" / "float32" (the actor's compute
-    dtype unless cfg.dtype says otherwise). `kv_bytes` > 0: vLLM's KV cache on each GPU is exactly
-    that (vLLM then ignores gpu_memory_utilization)."""
+    sync (nothing is read from disk twice). `dtype`: vLLM's weight dtype. `kv_bytes` > 0: vLLM's KV
+    cache on each GPU is exactly that; vLLM still checks at start-up that the free memory is at least
+    gpu_memory_utilization x the GPU, so the share passed beside it is `need` (engine_bytes: weights,
+    KV, workspace) over the GPU's size. Whether the engine fits is checked here first, against what is
+    free now, so a run that cannot start stops with one line naming the numbers, not inside vLLM.
+    `kv_bytes` == 0: cfg.gpu_memory_utilization sizes weights + KV, and that share must be free."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -271,15 +306,15 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
         raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
                          "vLLM's sleep pool; unset it")
     from vllm import LLM
-    dtype = dtype if cfg.dtype == "auto" else cfg.dtype
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
+    share = start_share(cfg, kv_bytes, need, *torch.cuda.mem_get_info())
     before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
-    budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
     llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
               distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
               dtype=dtype, enforce_eager=cfg.enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              seed=seed, logprobs_mode="processed_logprobs", **budget)
+              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, **budget)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
     if group is not None:                  # the prompts are pooled over `group`: it must be vLLM's TP group
         from vllm.distributed.parallel_state import get_tp_group
@@ -292,6 +327,29 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
                   pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
                   kv_cache_bytes=kv_bytes, group=group)
+
+
+def start_share(cfg: RolloutConfig, kv_bytes: int, need: dict, free: int, total: int) -> float:
+    """The gpu_memory_utilization to build the engine with, or a ValueError that says what to change
+    when the engine cannot fit in the `free` bytes of this GPU (of `total`)."""
+    gib = lambda b: f"{b / 2 ** 30:.1f} GiB"  # noqa: E731
+    held = f"the trainer's states and the CUDA contexts take {gib(total - free)} of {gib(total)}"
+    if not kv_bytes:                           # the user's share sizes weights + KV: that much must be free
+        if cfg.gpu_memory_utilization * total > free:
+            raise ValueError(f"--rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+                             f"{gib(cfg.gpu_memory_utilization * total)} but {gib(free)} is free when the engine is "
+                             f"built ({held}); use at most {max(free / total - 0.01, 0):.2f}, or 0 to size the "
+                             f"KV cache from the batch")
+        return cfg.gpu_memory_utilization
+    want = sum(need.values())
+    if want > free:
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
+        raise ValueError(f"the vLLM engine needs {gib(want)} on each GPU ({parts}) but {gib(free)} is free when "
+                         f"it is built ({held}); free the GPU with --actor.param_offload=true / "
+                         f"--ref.param_offload=true / --critic.param_offload=true, or shrink the KV cache with fewer "
+                         f"prompts per GPU, a shorter --rollout.response_length or a larger "
+                         f"--rollout.tensor_parallel_size")
+    return want / total
 
 
 def vllm_model(llm):

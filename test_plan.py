@@ -177,3 +177,26 @@ def test_predictions_within_10_percent_of_the_recorded_h200_peaks():
             if measured > 1 and abs(pred - measured) > 0.1 * measured:
                 bad.append((row["name"], row["world"], stage, round(measured, 2), round(pred, 2)))
     assert not bad, bad
+
+
+def test_vllm_start_share_asks_for_what_the_engine_needs():
+    """vLLM 0.26 refuses to start unless free >= gpu_memory_utilization x GPU, also when the KV cache
+    is given in bytes: the share passed is the engine's own need, so a trainer holding 19 GiB of a
+    140 GiB GPU no longer blocks a 3B engine (the default path crashed there with 0.92)."""
+    import rollout
+    import tiny
+    GiB = 2 ** 30
+    need = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, max_num_seqs=64, dtype_bytes=2, tp=1)
+    assert need["weights"] == rollout.weight_count(tiny.qwen25_config("qwen2.5-3b")) * 2
+    total, free = int(139.8 * GiB), int(120.58 * GiB)
+    share = rollout.start_share(rollout.RolloutConfig(), GiB, need, free, total)
+    assert share * total == pytest.approx(sum(need.values()))       # vLLM's check: free >= share x total
+    assert share * total <= free and share < 0.1
+    half = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, max_num_seqs=64, dtype_bytes=2, tp=2)
+    assert half["weights"] == need["weights"] // 2                  # tensor parallel: a slice per GPU
+    with pytest.raises(ValueError, match=r"needs 9\.\d GiB .* but 5\.0 GiB is free .*param_offload"):
+        rollout.start_share(rollout.RolloutConfig(), GiB, need, 5 * GiB, total)
+    user = rollout.RolloutConfig(gpu_memory_utilization=0.92)      # a share that cannot be had: one line
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.92 asks vLLM for 128\.6 GiB but 120\.6 GiB"):
+        rollout.start_share(user, 0, need, free, total)
+    assert rollout.start_share(rollout.RolloutConfig(gpu_memory_utilization=0.3), 0, need, free, total) == 0.3
