@@ -31,8 +31,10 @@ import offload
 import rollout
 import tiny
 import train_grpo
+import options
+from model import init_distributed
 
-STAGES = train_grpo.STAGES
+STAGES = offload.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
 NO_LEVERS = {"actor.prefetch_update": False, "actor.defer_param_offload": False}
 PPO = {"algorithm.adv_estimator": "gae"}
@@ -94,7 +96,7 @@ def copy_bandwidth(nbytes: int = 2 ** 30) -> dict:
 
 
 def bench_cfg(name, args, extra):
-    cfg = train_grpo.parse_args([f"--model={args.model}", f"--train_batch_size={args.prompts}",
+    cfg = options.parse_args([f"--model={args.model}", f"--train_batch_size={args.prompts}",
                                  f"--actor.ppo_mini_batch_size={args.prompts}", f"--rollout.n={args.n}",
                                  f"--rollout.response_length={args.response_len}", "--save=false",
                                  f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
@@ -255,7 +257,7 @@ def main():
     ap.add_argument("--plot", default="")
     args, extra = ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
 
-    rank, world, device = train_grpo.init_distributed()
+    rank, world, device = init_distributed()
     cuda = device.type == "cuda"
     res = {"model": args.model, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "args": vars(args), "bandwidth": copy_bandwidth() if cuda else {},
@@ -263,7 +265,7 @@ def main():
     hf = tiny.qwen25_config(args.model.split(":")[1])
     rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
-                                 tensor_parallel_size=train_grpo.parse_args(extra).rollout.tensor_parallel_size)
+                                 tensor_parallel_size=options.parse_args(extra).rollout.tensor_parallel_size)
     engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
                            max_model_len=args.prompt_len + args.response_len,
                            max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank, rank=rank)

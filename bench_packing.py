@@ -24,6 +24,8 @@ import offload
 import ref
 import rollout
 import train_grpo
+import options
+from model import make_layout
 
 CONFIGS = {  # name: (remove_padding, use_dynamic_bsz)
     "padded": (False, False),
@@ -59,7 +61,7 @@ def main():
     ap.add_argument("--out", default="bench_packing.json")
     args, extra = ap.parse_known_args()
 
-    cfg = train_grpo.parse_args([f"--model={args.model}", "--rollout.engine=hf", "--save=false",
+    cfg = options.parse_args([f"--model={args.model}", "--rollout.engine=hf", "--save=false",
                                  f"--train_batch_size={args.samples}", f"--actor.ppo_mini_batch_size={args.samples}",
                                  "--rollout.n=1", f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}",
@@ -77,7 +79,7 @@ def main():
     for name in args.configs.split(","):
         pack, dynamic = CONFIGS[name]
         t.actor.cfg.remove_padding, t.actor.cfg.use_dynamic_bsz = pack, dynamic
-        t.ref.layout = actor.make_layout(t.actor.cfg, args.micro, args.budget)
+        t.ref.layout = make_layout(t.actor.cfg, args.micro, args.budget)
         rows = []
         for batch in batches:
             m = {}

@@ -17,6 +17,7 @@ import actor
 import offload
 import rollout
 import train_grpo
+from model import build_mesh, init_distributed, load_model, shard
 
 PHASES = ("empty_cache", "load_params", "wake_weights", "sync", "offload_params", "wake_kv", "sleep")
 
@@ -34,8 +35,8 @@ def main():
     ap.add_argument("--out", default="bench_rollout.json")
     args = ap.parse_args()
 
-    rank, world, device = train_grpo.init_distributed()
-    model = actor.shard(actor.load_model(args.model), train_grpo.build_mesh(device, world, -1), device)
+    rank, world, device = init_distributed()
+    model = shard(load_model(args.model), build_mesh(device, world, -1), device)
     stash = offload.param_stash("actor_params", model)
     g = torch.Generator().manual_seed(rank)
     V = model.config.vocab_size

@@ -20,6 +20,8 @@ meta.json are in it, then `latest` moves: a kill at any moment leaves the last c
 use. Only the newest `keep_checkpoints` stay. What a save moves: each role brings its params and
 Adam to the device through its own bracket (`actor.state_in`, `critic.state_in`: the update
 stage's bytes without grads and activations), one role at a time, and drops them again after.
+The loop hands in the trained roles and the run's figures; `load` returns the checkpoint's meta
+(the step, the data position): nothing here reads or writes the loop's own state.
 
 The out_dir policy (checked before any model is built, `plan`): an out_dir with an unfinished
 run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run
@@ -34,7 +36,6 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -44,7 +45,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import actor
-import critic
 import offload
 
 # --------------------------------------------------------------------------- the out_dir policy
@@ -137,15 +137,6 @@ def plan(cfg, data_fingerprint: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- save and load
-def _roles(t) -> list:
-    """(name, model, optimizer, its checkpoint bracket, its state) of each trained role; the frozen
-    reference is not saved (it is rebuilt from --model)."""
-    roles = [("actor", t.actor.model, t.actor.optimizer, actor.state_in, t.actor)]
-    if t.critic is not None:
-        roles.append(("critic", t.critic.model, t.critic.optimizer, critic.state_in, t.critic))
-    return roles
-
-
 def rng_state() -> dict:
     """This rank's RNG states. The rollout reseeds from (seed, step, rank) every step, so samples do
     not depend on them; they are kept for everything else that draws (a user's reward)."""
@@ -174,45 +165,50 @@ def _write_json(path: str, obj):
     os.replace(path + ".tmp", path)
 
 
-def save(t, step: int):
-    """A checkpoint after `step` steps (module docstring), on every rank; `t` is train_grpo's Trainer."""
-    root = os.path.join(t.cfg.out_dir, "checkpoints")
+def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
+    """A checkpoint after `step` steps (module docstring), on every rank. `roles`: (name, state, its
+    checkpoint bracket) of each trained role, one resident at a time; `meta`: the run's figures for
+    meta.json (prompts_seen, data, world_size, config), step, roles and time added here."""
+    root, rank = os.path.join(out_dir, "checkpoints"), dist.get_rank()
     name = f"step_{step:06d}"
     tmp = os.path.join(root, f".tmp-{name}")   # never read by a resume until renamed
     t0 = time.perf_counter()
-    if t.rank == 0:
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)    # a save cut short by a kill
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    for role, model, optimizer, state_in, obj in _roles(t):   # one role resident at a time
-        with state_in(obj):
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+    for role, state, state_in in roles:
+        with state_in(state):
+            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
                 raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
             del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
     offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{t.rank}.pt"))
+    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
     dist.barrier()                                # every rank's files are on disk
-    if t.rank == 0:
-        _write_json(os.path.join(tmp, "meta.json"), {
-            "step": step, "prompts_seen": t.data_offset + step * t.cfg.train_batch_size,
-            "data": t.fingerprint, "world_size": t.world, "roles": [r[0] for r in _roles(t)],
-            "config": asdict(t.cfg), "time": datetime.datetime.now().isoformat(timespec="seconds")})
-        target = os.path.join(root, name)
-        shutil.rmtree(target, ignore_errors=True)  # left by a run killed before `latest` reached it
-        os.replace(tmp, target)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(name)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))   # moves last
-        _prune(root, step, t.cfg.keep_checkpoints)
-        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(target) for f in fs)
-        print(f"[checkpoint] step {step} -> {target} ({size / 2**20:.1f} MiB, "
-              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+    if rank == 0:
+        _write_json(os.path.join(tmp, "meta.json"), {"step": step, **meta, "roles": [r[0] for r in roles],
+                                                     "time": datetime.datetime.now().isoformat(timespec="seconds")})
+        _publish(root, name, tmp, step, keep, t0)
     dist.barrier()                                # no rank goes on, or exits, before it is complete
+
+
+def _publish(root: str, name: str, tmp: str, step: int, keep: int, t0: float):
+    """The written checkpoint renamed into place, then `latest` moved to it, older ones pruned."""
+    target = os.path.join(root, name)
+    shutil.rmtree(target, ignore_errors=True)  # left by a run killed before `latest` reached it
+    os.replace(tmp, target)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))   # moves last
+    _prune(root, step, keep)
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(target) for f in fs)
+    print(f"[checkpoint] step {step} -> {target} ({size / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 def _cause(e: CheckpointException) -> str:
@@ -227,34 +223,33 @@ def _prune(root: str, step: int, keep: int):
         shutil.rmtree(os.path.join(root, f"step_{s:06d}"), ignore_errors=True)
 
 
-def load(t, path: str) -> int:
-    """Load a checkpoint into a freshly built trainer (any world size: DCP reshards); returns
-    the step to start at. Prints how this run's config differs from the checkpoint's."""
-    meta = read_meta(path)
-    for role, model, optimizer, state_in, obj in _roles(t):
-        with state_in(obj, loading=True):
+def load(path: str, roles: list, config: dict, world: int) -> dict:
+    """Load a checkpoint into freshly built roles (any world size: DCP reshards; `roles` as for
+    `save`); returns its meta.json (step, prompts_seen, ...). Prints how this run's `config` differs
+    from the checkpoint's."""
+    meta, rank = read_meta(path), dist.get_rank()
+    for role, state, state_in in roles:
+        with state_in(state, loading=True):
             # on a fresh optimizer this makes AdamW's state (a step with zero grads and lr 0: the
             # weights do not move), which DCP then overwrites in place
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role))
             except CheckpointException as e:
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
-            set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+            set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
     offload.empty_host_cache()
-    rng = os.path.join(path, "rng", f"rank{t.rank}.pt")
+    rng = os.path.join(path, "rng", f"rank{rank}.pt")
     if os.path.isfile(rng):                       # a rank the saving run did not have keeps its seed
         set_rng_state(torch.load(rng, weights_only=True))
-    step = meta["step"]
-    t.data_offset = meta["prompts_seen"] - step * t.cfg.train_batch_size   # 0 unless the batch size changed
-    if t.rank == 0:
-        old, new = _flat(meta["config"]), _flat(asdict(t.cfg))
+    if rank == 0:
+        old, new = _flat(meta["config"]), _flat(config)
         changed = [f"{k} {old.get(k)} -> {new[k]}" for k in sorted(new) if old.get(k) != new[k]
                    and k not in ("resume", "steps")]
-        print(f"[resume] {path}: step {step}, saved by {meta['world_size']} rank(s), now {t.world}"
+        print(f"[resume] {path}: step {meta['step']}, saved by {meta['world_size']} rank(s), now {world}"
               + (f"; config changed: {', '.join(changed)}" if changed else ""), flush=True)
-    return step
+    return meta
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -284,16 +279,16 @@ def keep_metrics(out_dir: str, step: int, rank: int) -> str:
     return path
 
 
-def save_final(t):
-    """The Hugging Face policy to out_dir/final, written aside and swapped in whole (a resumed,
-    longer run replaces the earlier final/), with this run's config beside it."""
-    final = os.path.join(t.cfg.out_dir, "final")
+def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None):
+    """The Hugging Face policy (an actor.Actor) to out_dir/final, written aside and swapped in whole
+    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it."""
+    final, rank = os.path.join(out_dir, "final"), dist.get_rank()
     tmp, old = final + ".tmp", final + ".old"
-    if t.rank == 0:
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    what = actor.save(t.actor, t.tokenizer, tmp, t.rank, t.cfg.model)   # gathers: every rank
-    if t.rank == 0:
-        _write_json(os.path.join(tmp, "run_config.json"), asdict(t.cfg))
+    what = actor.save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
+    if rank == 0:
+        _write_json(os.path.join(tmp, "run_config.json"), config)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
             os.replace(final, old)

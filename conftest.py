@@ -1,14 +1,15 @@
 """One process group for the whole pytest session: torchrun's (several ranks) or a 1-process one."""
 import pytest
 import torch
+import actor
+from model import init_distributed, make_layout
 
-import train_grpo
 
 
 @pytest.fixture(scope="session")
 def dist_env():
     """(rank, world, device) with the default process group initialised."""
-    return train_grpo.init_distributed()
+    return init_distributed()
 
 
 @pytest.fixture
@@ -53,4 +54,4 @@ def layout(micro: int, **actor_cfg):
     (ActorConfig fields such as remove_padding or use_dynamic_bsz overridable)."""
     import actor
     cfg = actor.ActorConfig(**actor_cfg)
-    return actor.make_layout(cfg, micro, cfg.log_prob_max_token_len_per_gpu)
+    return make_layout(cfg, micro, cfg.log_prob_max_token_len_per_gpu)

@@ -9,16 +9,19 @@ Two modes:
   (`AutoModelForTokenClassification`, num_labels=1), initialised from the actor's checkpoint (or
   the tiny default), FSDP2-sharded like the actor, with its own Adam, `param_offload` and
   `optimizer_offload`. It costs a second model: params + grads + Adam state of a whole LM.
-- "shared" (what the second article calls `share_actor_weights`; verl has no such option): one
+- "shared" (a value head on the policy's trunk, sometimes called `share_actor_weights`; verl has no
+  such option): one
   Linear(hidden, 1) head reads the actor's final hidden states; no second model is held. What
   changes: the values come from the policy's features, and the head trains on them detached, so
   the value loss never moves the trunk (the policy is trained by the policy loss alone, exactly
   as with GRPO); the critic's capacity is one linear layer. The values stage is an extra actor
   forward; the critic update reuses the features saved there and needs no forward at all.
 
-What it moves (separate mode; the shared head is a few KB and never moves): with param_offload
-its fp32 shards come in for the values stage (freed after, no copy back) and for the critic
-update (copied back out); with optimizer_offload its Adam state comes in on a side stream
+What it holds on the GPU (separate mode): fp32 shards, their grads in the update, Adam's two
+moments (2 x the shards); the shared head is a few KB and never moves.
+What it moves (separate mode; its stashes know their flags at build, as the actor's): with
+param_offload its fp32 shards come in for the values stage (freed after, no copy back) and for the
+critic update (copied back out); with optimizer_offload its Adam state comes in on a side stream
 during the update's forward/backward and is waited for right before the step, like the actor's.
 In shared mode the values stage needs the actor's trunk: it asks the actor for it
 (`actor.resident`). A checkpoint brings the critic's params and Adam in and out again through
@@ -34,6 +37,8 @@ from torch.distributed.fsdp import fully_shard
 import actor
 import offload
 import packing
+from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, is_dir,
+                   load_model, make_layout, shard, split)
 
 
 @dataclass
@@ -54,12 +59,12 @@ class CriticConfig:
     optimizer_offload: bool = False        # separate mode: Adam state to pinned host between updates
 
 
-# checked when the command line is parsed (train_grpo.check_config)
+# checked when the command line is parsed (options.check_config)
 RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "cliprange_value": "> 0",
           "ppo_micro_batch_size_per_gpu": ">= 1", "forward_micro_batch_size_per_gpu": ">= 1",
           "gamma": "[0, 1]", "lam": "[0, 1]", "ppo_max_token_len_per_gpu": ">= 1",
           "forward_max_token_len_per_gpu": ">= 1"}
-CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": actor.LOSS_AGG_MODES}
+CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": LOSS_AGG_MODES}
 
 
 # --------------------------------------------------------------------------- math
@@ -86,10 +91,20 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
     Two passes in float64, the mean first, then the squared deviations from it: one pass of
     E[x^2] - mean^2 in fp32 loses every digit of the variance when |mean| >> std."""
     xd, md = x.double(), mask.double()
-    s = actor.all_sum(torch.stack([(xd * md).sum(), md.sum()]))
+    s = all_sum(torch.stack([(xd * md).sum(), md.sum()]))
     mean = s[0] / s[1]
-    var = actor.all_sum(((xd - mean).square() * md).sum()) / (s[1] - 1).clamp(min=1)
+    var = all_sum(((xd - mean).square() * md).sum()) / (s[1] - 1).clamp(min=1)
     return ((xd - mean) * torch.rsqrt(var + eps)).float() * mask
+
+
+def advantages(c: "Critic", batch: dict, scores: torch.Tensor) -> torch.Tensor:
+    """The advantage stage for PPO: each response's score sits on its last token (the token
+    rewards, (B, R)), GAE over the critic's values, whitened over all ranks; batch["returns"] too."""
+    mask = batch["response_mask"].float()
+    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    rewards = torch.zeros_like(batch["values"]).scatter_(1, last[:, None], scores[:, None])
+    adv, batch["returns"] = gae(rewards, batch["values"], mask, c.cfg.gamma, c.cfg.lam)
+    return whiten(adv, mask)
 
 
 def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=None):
@@ -98,15 +113,28 @@ def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=Non
     in fp32, and ~1 % of unclipped tokens would count as clipped)."""
     clipped = torch.clamp(v, old_v - cfg.cliprange_value, old_v + cfg.cliprange_value)
     l1, l2 = (v - returns).square(), (clipped - returns).square()
-    loss = 0.5 * actor.agg_loss(torch.maximum(l1, l2), mask, cfg.loss_agg_mode, tokens, seqs)
+    loss = 0.5 * agg_loss(torch.maximum(l1, l2), mask, cfg.loss_agg_mode, tokens, seqs)
     return loss, (l2 > l1).float()
 
 
-# --------------------------------------------------------------------------- build
+def check_model(path):
+    """Before anything is built: transformers has a token-classification class (the separate
+    critic's value head) for this model type."""
+    if not is_dir(path):
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    kind = AutoConfig.from_pretrained(path, local_files_only=True).model_type
+    if kind not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        raise ValueError(f"--model {path}: transformers has no token-classification model for "
+                         f"model_type {kind!r} (the separate critic); use --critic.mode=shared")
+
+
+# --------------------------------------------------------------------------- the critic's state
 @dataclass
 class Critic:
     """The critic's state (made by `build`): the value model (or the shared head), its AdamW, and
-    its offload groups."""
+    its offload groups (their flags only ever on in separate mode)."""
     cfg: CriticConfig
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -120,77 +148,36 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.Actor
           seed: int = 0) -> Critic:
     """Separate: a token-classification LM; shared: the value head only (on `actor_model`'s features).
     Compute dtype and forward settings (packing, token budgets) come from the actor's config."""
-    param_dtype = actor_cfg.param_dtype
-    if cfg.mode == "shared":
+    separate = cfg.mode == "separate"
+    if separate:
+        head = shard(load_model(model_path, seed, head="value"), mesh, device, param_dtype=actor_cfg.param_dtype)
+    else:
         torch.manual_seed(seed)
         head = torch.nn.Linear(actor_model.config.hidden_size, 1)
         torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)   # V = 0 at the start
         fully_shard(head, mesh=mesh, reshard_after_forward=True)   # FSDP averages its grads over ranks
         head.to(device)
-    elif cfg.mode == "separate":
-        head = actor.shard(load_value_model(model_path, seed), mesh, device, param_dtype=param_dtype)
-    else:
-        raise ValueError(f"critic.mode={cfg.mode}: use separate or shared")
-    optimizer = actor.build_optimizer(head, cfg)
-    c = Critic(cfg, head, optimizer, offload.param_stash("critic_params", head),
-               offload.optimizer_stash("critic_optimizer", optimizer),
-               actor.make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
-               actor.make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu))
-    for s in offloaded(c):
-        offload.offload(s)                 # frees the critic's shard bytes until the values stage
+    optimizer = build_optimizer(head, cfg)
+    c = Critic(cfg, head, optimizer,
+               offload.param_stash("critic_params", head, enabled=cfg.param_offload and separate),
+               offload.optimizer_stash("critic_optimizer", optimizer, enabled=cfg.optimizer_offload and separate),
+               make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
+               make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu))
+    offload.offload(c.params)              # param_offload: frees the shard bytes until the values stage
     return c
 
 
-def offloaded(c: Critic) -> list:
-    """The critic's parameter groups that live on the host between uses (separate mode only)."""
-    return [c.params] if c.cfg.param_offload and c.cfg.mode == "separate" else []
-
-
-@contextlib.contextmanager
-def state_in(c: Critic, loading: bool = False):
-    """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
-    while the state-dict helpers read or write them, then back where they were (separate mode;
-    the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
-    adam = [c.adam] if c.cfg.optimizer_offload and c.cfg.mode == "separate" else []
-    with offload.holding(offloaded(c) + adam, loading):
-        yield
-        if loading:
-            for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
-                group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)
-
-
-def check_model(path):
-    """Before anything is built: transformers has a token-classification class (the separate
-    critic's value head) for this model type."""
-    if path is None or path.startswith("random:"):
-        return
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
-    kind = AutoConfig.from_pretrained(path, local_files_only=True).model_type
-    if kind not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
-        raise ValueError(f"--model {path}: transformers has no token-classification model for "
-                         f"model_type {kind!r} (the separate critic); use --critic.mode=shared")
-
-
-def load_value_model(path, seed: int = 0):
-    """The actor's architecture with a 1-output head per token (fp32 host weights)."""
-    from transformers import AutoConfig, AutoModelForTokenClassification, Qwen2ForTokenClassification
-    import tiny
-    torch.manual_seed(seed)
-    if path is None or path.startswith("random:"):
-        config = tiny.tiny_config() if path is None else tiny.qwen25_config(path[7:])
-    else:
-        actor.check_model_path(path)
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    # Set on the config, not passed to from_pretrained: model configs without a classifier_dropout
-    # field (Qwen2's) reject it as a keyword. Without it the head gets dropout 0.1: noisy values.
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    if path is None or path.startswith("random:"):
-        with torch.device("cuda" if path and torch.cuda.is_available() else "cpu"):
-            # fp32 master weights: the config's bf16 dtype reaches the trunk but not the new head
-            return Qwen2ForTokenClassification(config).float()
-    return AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa")
+def describe(c: Critic) -> list[str]:
+    """The set-up report's lines for the critic: its size and each offload flag with its bytes."""
+    cfg, held = c.cfg, sum(p.to_local().numel() * 4 for p in c.model.parameters())
+    device = next(c.model.parameters()).device
+    lines = [f"[critic] mode={cfg.mode}: {held / offload.GB:.3f} GB of parameters"
+             + (" (a value head on the actor's trunk: no second model)" if cfg.mode == "shared" else "")]
+    if cfg.mode == "shared" and (cfg.param_offload or cfg.optimizer_offload):
+        lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
+    lines.append(offload.describe("critic.param_offload", held, c.params.enabled, device))
+    lines.append(offload.describe("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held, c.adam.enabled, device))
+    return lines
 
 
 # --------------------------------------------------------------------------- values
@@ -224,10 +211,13 @@ def _values(model, mb: dict, cfg: CriticConfig, packed: bool, features=None) -> 
 
 
 def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
-    """The values stage's bracket: the critic's shards in (shared mode: the actor's trunk), values,
-    then freed again without a copy back."""
-    with actor.resident(a, metrics) if c.cfg.mode == "shared" else offload.loaded(offloaded(c), metrics):
-        return values(c.model, batch, c.cfg, c.forward_layout, a.model)
+    """The values stage: batch["values"] (and in shared mode batch["features"], for the update),
+    inside the critic's bracket: its shards in, then freed without a copy back (shared mode: the
+    actor's trunk, which it lends through `actor.resident`)."""
+    with actor.resident(a, metrics) if c.cfg.mode == "shared" else offload.loaded([c.params], metrics):
+        batch["values"], feats = values(c.model, batch, c.cfg, c.forward_layout, a.model)
+    if feats is not None:
+        batch["features"] = feats
 
 
 @torch.no_grad()
@@ -253,30 +243,29 @@ def values(model, batch: dict, cfg: CriticConfig, layout: packing.Layout, actor_
 # --------------------------------------------------------------------------- update
 def update(c: Critic, batch: dict, mini_size: int, epochs: int, metrics: dict) -> dict:
     """The critic update's bracket: params in -> Adam in on a side stream (waited for right before
-    the step) -> clipped value loss -> both out again (separate mode)."""
-    adam = c.adam if c.cfg.optimizer_offload and c.cfg.mode == "separate" else None
-    with offload.loaded(offloaded(c), metrics, modified=True):
-        if adam is not None:
-            metrics.update(offload.reload(adam, background=True))   # overlaps the first forward/backward
-        stats = update_critic(c.model, c.optimizer, batch, c.cfg, c.update_layout, mini_size, epochs, adam)
-        if adam is not None:
-            metrics.update(offload.offload(adam))   # frees 2 x fp32 shard bytes until the next update
+    the step) -> clipped value loss -> both out again (separate mode). Frees the shared mode's
+    saved features after it."""
+    with offload.loaded([c.params], metrics, modified=True):
+        metrics.update(offload.reload(c.adam, background=True))   # overlaps the first forward/backward
+        stats = update_critic(c, batch, mini_size, epochs)
+        metrics.update(offload.offload(c.adam))   # frees 2 x fp32 shard bytes until the next update
+    batch.pop("features", None)
     return stats
 
 
-def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, layout: packing.Layout, mini_size: int,
-                  epochs: int, adam: offload.Stash | None = None) -> dict:
+def update_critic(c: Critic, batch: dict, mini_size: int, epochs: int) -> dict:
     """Clipped value loss over the same mini-batches as the actor, gradients accumulated over
     micro-batches and normalised by global counts (invariant to micro-batch size and ranks).
-    `adam`: the offloaded optimizer state, made ready right before each optimizer step."""
+    Adam's stash is made ready right before each optimizer step (`clipped_step`)."""
+    model, optimizer, cfg, layout = c.model, c.optimizer, c.cfg, c.update_layout
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
     batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     sums, norms, moved = torch.zeros(2, device=device, dtype=torch.float64), [], {}
     model.train()
     for _ in range(epochs):
-        for mini in actor.split(batch, mini_size):
-            tokens, seqs = actor.global_counts(mini)
+        for mini in split(batch, mini_size):
+            tokens, seqs = global_counts(mini)
             optimizer.zero_grad(set_to_none=True)
             for rows in packing.micro_batches(mini, layout):
                 mb = packing.take(mini, rows)
@@ -286,8 +275,21 @@ def update_critic(model, optimizer, batch: dict, cfg: CriticConfig, layout: pack
                 (loss * world).backward()
                 with torch.no_grad():      # vf_clipfrac: a token mean over all ranks, whatever the loss mode
                     sums += torch.stack([loss, (clipped * m).sum() / tokens]).double()
-            norms.append(actor.clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "critic"))
+            norms.append(clipped_step(model, optimizer, cfg.grad_clip, c.adam, moved, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
-    sums = actor.all_sum(sums) / len(norms)
+    sums = all_sum(sums) / len(norms)
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
             "critic/grad_norm": sum(norms) / len(norms), **moved}
+
+
+# --------------------------------------------------------------------------- checkpoints
+@contextlib.contextmanager
+def state_in(c: Critic, loading: bool = False):
+    """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
+    while the state-dict helpers read or write them, then back where they were (separate mode;
+    the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
+    with offload.holding([c.params, c.adam], loading):
+        yield
+        if loading:
+            for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
+                group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)

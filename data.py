@@ -15,7 +15,8 @@ import re
 
 
 def load_tokenizer(path):
-    if path is None or path.startswith("random:"):   # random weights: the tiny tokenizer's ids suffice
+    import model
+    if not model.is_dir(path):             # built-in or random weights: the tiny tokenizer's ids suffice
         import tiny
         return tiny.build_tokenizer()
     from transformers import AutoTokenizer
@@ -172,6 +173,15 @@ def score(reward_fn, name: str, responses: list[str], answers: list[str]) -> tup
             value = 0.0
         scores.append(float(value))
     return scores, errors
+
+
+def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[str]) -> tuple[list[float], list[str]]:
+    """The reward stage: each response decoded up to its mask (its EOS) and scored against its
+    answer (`score`: the scores, and a message per sample whose reward failed)."""
+    lengths = batch["response_mask"].sum(-1).tolist()
+    texts = tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(), lengths)],
+                                   skip_special_tokens=True)
+    return score(reward_fn, name, texts, answers)
 
 
 def fingerprint(prompts: list[list[int]], answers: list[str]) -> str:

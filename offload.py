@@ -13,6 +13,7 @@ Why not `model.cpu()`: it lands in pageable memory and allocates new host tensor
 """
 import contextlib
 import mmap
+import os
 import resource
 import time
 import weakref
@@ -28,6 +29,8 @@ GB = 1024 ** 3
 class Stash:
     """The device storages of one offloadable group and their pinned host mirrors."""
     name: str
+    enabled: bool = True                   # its offload flag is on: it lives on the host between uses. Off:
+                                           # every move is a no-op, so each bracket reads the same either way
     storages: list = field(default_factory=list, repr=False)  # torch.UntypedStorage on the device
     views: list = field(default_factory=list, repr=False)     # (nbytes,) uint8 view of each storage
     host: list = field(default_factory=list, repr=False)      # (nbytes,) uint8 host mirrors, pinned on CUDA
@@ -61,19 +64,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # DTensor -> this rank's shard
 
 
-def param_stash(name: str, *modules: torch.nn.Module, trainable: bool | None = None) -> Stash:
+def param_stash(name: str, *modules: torch.nn.Module, trainable: bool | None = None, enabled: bool = True) -> Stash:
     """Each parameter's local FSDP2 shard (padding included: it shares the shard's storage).
     `trainable`: None takes every parameter; True only those that train; False only the frozen
-    ones, and the stash is marked `frozen` (a LoRA actor's base)."""
+    ones, and the stash is marked `frozen` (a LoRA actor's base). `enabled`: its offload flag."""
     params = [p for m in modules for p in m.parameters() if trainable is None or p.requires_grad == trainable]
-    return _add(Stash(name, frozen=trainable is False), [_local(p) for p in params])
+    return _add(Stash(name, enabled, frozen=trainable is False), [_local(p) for p in params])
 
 
-def optimizer_stash(name: str, optimizer: torch.optim.Optimizer) -> Stash:
+def optimizer_stash(name: str, optimizer: torch.optim.Optimizer, enabled: bool = True) -> Stash:
     """Adam's exp_avg / exp_avg_sq. Adam creates them at its first step, so the stash starts empty
     (every move a no-op) and takes the state in at its first offload after that step.
     The 0-d `step` counters (on the device with fused AdamW, 4 bytes each) stay where they are."""
-    return _fill(Stash(name, source=optimizer))
+    return _fill(Stash(name, enabled, source=optimizer))
 
 
 def _fill(stash: Stash) -> Stash:
@@ -122,8 +125,9 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory.
     `modified=False` (a forward-only bracket: generate, old/ref log-probs) skips the copy back when
     the host buffers already hold these bytes: only the free remains, no PCIe traffic. A frozen
-    stash is never modified: after its first offload every later one is a free."""
-    if not stash.on_device or not _fill(stash).views:
+    stash is never modified: after its first offload every later one is a free. A stash whose flag
+    is off (`enabled` False) stays where it is."""
+    if not stash.enabled or not stash.on_device or not _fill(stash).views:
         return {}
     _wait(stash, marked=False)
     t0 = time.perf_counter()
@@ -225,7 +229,7 @@ def _moved(stash: Stash, verb: str, seconds: float) -> dict:
 def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
     """The bracket: reload every enabled stash (a no-op for one already in, e.g. prefetched:
     then only its pending copy is waited for), run the body, offload them again.
-    `stashes` holds only the groups whose offload flag is on; an empty list is a no-op.
+    A stash whose offload flag is off stays on the device: the bracket is then a no-op for it.
     `modified`: the body changes these tensors (the update), so they are copied back out (a frozen
     stash's are not: its host copy is current).
     `keep`: leave them on the device; the next bracket's offload copies them out (if modified)."""
@@ -268,6 +272,14 @@ def empty_host_cache():
 
 
 # --------------------------------------------------------------------------- the ledger
+# The stages of one step, in the order train_grpo.py runs them: the names of the ledger's figures
+# (`time/<stage>`, `mem/<stage>/...`). reward_model sits before old_logp and ref_logp: the actor's
+# offloaded params have left after the sync and nothing is prefetched yet, so its shards and
+# activations meet the fewest trainer bytes of the step.
+STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
+          "update")
+
+
 def host_rss_gb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / GB
@@ -336,3 +348,24 @@ def gpu_bytes(*objs) -> int:
         if t.device.type == "cuda" and st.nbytes():
             seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
+
+
+def describe(label: str, nbytes: int, on: bool, device: torch.device) -> str:
+    """The set-up report's line for one offload flag: what it moves, or what it keeps."""
+    where = "pinned host" if device.type == "cuda" else "host (CPU run: no device memory to save)"
+    return f"[offload] {label}: " + (f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on
+                                     else f"off: keeps {nbytes / GB:.3f} GB on {device.type}")
+
+
+def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):
+    """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
+    with `history` (--memory_history), every allocation's stack is recorded into it as well."""
+    if device.type != "cuda":
+        return
+    if history:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    path = os.path.join(out_dir, f"oom_snapshot.rank{rank}.pickle")
+
+    def dump(*_):                          # called by the allocator at the moment it gives up
+        torch.cuda.memory._dump_snapshot(path)
+    torch._C._cuda_attach_out_of_memory_observer(dump)

@@ -1,12 +1,13 @@
-"""The command line's options: parsing `--section.key=value`, the range or the choices of each
-(checked at parse time) and --help, all read from the config dataclasses (every default and its
-comment written once, there).
+"""The command line: the composed config (every role's section), each option's range or choices
+(checked at parse time), the checks that combine options and need no model, --help, all read from
+the config dataclasses (every default and its comment written once, there).
 
     python train_grpo.py --help
+    python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80     # the planner parses the same options
     python -m pytest test_train.py -q -k "help or range or bad"
 
-Each role file keeps RANGES and CHOICES beside its config dataclass; train_grpo.sections() lists
-them with the section each belongs to.
+Each role file keeps its config dataclass with RANGES and CHOICES beside it, and a `check(cfg, world)`
+for the rules that combine its options; `sections` lists them with the section each belongs to.
 """
 import ast
 import inspect
@@ -16,9 +17,137 @@ import textwrap
 import tokenize
 import types
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
+
+import actor
+import critic
+import ref
+import reward_model
+import rollout
+from actor import ActorConfig
+from critic import CriticConfig
+from ref import RefConfig
+from reward_model import RewardModelConfig
+from rollout import RolloutConfig
 
 
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"            # grpo | gae (PPO with the critic)
+    norm_adv_by_std_in_grpo: bool = True   # false: Dr.GRPO (score - group mean only)
+
+
+@dataclass
+class Config:
+    model: str | None = None               # local HF model dir; None: the embedded tiny model
+    data: str | None = None                # .jsonl / .parquet with prompt + answer; None: copy task
+    reward: str | None = None              # module:function(response, answer) -> float
+    reward_error: str = "stop"             # a reward that raises or returns no finite number: stop (one line
+                                           # naming the reward and the sample) | zero (it scores 0, counted)
+    prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
+    answer_key: str = "answer"             # the data's answer field, passed to the reward
+    max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
+    train_batch_size: int = 16             # prompts per step, over all ranks
+    steps: int = 150                       # training steps (a resume continues up to this)
+    seed: int = 0                          # model init, data order, sampling
+    fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
+    out_dir: str = "out"                   # metrics, checkpoints, final/ (an earlier run is never overwritten)
+    save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
+    profile_steps: str = ""                # e.g. "1,3": torch.profiler traces of those steps (from 0) to
+                                           # <out_dir>/profile/; "": off (no profiler is created)
+    offload: str = "manual"                # manual: the flags as given; auto: plan.py picks the offload flags,
+                                           # checkpointing and micro-batch sizes that fit this GPU, fastest first
+    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, and its warnings)
+    memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
+                                           # then shows who allocated what, not only the blocks
+    save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
+                                           # and on SIGTERM; 0: none
+    keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)
+    resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
+                                           # start fresh | a checkpoint dir (into an empty out_dir)
+    dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+
+
+# checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
+RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
+          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
+          "plan_margin": "[0, 1)"}
+CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto")}
+ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
+
+
+# --------------------------------------------------------------------------- the checks
+def sections(cfg: Config) -> dict:
+    """"" for the top level, then each role's section: (its config, its RANGES, its CHOICES)."""
+    return {"": (cfg, RANGES, CHOICES), "actor": (cfg.actor, actor.RANGES, actor.CHOICES),
+            "ref": (cfg.ref, ref.RANGES, {}), "rollout": (cfg.rollout, rollout.RANGES, rollout.CHOICES),
+            "critic": (cfg.critic, critic.RANGES, critic.CHOICES),
+            "reward_model": (cfg.reward_model, reward_model.RANGES, {}),
+            "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
+
+
+def check_config(cfg: Config):
+    """Every option against its range or its choices, and the combinations that would train
+    nothing: a bad value stops the run before anything is built, with what to change."""
+    check(sections(cfg))
+    r = cfg.rollout
+    if r.temperature == 0 and r.n > 1 and cfg.algorithm.adv_estimator == "grpo":
+        raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
+                         f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
+                         f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
+
+
+def parse_args(argv: list[str]) -> Config:
+    """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`),
+    typed and range-checked."""
+    cfg = apply(argv, Config())
+    check_config(cfg)
+    return cfg
+
+
+def check_sizes(cfg: Config, world: int) -> int:
+    """The checks that need the world size (the batch arithmetic, each role's combinations), once,
+    up front; returns the mini-batch size per rank (samples)."""
+    a, n = cfg.actor, cfg.rollout.n
+    if cfg.train_batch_size % world:
+        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not divisible by the "
+                         f"world size {world}; make it a multiple of {world}")
+    if cfg.train_batch_size % a.ppo_mini_batch_size:
+        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
+                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+    if (a.ppo_mini_batch_size * n) % world:
+        raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
+                         f"samples do not split over {world} ranks; change either")
+    mini = a.ppo_mini_batch_size * n // world
+    if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
+        raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
+                         f"does not divide the {mini} samples per rank of a mini-batch")
+    if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
+        raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
+    actor.check(cfg.actor, world)          # the rules that combine a role's options
+    rollout.check(cfg.rollout, world)
+    profile_steps(cfg.profile_steps)
+    return mini
+
+
+def profile_steps(spec: str) -> set[int]:
+    """`--profile_steps=1,3` -> {1, 3}: steps numbered from 0, as in metrics.jsonl; "" -> none."""
+    try:
+        steps = {int(s) for s in spec.split(",") if s.strip()}
+    except ValueError:
+        steps = {-1}
+    if min(steps, default=0) < 0:
+        raise ValueError(f"--profile_steps={spec}: give step numbers from 0, separated by commas (e.g. 1,3)")
+    return steps
+
+
+# --------------------------------------------------------------------------- parsing and --help
 def within(value, rule: str) -> bool:
     """`value` satisfies `rule`: "any" (finite), ">= a", "> a", "[a, b)" (any bracket mix), "x or RULE"."""
     if not math.isfinite(value):
@@ -114,7 +243,7 @@ def field_comments(cls) -> dict:
 
 def usage(sections: dict) -> str:
     """--help: every option with its type, range, default and comment. `sections`: as for `check`,
-    built from a default config (train_grpo.sections(Config()))."""
+    built from a default config (sections(Config()))."""
     out = ["usage: python train_grpo.py [--key=value ...]   (or torchrun --nproc_per_node=N train_grpo.py ...)",
            "options are --key=value or --key value; a role's keys take its section: --actor.lr=1e-6", ""]
     for name, (obj, ranges, choices) in sections.items():

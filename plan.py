@@ -34,6 +34,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import model
+
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
 TFLOPS = 742e12 * 0.35       # bf16 matmul peak measured there x the share a training step reaches
@@ -85,7 +87,7 @@ class Shapes:
 
 
 def shapes(config) -> Shapes:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = model.head_dim(config)
     return Shapes(config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
                   config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                   head_dim, bool(getattr(config, "tie_word_embeddings", False)))
@@ -93,15 +95,9 @@ def shapes(config) -> Shapes:
 
 @functools.lru_cache(maxsize=16)
 def model_config(path: str | None):
-    """The HF config of `--model` without building the model: the tiny default, a random size, or a
-    local directory's config.json (read once; not to be modified)."""
-    import tiny
-    if path is None:
-        return tiny.tiny_config()
-    if path.startswith("random:"):
-        return tiny.qwen25_config(path[7:])
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    """The HF config of `--model` without building the model (model.hf_config), read once: not to be
+    modified."""
+    return model.hf_config(path)
 
 
 # --------------------------------------------------------------------------- the prediction
@@ -151,8 +147,8 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
               "actor Adam": (shard(P, 8), shard(P, 8) if a.optimizer_offload else 0)}
     lora = a.lora_rank > 0                     # adapters train (fp32, Adam); the frozen base is in the
     if lora:                                   # compute dtype; no ref model (the base is the reference)
-        import actor
-        adapters = actor.lora_param_count(model_config(cfg.model), a.lora_rank, a.lora_target_modules)
+        import lora
+        adapters = lora.lora_param_count(model_config(cfg.model), a.lora_rank, a.lora_target_modules)
         actor_p = shard(adapters, 4)
         groups = {"actor base": (shard(P, c), shard(P, c) if a.param_offload else 0),
                   "actor params": (actor_p, actor_p if a.param_offload else 0),
@@ -455,20 +451,20 @@ def report(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engi
 def templates() -> str:
     """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on
     1 x 80 GB, 8 x 80 GB and 8 x 141 GB GPUs."""
-    import train_grpo
+    import options
     rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU | pinned host GB/rank |", "|---|---|---|---|---|"]
-    for model in ("random:qwen2.5-0.5b", "random:qwen2.5-7b", "random:qwen2.5-72b"):
+    for size in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"):
         for world, gb in ((1, 80), (8, 80), (8, 141)):
-            cfg = train_grpo.parse_args([f"--model={model}", f"--train_batch_size={8 * world}", "--rollout.n=8",
-                                         f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
-                                         "--actor.ppo_micro_batch_size_per_gpu=8"])
+            cfg = options.parse_args([f"--model=random:{size}", f"--train_batch_size={8 * world}", "--rollout.n=8",
+                                      f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
+                                      "--actor.ppo_micro_batch_size_per_gpu=8"])
             host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
             best, p = choose(cfg, world, 512, gb * GB, 0.1, "vllm", host)
             if best is None:
                 fits = what_would_fit(cfg, world, 512, gb * GB, 0.1, "vllm", host)
-                rows.append(f"| {model[7:]} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - |")
+                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - |")
             else:
-                rows.append(f"| {model[7:]} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
+                rows.append(f"| {size} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
                             f"{p.peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
     return "\n".join(rows)
 
@@ -570,10 +566,10 @@ def plot(out_dir: str, path: str | None = None) -> str | None:
         rows = [json.loads(line) for line in f if line.strip()]
     if not rows:
         return None
-    import train_grpo
+    import offload
     fig, ax = plt.subplots(figsize=(10, 4.5))
     steps = [m["step"] for m in rows]
-    for i, st in enumerate(train_grpo.STAGES):
+    for i, st in enumerate(offload.STAGES):
         key = f"mem/{st}/peak_gb"
         if key not in rows[-1]:
             continue
@@ -613,9 +609,9 @@ def main(argv=None):
             own[key] = type(own[key])(value)
         else:
             rest.append(arg)
-    import train_grpo
+    import options
     try:
-        cfg = train_grpo.parse_args(rest)
+        cfg = options.parse_args(rest)
         prompt_len = own["prompt_len"] or _prompt_len(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -632,6 +628,50 @@ def _prompt_len(cfg) -> int:
     prompts = data.load_data(cfg.data, tok, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)[0]
     return max(map(len, prompts))
 
+
+
+# --------------------------------------------------------------------------- the run's glue
+# What train_grpo.py asks of the planner while it runs: the device's size, --offload=auto's choice,
+# the prediction beside each stage's measurement, and the warnings that compare the two.
+def gpu_capacity(device) -> int:
+    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
+    import torch
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
+
+
+def host_bytes_per_rank() -> int:
+    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+
+
+def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
+    """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config."""
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if device.type != "cuda":
+        say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
+        return cfg
+    host, gpu = host_bytes_per_rank(), gpu_capacity(device)
+    best, p = choose(cfg, world, prompt_len, gpu, cfg.plan_margin, engine_kind, host)
+    if best is None:
+        fits = what_would_fit(cfg, world, prompt_len, gpu, cfg.plan_margin, engine_kind, host)
+        raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
+                         f"micro-batch sizes that fits {gpu / GB:.0f} GB per GPU; what would: "
+                         + ("; ".join(fits) if fits else "a bigger GPU"))
+    say(f"[plan] --offload=auto chose: {' '.join(changes(cfg, best)) or 'the flags as given'} "
+        f"(predicted peak {p.peak / GB:.1f} GB, step ~{p.seconds:.1f} s)")
+    return best
+
+
+def record(p: Plan | None, name: str, metrics: dict):
+    """The plan's prediction for stage `name`, beside the ledger's measurement in the step's metrics."""
+    predicted = p.stage(name) if p else None
+    if predicted is not None:
+        metrics[f"plan/{name}/predicted_gb"] = predicted.total / GB
+
+
+def step_warnings(m: dict, seen: dict, p: Plan, device) -> list[str]:
+    """On a GPU: this step's early warnings (`watch`: near the limit, retries, off the plan, creep)."""
+    return watch(m, seen, p, gpu_capacity(device), host_bytes_per_rank()) if device.type == "cuda" else []
 
 if __name__ == "__main__":
     main()

@@ -3,23 +3,26 @@
     torchrun --nproc_per_node=2 train_grpo.py --ref.param_offload=true
     python -m pytest test_memory.py -k ref          # on a GPU: ref offload frees its shard bytes
 
-It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never built, nor with
-LoRA (actor.lora_rank > 0): the frozen base is the step-0 policy, so the actor with its adapter off
-is the reference (actor.compute_ref_log_probs) and the options here have no effect (`needed`).
-What it moves: with param_offload its bf16 shards live in pinned host memory and come in for
-the ref stage only (`resident`); they never change, so they are freed after it without a copy
-back. verl always puts the reference behind FSDP's CPU offload; here both modes are offered
+What it holds on the GPU: its shards in the compute dtype (bf16: params x 2 / world bytes), no
+grads, no optimizer; a layer's gathered weights and one micro-batch's activations in its forward.
+What it moves: with param_offload its shards live in pinned host memory and come in for the ref
+stage only, inside `resident`, which the loop holds open (the actor's update params can come in
+on a side stream meanwhile); they never change, so they are freed after it without a copy back.
+verl always puts the reference behind FSDP's CPU offload; here both modes are offered
 (`offload_policy` is that one) and the manual one (pinned buffers, one copy in per step) is the
 default.
+It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never built, nor with
+LoRA (actor.lora_rank > 0): the frozen base is the step-0 policy, so the actor with its adapter off
+is the reference and the options here have no effect (`needed`, `ignored`).
 """
 import contextlib
 from dataclasses import dataclass, fields
 
 import torch
 
-import actor
 import offload
 import packing
+from model import compute_log_probs as forward_log_probs, load_model, make_layout, shard
 
 
 @dataclass
@@ -30,7 +33,12 @@ class RefConfig:
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead (per-layer copy at all-gather)
 
 
-RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1"}   # checked at parse time (train_grpo.check_config)
+RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1"}  # at parse time
+
+
+def needed(actor_cfg) -> bool:
+    """A reference model is built for the KL loss, and not with LoRA (its base is the reference)."""
+    return actor_cfg.use_kl_loss and actor_cfg.lora_rank == 0
 
 
 @dataclass
@@ -38,42 +46,48 @@ class Ref:
     """The reference's state (made by `build`)."""
     cfg: RefConfig
     model: torch.nn.Module
-    params: offload.Stash                  # its local shards, in the compute dtype
+    params: offload.Stash                  # its local shards, in the compute dtype; on the host with param_offload
     layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
 
 
-def needed(actor_cfg: actor.ActorConfig) -> bool:
-    """A reference model is built for the KL loss, and not with LoRA (its base is the reference)."""
-    return actor_cfg.use_kl_loss and actor_cfg.lora_rank == 0
-
-
-def ignored(cfg: RefConfig) -> list[str]:
-    """The ref.* options set away from their defaults: what to warn about when none is built."""
-    return [f"ref.{f.name}={getattr(cfg, f.name)}" for f in fields(cfg) if getattr(cfg, f.name) != f.default]
-
-
-def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, seed: int = 0) -> Ref:
+def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg, seed: int = 0) -> Ref:
     """The actor's architecture and initial weights, frozen; its compute dtype and forward
     settings (packing, chunked head, token budgets) come from the actor's config."""
-    model = actor.load_model(model_path, seed)
+    model = load_model(model_path, seed=seed)
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     if device.type == "cuda":
         model.to(getattr(torch, actor_cfg.param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
-    model = actor.shard(model, mesh, device, cfg.offload_policy, actor_cfg.param_dtype)
-    layout = actor.make_layout(actor_cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
-    r = Ref(cfg, model, offload.param_stash("ref_params", model), layout)
-    if cfg.param_offload:
-        offload.offload(r.params)          # frees the ref's shard bytes until the first ref stage
+    model = shard(model, mesh, device, cfg.offload_policy, actor_cfg.param_dtype)
+    layout = make_layout(actor_cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
+    r = Ref(cfg, model, offload.param_stash("ref_params", model, enabled=cfg.param_offload), layout)
+    offload.offload(r.params)              # param_offload: frees the shard bytes until the first ref stage
     return r
+
+
+def describe(r: Ref) -> list[str]:
+    """The set-up report's lines for the reference."""
+    lines = [offload.describe("ref.param_offload", r.params.nbytes, r.cfg.param_offload, r.params.views[0].device)]
+    if r.cfg.offload_policy:
+        lines.append("[offload] ref.offload_policy: FSDP2 CPUOffloadPolicy, params on pinned host, copied per "
+                     "layer at all-gather")
+    return lines
+
+
+def ignored(cfg: RefConfig, actor_cfg) -> list[str]:
+    """The set-up report's warning when LoRA's base stands in for the reference and ref.* were set."""
+    changed = [f"ref.{f.name}={getattr(cfg, f.name)}" for f in fields(cfg) if getattr(cfg, f.name) != f.default]
+    return [f"[ref] warning: with actor.lora_rank the reference is the actor with its adapter off "
+            f"(no ref model): {', '.join(changed)} has no effect"] if changed and actor_cfg.lora_rank and \
+        actor_cfg.use_kl_loss else []
 
 
 @contextlib.contextmanager
 def resident(r: Ref, metrics: dict):
     """The ref stage's bracket: shards in, then freed (no copy back: they never change)."""
-    with offload.loaded([r.params] if r.cfg.param_offload else [], metrics):
+    with offload.loaded([r.params], metrics):
         yield
 
 
 def compute_log_probs(r: Ref, batch: dict, temperature: float) -> torch.Tensor:
     """(B, R) log-probs in micro-batches (inside `resident` when the shards are offloaded)."""
-    return actor.compute_log_probs(r.model, batch, r.layout, temperature)
+    return forward_log_probs(r.model, batch, r.layout, temperature)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-import actor
 import offload
+from model import all_sum, hf_config, is_dir, load_model, shard
 
 
 @dataclass
@@ -50,60 +50,32 @@ class RewardModel:
     tokenizer: object = None               # its own tokenizer when that differs; None: the rollout ids are reused
 
 
-# --------------------------------------------------------------------------- build
-# checked when the command line is parsed (train_grpo.sections)
+# checked when the command line is parsed (options.sections)
 RANGES = {"weight": "[0, 1]", "micro_batch_size_per_gpu": ">= 1"}
 
 
-def check(cfg: RewardModelConfig):
-    """Before anything is built: the options make sense and the path holds a one-label sequence
-    classifier (reads config.json only)."""
-    if not 0.0 <= cfg.weight <= 1.0:       # (also at parse time, through RANGES)
-        raise ValueError(f"reward_model.weight={cfg.weight}: use a value in [0, 1] "
-                         f"(score = weight * model + (1 - weight) * rule)")
-    if cfg.micro_batch_size_per_gpu < 1:
-        raise ValueError(f"reward_model.micro_batch_size_per_gpu={cfg.micro_batch_size_per_gpu}: use 1 or more")
-    if cfg.path is None:
-        return
-    if cfg.path.startswith("random:"):
-        import tiny
-        if cfg.path[7:] != "tiny" and cfg.path[7:] not in tiny.QWEN25:
-            raise ValueError(f"--reward_model.path={cfg.path}: known sizes are random:tiny, "
-                             + ", ".join(f"random:{k}" for k in tiny.QWEN25))
+def check_model(cfg: RewardModelConfig):
+    """Before anything is built: the path holds a one-label sequence classifier (reads config.json
+    only), or names a known random size."""
+    if not is_dir(cfg.path):
+        if cfg.path is not None:
+            hf_config(cfg.path, "--reward_model.path")   # an unknown size is one line
         return
     if not os.path.isfile(os.path.join(cfg.path, "config.json")):
         raise FileNotFoundError(f"--reward_model.path={cfg.path}: no config.json there; pass a local Hugging Face "
                                 f"sequence-classification model directory (nothing is downloaded)")
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(cfg.path, local_files_only=True)
+    config = hf_config(cfg.path, "--reward_model.path")
     archs = config.architectures or []
     if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
         raise ValueError(f"--reward_model.path={cfg.path}: its config names {archs} with {config.num_labels} "
                          f"labels; a reward model is a *ForSequenceClassification checkpoint with one label")
 
 
-def load_model(path: str, seed: int = 0) -> torch.nn.Module:
-    """fp32 weights: a random tiny or Qwen2.5-size classifier (benchmarks, tests), or a local checkpoint."""
-    if path.startswith("random:"):
-        import tiny
-        from transformers import Qwen2ForSequenceClassification
-        name = path[7:]
-        config = tiny.tiny_config() if name == "tiny" else tiny.qwen25_config(name)
-        config.num_labels = 1
-        torch.manual_seed(seed)            # every rank builds the same weights
-        # random init straight on the GPU when there is one (seconds instead of minutes at 7B)
-        with torch.device("cuda" if name != "tiny" and torch.cuda.is_available() else "cpu"):
-            return Qwen2ForSequenceClassification(config).float()   # the config's bf16 reaches the trunk only
-    from transformers import AutoModelForSequenceClassification
-    return AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, local_files_only=True,
-                                                              attn_implementation="sdpa")
-
-
 def own_tokenizer(path: str, policy_tokenizer):
     """The reward model's tokenizer when it writes text differently from the policy's (a token with
     another id, or another chat template); None when the rollout's ids can be read as they are
     (random: models have no tokenizer of their own: they read the policy's ids)."""
-    if path.startswith("random:"):
+    if not is_dir(path):
         return None
     from transformers import AutoTokenizer
     try:
@@ -121,9 +93,8 @@ def build(cfg: RewardModelConfig, *, mesh, device, param_dtype: str, policy_toke
           model: torch.nn.Module | None = None) -> RewardModel:
     """Load (or take `model`, an HF sequence classifier already built, fp32), cast to the compute
     dtype on a GPU, shard like the reference; with param_offload the shards leave the GPU at once."""
-    check(cfg)
-    model = model if model is not None else load_model(cfg.path, seed)
-    if not hasattr(getattr(model, "model", None), "layers"):   # actor.shard wraps model.model.layers
+    model = model if model is not None else load_model(cfg.path, seed, head="score")
+    if not hasattr(getattr(model, "model", None), "layers"):   # shard wraps model.model.layers
         raise ValueError(f"--reward_model.path={cfg.path}: {type(model).__name__} has no model.layers to shard; "
                          f"use a Llama/Qwen-style sequence classifier")
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
@@ -141,22 +112,30 @@ def build(cfg: RewardModelConfig, *, mesh, device, param_dtype: str, policy_toke
                          f"({len(policy_tokenizer)}); use a reward model with its own tokenizer or a larger vocabulary")
     if device.type == "cuda":
         model.to(getattr(torch, param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
-    model = actor.shard(model, mesh, device, False, param_dtype)
-    rm = RewardModel(cfg, model, offload.param_stash("reward_model_params", model), policy_tokenizer, tokenizer)
-    if cfg.param_offload:
-        offload.offload(rm.params)         # frees params x 2 / world bytes until the first reward_model stage
+    model = shard(model, mesh, device, False, param_dtype)
+    rm = RewardModel(cfg, model, offload.param_stash("reward_model_params", model, enabled=cfg.param_offload),
+                     policy_tokenizer, tokenizer)
+    offload.offload(rm.params)             # param_offload: frees params x 2 / world bytes until its first stage
     return rm
 
 
-def describe(rm: RewardModel) -> str:
-    """One line for the run's set-up report: size, what it reads, how its score is mixed."""
+def describe(rm: RewardModel) -> list[str]:
+    """The run's set-up report: size, what it reads, how its score is mixed, its offload flag."""
     n = sum(p.numel() for p in rm.model.parameters())
     reads = "the rollout's token ids as they are" if rm.tokenizer is None else \
         "its own tokenization (response decoded, conversation re-rendered with its chat template)"
     w = rm.cfg.weight
     unused = " (the model's score is logged, not trained on)" if w == 0 else ""
-    return f"[reward_model] {rm.cfg.path}: {n / 1e6:.1f}M parameters; reads {reads}; " \
-           f"score = {w:g} x model + {1 - w:g} x rule{unused}"
+    return [f"[reward_model] {rm.cfg.path}: {n / 1e6:.1f}M parameters; reads {reads}; "
+            f"score = {w:g} x model + {1 - w:g} x rule{unused}",
+            offload.describe("reward_model.param_offload", rm.params.nbytes, rm.cfg.param_offload,
+                             rm.params.views[0].device)]
+
+
+def ignored(cfg: RewardModelConfig) -> list[str]:
+    """The set-up report's warning when no reward model is built and its other options were set."""
+    return ["[reward_model] warning: no --reward_model.path: the other reward_model options have no effect"] \
+        if cfg.param_offload or cfg.weight != 1.0 else []
 
 
 # --------------------------------------------------------------------------- inputs
@@ -205,7 +184,7 @@ def left_pad(seqs: list[list[int]], device) -> tuple:
 # --------------------------------------------------------------------------- the stage
 def resident(rm: RewardModel, metrics: dict):
     """The reward_model stage's bracket: shards in, then freed (no copy back: they never change)."""
-    return offload.loaded([rm.params] if rm.cfg.param_offload else [], metrics)
+    return offload.loaded([rm.params], metrics)
 
 
 @torch.no_grad()
@@ -230,7 +209,7 @@ def mix(rule: torch.Tensor, model: torch.Tensor, weight: float, metrics: dict) -
     """weight * model + (1 - weight) * rule, both (B,) as they come: GRPO's group normalisation takes
     out a scale common to a group, not the two rewards' scale against each other. Logs both means
     over all ranks."""
-    s = actor.all_sum(torch.stack([model.sum(), rule.sum(), torch.tensor(float(len(rule)), device=rule.device)])
+    s = all_sum(torch.stack([model.sum(), rule.sum(), torch.tensor(float(len(rule)), device=rule.device)])
                       .double()).tolist()
     metrics.update({"reward_model/score_mean": s[0] / s[2], "reward/rule_mean": s[1] / s[2]})
     return weight * model + (1 - weight) * rule

@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-import weights
 import offload
+import weights
+from model import head_dim, is_dir
 
 
 @dataclass
@@ -57,12 +58,19 @@ class RolloutConfig:
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
 
 
-# checked when the command line is parsed (train_grpo.check_config)
+# checked when the command line is parsed (options.check_config)
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
           "sync_bucket_mb": ">= 1"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2),
            "dtype": ("auto", "bfloat16", "float16", "float32")}
+
+
+def check(cfg: RolloutConfig, world: int):
+    """The combinations that cannot run (each option alone is checked at parse time)."""
+    if world % cfg.tensor_parallel_size:
+        raise ValueError(f"rollout.tensor_parallel_size={cfg.tensor_parallel_size} does not divide "
+                         f"the world size {world}: each vLLM engine spans that many ranks")
 
 
 def logprob_temperature(cfg: RolloutConfig) -> float:
@@ -74,7 +82,12 @@ def logprob_temperature(cfg: RolloutConfig) -> float:
 
 @dataclass
 class Engine:
+    """What is fixed when the engine is built: each generate call passes only what changes per step."""
     kind: str                              # "hf" or "vllm"
+    cfg: RolloutConfig
+    pad_id: int                            # prompts are left-padded and responses right-padded with it
+    eos_id: int                            # a response ends at its first EOS (kept, masked after)
+    device: torch.device                   # where the batch it returns lives
     llm: object = None                     # the vllm.LLM when kind == "vllm"
     dtype: torch.dtype = torch.bfloat16    # vLLM's weight dtype (the sync casts to it)
     asleep_device_gb: float = 0.0          # what vLLM keeps on the GPU while asleep (CUDA graphs, ...)
@@ -86,8 +99,6 @@ class Engine:
 
 
 def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
-    if cfg.engine not in ("hf", "vllm", "auto"):
-        raise ValueError(f"--rollout.engine={cfg.engine}: use vllm, hf or auto")
     has_vllm = importlib.util.find_spec("vllm") is not None
     if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
         raise ValueError("--rollout.engine=vllm needs a CUDA GPU and vLLM installed "
@@ -98,20 +109,20 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
 
 
 def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str,
-          max_model_len: int, max_num_seqs: int, dtype: str, seed: int, rank: int = 0) -> Engine:
+          max_model_len: int, max_num_seqs: int, dtype: str, seed: int, pad_id: int, eos_id: int,
+          rank: int = 0) -> Engine:
     """The engine `cfg.engine` resolves to: HF generate needs nothing built; vLLM gets one
     in-process engine on this rank (on tensor_parallel_size ranks together), asleep when returned.
     `config`: the actor's HF config; `max_num_seqs`: the sequences one generate call of this rank
     sends (prompts per rank x n); `seed`: this rank's (the ranks of one engine take its first rank's)."""
-    tp = cfg.tensor_parallel_size
+    tp, fixed = cfg.tensor_parallel_size, dict(cfg=cfg, pad_id=pad_id, eos_id=eos_id, device=device)
     if resolve_engine(cfg, device) == "hf":
         if tp != 1:
             raise ValueError(f"--rollout.tensor_parallel_size={tp} needs the vLLM engine (HF generate runs "
                              f"on the FSDP actor); use 1 or --rollout.engine=vllm")
-        return Engine("hf")
+        return Engine("hf", **fixed)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or world % tp:
-        raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the world size {world}")
+    check(cfg, world)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))   # torchrun: the ranks on this node
     if per_node % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: "
@@ -125,7 +136,20 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
         config, max_num_seqs, max_model_len, nbytes, tp, cfg.kv_cache_margin)
     need = engine_bytes(config, kv_bytes=kv, max_num_seqs=max_num_seqs, dtype_bytes=nbytes, tp=tp)
     return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed,
-                      kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group)
+                      kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group, fixed=fixed)
+
+
+def describe(engine: Engine) -> list[str]:
+    """The set-up report's line for a vLLM engine: its KV budget and what it keeps while asleep."""
+    if engine.kind != "vllm":
+        return []
+    cfg, gb = engine.cfg, offload.GB
+    kv = (f"KV cache {engine.kv_cache_bytes / gb:.2f} GB, sized from the batch (+{cfg.kv_cache_margin:.0%})"
+          if engine.kv_cache_bytes else f"weights + KV cache {cfg.gpu_memory_utilization:.0%} of the GPU")
+    tp = cfg.tensor_parallel_size
+    return ["[rollout] vLLM engine" + (f" (tensor parallel over {tp} ranks)" if tp > 1 else "")
+            + f" built in {engine.build_s:.1f} s; {kv}; asleep it keeps {engine.asleep_device_gb:.2f} GB "
+            f"on the GPU (CUDA graphs and buffers that sleep cannot free)"]
 
 
 def tp_group(tp: int):
@@ -172,9 +196,8 @@ def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: 
     replicating when there are fewer heads than ranks), in vLLM's 16-token blocks, plus `margin`.
     The share of the GPU vLLM would take instead is sized for the GPU, not for the batch: waking
     and sleeping that much costs time every step, and it is memory the trainer could have used."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = max(1, config.num_key_value_heads // tp)
-    per_token = 2 * config.num_hidden_layers * heads * head_dim * dtype_bytes
+    per_token = 2 * config.num_hidden_layers * heads * head_dim(config) * dtype_bytes
     return int(seqs * -(-max_model_len // 16) * 16 * per_token * (1 + margin))
 
 
@@ -210,7 +233,7 @@ def engine_bytes(config, *, kv_bytes: int, max_num_seqs: int, dtype_bytes: int, 
 def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> str:
     """What vLLM reads at build: only a config.json (the weights come from the first sync). A local
     checkpoint is used as it is; the built-in and random models get theirs written here."""
-    if model_path is not None and not model_path.startswith("random:"):
+    if is_dir(model_path):
         return model_path
     path = os.path.join(out_dir, "vllm_config", f"rank{rank}")
     config.save_pretrained(path)
@@ -288,7 +311,7 @@ def _used_gb() -> float:
 
 
 def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int, *,
-               kv_bytes: int, need: dict, max_num_seqs: int, group=None) -> Engine:
+               kv_bytes: int, need: dict, max_num_seqs: int, group=None, fixed: dict) -> Engine:
     """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
     when returned. `model_dir` needs only a config.json: the weights are random until the first
     sync (nothing is read from disk twice). `dtype`: vLLM's weight dtype. `kv_bytes` > 0: vLLM's KV
@@ -296,7 +319,8 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     gpu_memory_utilization x the GPU, so the share passed beside it is `need` (engine_bytes: weights,
     KV, workspace) over the GPU's size. Whether the engine fits is checked here first, against what is
     free now, so a run that cannot start stops with one line naming the numbers, not inside vLLM.
-    `kv_bytes` == 0: cfg.gpu_memory_utilization sizes weights + KV, and that share must be free."""
+    `kv_bytes` == 0: cfg.gpu_memory_utilization sizes weights + KV, and that share must be free.
+    `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -324,7 +348,7 @@ def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: st
     llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
-    return Engine("vllm", llm, getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
+    return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
                   pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
                   kv_cache_bytes=kv_bytes, group=group)
 
@@ -390,13 +414,12 @@ def _phase(name: str, metrics: dict):
     metrics[f"rollout/{name}_device_gb"] = _used_gb()
 
 
-def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int,
-                  eos_id: int, device, seed: int, stashes: list, metrics: dict) -> dict:
+def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
     """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs.
     `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
     prompts on each of them and this rank keeps its own rows."""
     from vllm import SamplingParams
-    llm = engine.llm
+    llm, cfg = engine.llm, engine.cfg
     greedy = cfg.temperature == 0
     parts, me = gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
     reqs, seeds, owners = requests(parts, cfg.n, greedy)
@@ -411,7 +434,8 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     with _phase("sync", metrics):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        metrics["rollout/sync_gb"] = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, device) / offload.GB
+        sent = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, engine.device)
+        metrics["rollout/sync_gb"] = sent / offload.GB
         torch.cuda.synchronize()
         metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
     with _phase("offload_params", metrics):
@@ -423,33 +447,37 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     with _phase("generate", metrics):
         params = [SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
                                  top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
-                                 stop_token_ids=[eos_id], detokenize=False, seed=s) for s in seeds]
+                                 stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
         outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
+    return vllm_batch(engine, [(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
 
+
+def vllm_batch(engine: Engine, mine: list) -> dict:
+    """This rank's batch from its (prompt ids, vLLM output) pairs (tensor parallel: the other ranks'
+    prompts are left out), with the sampled tokens' log-probs as batch["rollout_log_probs"]."""
     rows, responses, logps = [], [], []
-    for p, out, k in zip(reqs, outs, owners):
-        if k != me:                               # another rank's prompt (tensor parallel): its rows
-            continue
+    for p, out in mine:
         for o in out.outputs:                     # n samples of this prompt, kept together (a group)
             rows.append(p)
             responses.append(list(o.token_ids))
             logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
-    batch = make_batch(rows, responses, cfg.response_length, pad_id, eos_id, device)
-    R = cfg.response_length
+    R = engine.cfg.response_length
+    batch = make_batch(rows, responses, R, engine.pad_id, engine.eos_id, engine.device)
     rl = torch.zeros(len(rows), R)
     for i, lp in enumerate(logps):
         rl[i, :min(len(lp), R)] = torch.tensor(lp[:R])
-    batch["rollout_log_probs"] = rl.to(device) * batch["response_mask"]
+    batch["rollout_log_probs"] = rl.to(engine.device) * batch["response_mask"]
     return batch
 
 
-def generate(engine: Engine, model, prompts, cfg: RolloutConfig, pad_id, eos_id, device, seed,
-             stashes: list, metrics: dict) -> dict:
-    """`stashes`: the actor's offloaded groups, loaded only while the engine needs the weights."""
+def generate(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
+    """n samples of each of this rank's `prompts` from the policy `model`, as a batch (actor.py's
+    layout). `seed`: this rank's for this step. `stashes`: the actor's parameter groups, in only
+    while the engine needs the weights (a no-op for a group whose flag keeps it on the device)."""
     if engine.kind == "vllm":
-        return generate_vllm(engine, model, prompts, cfg, pad_id, eos_id, device, seed, stashes, metrics)
+        return generate_vllm(engine, model, prompts, seed, stashes, metrics)
     with offload.loaded(stashes, metrics):
-        return generate_hf(model, prompts, cfg, pad_id, eos_id, device, seed)
+        return generate_hf(model, prompts, engine.cfg, engine.pad_id, engine.eos_id, engine.device, seed)

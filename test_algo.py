@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import actor
-import train_grpo
+import options
+from model import LOSS_AGG_MODES, agg_loss, all_sum, build_mesh, build_optimizer, compute_log_probs, global_counts, load_model, shard
 from conftest import layout, tiny_batch
 
 
@@ -16,14 +17,14 @@ from conftest import layout, tiny_batch
 def test_grpo_advantage_hand_values():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     mask = torch.tensor([[1, 1, 0]] * 8, dtype=torch.float32)
-    adv = train_grpo.grpo_advantage(scores, 4, mask)
+    adv = actor.grpo_advantage(scores, 4, mask)
     s = math.sqrt(1 / 3)                          # unbiased std of [1, 0, 0, 1]
     want = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (torch.tensor([s] * 4 + [0] * 4) + 1e-6)
     assert torch.allclose(adv[:, 0], want, atol=1e-5)
     assert torch.equal(adv[:, 2], torch.zeros(8))             # padding gets no advantage
-    dr = train_grpo.grpo_advantage(scores, 4, mask, norm_by_std=False)   # Dr.GRPO
+    dr = actor.grpo_advantage(scores, 4, mask, norm_by_std=False)   # Dr.GRPO
     assert torch.allclose(dr[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
-    one = train_grpo.grpo_advantage(torch.tensor([0.3, 0.7]), 1, torch.ones(2, 1))
+    one = actor.grpo_advantage(torch.tensor([0.3, 0.7]), 1, torch.ones(2, 1))
     assert torch.allclose(one[:, 0], torch.tensor([0.3, 0.7]), atol=1e-5)   # group of 1: mean 0, std 1
 
 
@@ -62,14 +63,14 @@ def test_kl_k3_is_clamped():
 def test_loss_aggregation_modes():
     mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    assert actor.agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
-    assert actor.agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
-    assert actor.agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    assert agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
+    assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
+    assert agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
     # explicit global denominators (as in a split mini-batch): 10 tokens, 4 sequences overall
-    assert actor.agg_loss(mat, mask, "token-mean", tokens=10).item() == pytest.approx(0.7)
-    assert actor.agg_loss(mat, mask, "seq-mean-token-mean", seqs=4).item() == pytest.approx(1.375)
+    assert agg_loss(mat, mask, "token-mean", tokens=10).item() == pytest.approx(0.7)
+    assert agg_loss(mat, mask, "seq-mean-token-mean", seqs=4).item() == pytest.approx(1.375)
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        actor.agg_loss(mat, mask, "token-sum")
+        agg_loss(mat, mask, "token-sum")
 
 
 def test_lm_head_chunk_matches_torch():
@@ -87,26 +88,26 @@ def test_lm_head_chunk_matches_torch():
 
 # --------------------------------------------------------------------------- micro-batch invariance
 def _tiny_actor(device, mesh):
-    return actor.shard(actor.load_model(None, seed=0), mesh, device)
+    return shard(load_model(None, seed=0), mesh, device)
 
 
 def test_log_probs_independent_of_micro_batch(dist_env):
     _, world, device = dist_env
-    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
+    model = _tiny_actor(device, build_mesh(device, world, -1))
     batch = tiny_batch(12, 5, device)
-    ref = actor.compute_log_probs(model, batch, layout(12), 1.0)
+    ref = compute_log_probs(model, batch, layout(12), 1.0)
     for mb in (1, 5, 7):
-        assert torch.allclose(actor.compute_log_probs(model, batch, layout(mb), 1.0), ref, atol=1e-5)
+        assert torch.allclose(compute_log_probs(model, batch, layout(mb), 1.0), ref, atol=1e-5)
     # a left-padded row sees the same log-probs as when it is alone in its batch
-    alone = actor.compute_log_probs(model, {k: v[3:4] for k, v in batch.items()}, layout(1), 1.0)
+    alone = compute_log_probs(model, {k: v[3:4] for k, v in batch.items()}, layout(1), 1.0)
     assert torch.allclose(alone, ref[3:4], atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", actor.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_update_independent_of_micro_batch(dist_env, mode):
     """Same SGD update (so params move by exactly lr x grad) for micro-batch 2, 3 and 12."""
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     batch = tiny_batch(12, 5, device, seed=1)
     batch.pop("old_log_probs")             # on-policy: ratio 1, gradient -A grad logp (+ KL)
     results = []
@@ -128,11 +129,11 @@ def test_update_independent_of_micro_batch(dist_env, mode):
 
 def test_gradient_checkpointing_gives_the_same_update(dist_env):
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     batch = tiny_batch(8, 5, device, seed=2)
     deltas = []
     for ckpt in (False, True):
-        model = actor.shard(actor.load_model(None, seed=0), mesh, device, gradient_checkpointing=ckpt)
+        model = shard(load_model(None, seed=0), mesh, device, gradient_checkpointing=ckpt)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
         actor.update_policy(model, opt, batch, actor.ActorConfig(grad_clip=1e9), 8, 1.0)
@@ -142,16 +143,16 @@ def test_gradient_checkpointing_gives_the_same_update(dist_env):
 
 
 def test_batch_size_checks():
-    cfg = train_grpo.parse_args([])
-    assert train_grpo.check_sizes(cfg, 2) == cfg.actor.ppo_mini_batch_size * cfg.rollout.n // 2
+    cfg = options.parse_args([])
+    assert options.check_sizes(cfg, 2) == cfg.actor.ppo_mini_batch_size * cfg.rollout.n // 2
     with pytest.raises(ValueError, match="fsdp_size=3 does not divide the world size 4"):
-        train_grpo.check_sizes(train_grpo.parse_args(["--fsdp_size=3"]), 4)
+        options.check_sizes(options.parse_args(["--fsdp_size=3"]), 4)
     with pytest.raises(ValueError, match="not divisible by the world size 3"):
-        train_grpo.check_sizes(cfg, 3)
+        options.check_sizes(cfg, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the world size 3"):
-        train_grpo.check_sizes(train_grpo.parse_args(["--train_batch_size=12", "--actor.ppo_mini_batch_size=12",
+        options.check_sizes(options.parse_args(["--train_batch_size=12", "--actor.ppo_mini_batch_size=12",
                                                       "--rollout.tensor_parallel_size=2"]), 3)
-    assert train_grpo.check_sizes(train_grpo.parse_args(["--rollout.tensor_parallel_size=2"]), 4) > 0
+    assert options.check_sizes(options.parse_args(["--rollout.tensor_parallel_size=2"]), 4) > 0
 
 
 def test_chat_template_is_applied():
@@ -165,8 +166,8 @@ def test_chat_template_is_applied():
 
 def test_non_finite_grad_norm_skips_the_step(dist_env, capsys):
     _, world, device = dist_env
-    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
-    opt = actor.build_optimizer(model, actor.ActorConfig())
+    model = _tiny_actor(device, build_mesh(device, world, -1))
+    opt = build_optimizer(model, actor.ActorConfig())
     batch = tiny_batch(4, 5, device)
     batch["advantages"] = batch["advantages"] * float("inf")      # -> inf/nan gradients
     before = [p.detach().full_tensor().clone() for p in model.parameters()]
@@ -182,11 +183,11 @@ def test_sequence_modes_count_only_rows_with_a_valid_token(dist_env):
     (verl's seq_mask): an all-padding row does not dilute the seq-mean modes."""
     mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])   # row 3: no valid token
-    assert actor.agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
-    assert actor.agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
-    assert actor.agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
+    assert agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
+    assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
+    assert agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
     _, world, _ = dist_env
-    assert actor.global_counts({"response_mask": mask}) == (3.0 * world, 2.0 * world)
+    assert global_counts({"response_mask": mask}) == (3.0 * world, 2.0 * world)
 
 
 def test_policy_stats_are_token_means():
@@ -206,13 +207,13 @@ def test_clipfrac_is_a_fraction_in_seq_mean_token_sum(dist_env):
     pg_clipfrac is their share of the valid tokens (not a per-sequence sum above 1), and ppo_kl
     is e^-1 - 1 + 1 = e^-1."""
     _, world, device = dist_env
-    model = _tiny_actor(device, train_grpo.build_mesh(device, world, -1))
+    model = _tiny_actor(device, build_mesh(device, world, -1))
     batch = tiny_batch(8, 5, device, seed=7)
     m = batch["response_mask"].float()
-    batch["old_log_probs"] = (actor.compute_log_probs(model, batch, layout(8), 1.0) + 1.0) * m
+    batch["old_log_probs"] = (compute_log_probs(model, batch, layout(8), 1.0) + 1.0) * m
     cfg = actor.ActorConfig(loss_agg_mode="seq-mean-token-sum", ppo_micro_batch_size_per_gpu=3)
-    stats = actor.update_policy(model, actor.build_optimizer(model, cfg), batch, cfg, 8, 1.0)
-    want = actor.all_sum(torch.stack([((batch["advantages"] < 0) * m).sum(), m.sum()]))
+    stats = actor.update_policy(model, build_optimizer(model, cfg), batch, cfg, 8, 1.0)
+    want = all_sum(torch.stack([((batch["advantages"] < 0) * m).sum(), m.sum()]))
     assert stats["pg_clipfrac"] == pytest.approx((want[0] / want[1]).item(), rel=1e-6)
     assert stats["ppo_kl"] == pytest.approx(math.exp(-1), rel=1e-4)
     assert stats["optimizer_steps"] == 1 and stats["delta_w_abs_mean"] > 0

@@ -16,6 +16,7 @@ import torch
 
 import checkpoint
 import train_grpo
+import options
 from test_train import HERE, metrics, run
 
 # every manual offload flag on: the checkpoint brackets really copy and free the storages on CPU
@@ -127,11 +128,11 @@ def test_resume_at_another_world_size(tmp_path, dist_env):
     r = run([f"--out_dir={out}", "--steps=2", "--save_freq=2"] + SMALL, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = checkpoint.checkpoint_dir(out)
-    cfg = train_grpo.parse_args([f"--out_dir={tmp_path / 'one'}", "--steps=3", f"--resume={ckpt}"] + SMALL)
+    cfg = options.parse_args([f"--out_dir={tmp_path / 'one'}", "--steps=3", f"--resume={ckpt}"] + SMALL)
     data, resume = train_grpo.preflight(cfg)
     assert resume == ckpt
     t = train_grpo.setup(cfg, data=data)
-    assert t.world == 1 and checkpoint.load(t, resume) == 2
+    assert t.world == 1 and train_grpo.resume(t, resume) == 2
     model_sd, optim_sd = get_state_dict(t.actor.model, t.actor.optimizer)
     dcp_to_torch_save(os.path.join(ckpt, "actor"), str(tmp_path / "full.pt"))
     full = torch.load(tmp_path / "full.pt", weights_only=False)
@@ -228,7 +229,7 @@ def test_out_dir_policy(tmp_path):
     seed, other roles (GRPO -> PPO), a file as out_dir or as final/, an unwritable out_dir are each
     refused with a line that says what to pass instead."""
     def plan(out, *extra, fp="abc"):
-        return checkpoint.plan(train_grpo.parse_args([f"--out_dir={out}", "--steps=10", *extra]), fp)
+        return checkpoint.plan(options.parse_args([f"--out_dir={out}", "--steps=10", *extra]), fp)
 
     assert plan(tmp_path / "new") is None and os.path.isdir(tmp_path / "new")
     run_dir = tmp_path / "run"

@@ -11,7 +11,7 @@ import torch
 import actor
 import critic
 import offload
-import train_grpo
+from model import build_mesh, load_model, shard
 from conftest import layout, tiny_batch
 from test_train import run
 
@@ -83,15 +83,15 @@ def test_value_loss_seq_mean_skips_empty_rows():
 
 def _critic(dist_env, mode="separate"):
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
-    act = actor.shard(actor.load_model(None, 0), mesh, device)
+    mesh = build_mesh(device, world, -1)
+    act = shard(load_model(None, 0), mesh, device)
     cfg = critic.CriticConfig(mode=mode)
     c = critic.build(cfg, model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig(), actor_model=act)
     return act, c, cfg, device
 
 
 def _update(c, batch):
-    return critic.update_critic(c.model, c.optimizer, batch, c.cfg, c.update_layout, 8, 1)
+    return critic.update_critic(c, batch, 8, 1)
 
 
 def _ppo_batch(act, c, device, seed):

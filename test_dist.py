@@ -20,6 +20,7 @@ import offload
 import rollout
 import train_grpo
 import weights
+from model import build_mesh, build_optimizer, compute_log_probs, init_distributed, load_model, shard
 from conftest import layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,13 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _one_update(out_path: str, fsdp_size: int = -1):
     """Run under torchrun: two Adam steps (2 PPO epochs, off-policy) on a fixed 16-sample batch
     split over the ranks."""
-    rank, world, device = train_grpo.init_distributed()
-    mesh = train_grpo.build_mesh(device, world, fsdp_size)
-    model = actor.shard(actor.load_model(None, seed=0), mesh, device)
+    rank, world, device = init_distributed()
+    mesh = build_mesh(device, world, fsdp_size)
+    model = shard(load_model(None, seed=0), mesh, device)
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
-    opt = actor.build_optimizer(model, cfg)
+    opt = build_optimizer(model, cfg)
     full = tiny_batch(16, 5, device, seed=3)
-    full["old_log_probs"] = actor.compute_log_probs(model, full, layout(16), 1.0).detach() + 0.05 * full["response_mask"]
+    full["old_log_probs"] = compute_log_probs(model, full, layout(16), 1.0).detach() + 0.05 * full["response_mask"]
     n = 16 // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(model, opt, mine, cfg, mini_size=n, temperature=1.0)  # 2 epochs: 2 Adam steps
@@ -51,15 +52,15 @@ def _rollout_collectives(out_path: str):
     generate_vllm does. (2) The weight sync's gather of the actor's shards, and of a 3-row layer
     (uneven over 4 ranks), in bf16 against gathering in fp32 and casting after."""
     from torch.distributed.fsdp import fully_shard
-    rank, world, device = train_grpo.init_distributed()
+    rank, world, device = init_distributed()
     group = rollout.tp_group(2)
     prompts = [[rank, i] for i in range(rank + 1)]
     parts, me = rollout.gather(group, (prompts, 100 + rank))
     mine = (me, parts, rollout.requests(parts, 3, greedy=True), rollout.requests(parts, 3, greedy=False))
     seen = [None] * world
     torch.distributed.all_gather_object(seen, mine)
-    mesh = train_grpo.build_mesh(device, world, -1)
-    model = actor.shard(actor.load_model(None, seed=0), mesh, device)
+    mesh = build_mesh(device, world, -1)
+    model = shard(load_model(None, seed=0), mesh, device)
     odd = fully_shard(torch.nn.Linear(8, 3), mesh=mesh)
     params = list(model.parameters()) + list(odd.parameters())
     synced = [weights.full_param(p, device, torch.bfloat16) for p in params]
@@ -91,7 +92,7 @@ def test_two_processes_equal_one(tmp_path):
     one = _launch(1, str(tmp_path / "one.pt"))
     two = _launch(2, str(tmp_path / "two.pt"))
     _same(one, two)
-    moved = sum((p - actor.load_model(None, 0).state_dict()[k]).abs().sum() for k, p in one["params"].items())
+    moved = sum((p - load_model(None, 0).state_dict()[k]).abs().sum() for k, p in one["params"].items())
     assert moved > 0
     # hybrid sharding: 4 ranks as 2 replicas x 2 shards (fsdp_size=2) make the same update
     hsdp = _launch(4, str(tmp_path / "hsdp.pt"), fsdp_size=2)
@@ -102,12 +103,12 @@ def test_two_processes_equal_one(tmp_path):
 
 def test_offload_round_trip_is_bit_exact(dist_env):
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=4)
     twins = []
     for _ in range(2):
-        model = actor.shard(actor.load_model(None, seed=0), mesh, device)
-        opt = actor.build_optimizer(model, cfg)
+        model = shard(load_model(None, seed=0), mesh, device)
+        opt = build_optimizer(model, cfg)
         actor.update_policy(model, opt, tiny_batch(8, 5, device, seed=4), cfg, 8, 1.0)  # Adam state exists
         twins.append((model, opt))
     (model, opt), (twin, twin_opt) = twins
@@ -132,7 +133,7 @@ def test_offload_round_trip_is_bit_exact(dist_env):
 
 def test_host_buffers_are_reused(dist_env):
     _, world, device = dist_env
-    model = actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device)
+    model = shard(load_model(None, seed=0), build_mesh(device, world, -1), device)
     stash = offload.param_stash("p", model)
     assert stash.host == []                                   # no host memory until the first offload
     offload.offload(stash)
@@ -182,7 +183,7 @@ def test_tensor_parallel_needs_the_vllm_engine():
     with pytest.raises(ValueError, match="needs the vLLM engine"):
         rollout.build(rollout.RolloutConfig(engine="hf", tensor_parallel_size=2), device=torch.device("cpu"),
                       model_path=None, config=None, out_dir="/tmp", max_model_len=8, max_num_seqs=1,
-                      dtype="float32", seed=0)
+                      dtype="float32", seed=0, pad_id=0, eos_id=1)
 
 
 if __name__ == "__main__":
@@ -196,14 +197,14 @@ def test_forward_only_bracket_skips_the_copy_back(dist_env):
     """generate / old / ref log-prob brackets free the shards without copying them out again;
     the update bracket copies its new values out, and they come back exactly."""
     _, world, device = dist_env
-    model = actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device)
-    opt = actor.build_optimizer(model, actor.ActorConfig())
+    model = shard(load_model(None, seed=0), build_mesh(device, world, -1), device)
+    opt = build_optimizer(model, actor.ActorConfig())
     stash = offload.param_stash("p", model)
     offload.offload(stash)                                    # first time: a real copy
     m = {}
     batch = tiny_batch(8, 5, device, seed=6)
     with offload.loaded([stash], m):                          # forward only
-        before = actor.compute_log_probs(model, batch, layout(8), 1.0)
+        before = compute_log_probs(model, batch, layout(8), 1.0)
     assert "offload/p/drop_s" in m and "offload/p/offload_gb" not in m
     with offload.loaded([stash], m, modified=True):
         actor.update_policy(model, opt, batch, actor.ActorConfig(), 8, 1.0)
@@ -211,4 +212,4 @@ def test_forward_only_bracket_skips_the_copy_back(dist_env):
     assert m["offload/p/offload_gb"] > 0
     with offload.loaded([stash], {}):
         assert all(torch.equal(a, b) for a, b in zip(updated, stash.views))
-        assert not torch.equal(actor.compute_log_probs(model, batch, layout(8), 1.0), before)
+        assert not torch.equal(compute_log_probs(model, batch, layout(8), 1.0), before)

@@ -19,6 +19,8 @@ import rollout
 import tiny
 import train_grpo
 import weights
+import lora
+from model import build_mesh, compute_log_probs, forward, init_distributed, load_model, shard
 from conftest import layout, tiny_batch
 from test_train import metrics, run
 
@@ -28,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _lora_actor(device, mesh, seed: int = 0, **cfg):
     """A LoRA actor on the tiny model (rank 8 unless `cfg` says otherwise), through `actor.build`."""
     cfg = {"lora_rank": 8, **cfg}
-    return actor.build(actor.ActorConfig(**cfg), model=actor.load_model(None, seed), mesh=mesh, device=device)
+    return actor.build(actor.ActorConfig(**cfg), model=load_model(None, seed), mesh=mesh, device=device)
 
 
 @torch.no_grad()
@@ -44,8 +46,8 @@ def _nonzero_adapter(a, seed: int = 1, std: float = 0.3):
 def _peft_merged(a):
     """peft's own answer: the same base with the actor's adapter values, merge_and_unload()."""
     adapter = {n: weights.full_param(p, torch.device("cpu")) for n, p in a.model.named_parameters() if p.requires_grad}
-    base = actor.load_model(None, seed=0)
-    wrapper = actor.apply_lora(base, a.cfg, torch.device("cpu"))
+    base = load_model(None, seed=0)
+    wrapper = lora.apply(base, a.cfg, torch.device("cpu"))
     missing = set(adapter) - {n for n, _ in base.named_parameters()}
     assert not missing, missing
     base.load_state_dict(adapter, strict=False)
@@ -71,12 +73,12 @@ def test_lora_param_count_matches_peft():
     for config, rank, targets in cases:
         with torch.device("meta"):
             model = Qwen2ForCausalLM(config)
-        actor.apply_lora(model, actor.ActorConfig(lora_rank=rank, lora_target_modules=targets), torch.device("cpu"))
+        lora.apply(model, actor.ActorConfig(lora_rank=rank, lora_target_modules=targets), torch.device("cpu"))
         peft_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        assert actor.lora_param_count(config, rank, targets) == peft_count, (rank, targets)
+        assert lora.lora_param_count(config, rank, targets) == peft_count, (rank, targets)
     assert peft_count == 161_480_704
     with pytest.raises(ValueError, match="lm_head is not a decoder projection.*q_proj,k_proj"):
-        actor.lora_param_count(tiny.tiny_config(), 8, "q_proj,lm_head")
+        lora.lora_param_count(tiny.tiny_config(), 8, "q_proj,lm_head")
 
 
 # --------------------------------------------------------------------------- the reference
@@ -85,14 +87,14 @@ def test_lora_ref_log_probs_are_the_base_models(dist_env):
     plain tiny model of the same seed (no LoRA, no adapter) to the bit; the actor's own log-probs
     (adapter on) differ from them by more than 0.01 somewhere: the adapter is off there and only there."""
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     a = _lora_actor(device, mesh)
     _nonzero_adapter(a)
-    plain = actor.shard(actor.load_model(None, seed=0), mesh, device)
+    plain = shard(load_model(None, seed=0), mesh, device)
     batch = tiny_batch(12, 5, device, seed=7)
     ref_lp = actor.compute_ref_log_probs(a, batch, 1.0, {})
-    base_lp = actor.compute_log_probs(plain, batch, layout(32), 1.0)
-    own_lp = actor.compute_old_log_probs(a, batch, 1.0, {})
+    base_lp = compute_log_probs(plain, batch, layout(32), 1.0)
+    own_lp = compute_log_probs(a.model, batch, layout(32), 1.0)
     assert torch.equal(ref_lp, base_lp)
     assert (own_lp - base_lp).abs().max() > 0.01
 
@@ -104,7 +106,7 @@ def test_lora_update_trains_only_the_adapters(dist_env):
     optimizer holds exactly the adapters and its state is 2 x their bytes, no base parameter can
     take a gradient; with gradient checkpointing the adapters come out the same (1e-6)."""
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     results = []
     for ckpt in (False, True):
         a = _lora_actor(device, mesh, gradient_checkpointing=ckpt, ppo_micro_batch_size_per_gpu=4, lr=1e-2)
@@ -130,12 +132,12 @@ def _one_lora_update(out_path: str):
     SGD at lr 1: each adapter moves by exactly its clipped gradient, so ranks are compared on the
     gradients themselves (Adam divides by sqrt(v) + eps, which turns fp32 summation-order noise in
     near-zero gradients into 1e-5 moves)."""
-    rank, world, device = train_grpo.init_distributed()
-    a = _lora_actor(device, train_grpo.build_mesh(device, world, -1), ppo_micro_batch_size_per_gpu=2,
+    rank, world, device = init_distributed()
+    a = _lora_actor(device, build_mesh(device, world, -1), ppo_micro_batch_size_per_gpu=2,
                     entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
     a.optimizer = torch.optim.SGD([p for p in a.model.parameters() if p.requires_grad], lr=1.0)
     full = tiny_batch(16, 5, device, seed=3)
-    full["old_log_probs"] = actor.compute_log_probs(a.model, full, layout(16), 1.0) + 0.05 * full["response_mask"]
+    full["old_log_probs"] = compute_log_probs(a.model, full, layout(16), 1.0) + 0.05 * full["response_mask"]
     n = 16 // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(a.model, a.optimizer, mine, a.cfg, mini_size=n, temperature=1.0, adam=None)
@@ -164,8 +166,8 @@ def test_lora_two_processes_equal_one(tmp_path):
         assert abs(one["stats"][k] - two["stats"][k]) <= 1e-5 * max(1.0, abs(one["stats"][k])), k
     for name, p in one["params"].items():
         assert torch.allclose(p, two["params"][name], atol=1e-6, rtol=1e-5), name
-    start = actor.load_model(None, seed=0)
-    actor.apply_lora(start, actor.ActorConfig(lora_rank=8), torch.device("cpu"))
+    start = load_model(None, seed=0)
+    lora.apply(start, actor.ActorConfig(lora_rank=8), torch.device("cpu"))
     start = dict(start.named_parameters())
     assert all(not torch.equal(one["params"][k], start[k]) for k in one["trains"])
     assert all(torch.equal(p, start[k]) for k, p in one["params"].items() if k not in one["trains"])
@@ -183,7 +185,7 @@ def test_lora_sync_sends_peft_merged_weights(dist_env):
     fp32 rounding (1e-6); every target weight differs from the base's, and the byte count returned
     is the bytes received."""
     _, world, device = dist_env
-    a = _lora_actor(device, train_grpo.build_mesh(device, world, -1))
+    a = _lora_actor(device, build_mesh(device, world, -1))
     _nonzero_adapter(a)
     received = []
     sent = rollout.sync_weights(_fake_llm(received), a.model, torch.float32, 1, device)
@@ -191,10 +193,10 @@ def test_lora_sync_sends_peft_merged_weights(dist_env):
     merged = dict(_peft_merged(a).named_parameters())
     assert len(received) > 1 and sorted(n for n, _ in got) == sorted(merged)
     assert sent == sum(t.numel() * t.element_size() for _, t in got)
-    base = dict(actor.load_model(None, seed=0).named_parameters())
+    base = dict(load_model(None, seed=0).named_parameters())
     for name, t in got:
         assert torch.allclose(t.cpu(), merged[name], atol=1e-6, rtol=0), name
-        if name.split(".")[-2] in actor.LORA_TARGETS and name.endswith(".weight"):
+        if name.split(".")[-2] in lora.LORA_TARGETS and name.endswith(".weight"):
             assert not torch.allclose(t.cpu(), base[name], atol=1e-3), name
 
 
@@ -202,12 +204,12 @@ def test_lora_hf_generate_uses_the_adapter(dist_env):
     """The HF engine (greedy) on a LoRA actor with a nonzero adapter samples the same tokens as HF
     generate on peft's merged model, and other tokens than on the base model for some prompt."""
     _, world, device = dist_env
-    a = _lora_actor(device, train_grpo.build_mesh(device, world, -1))
+    a = _lora_actor(device, build_mesh(device, world, -1))
     _nonzero_adapter(a, std=0.5)
     prompts = [[3 + i % 10, 4 + (i * 7) % 10, 12] for i in range(8)]
     cfg = rollout.RolloutConfig(n=1, temperature=0.0, response_length=6)
     tokens = [rollout.generate_hf(m, prompts, cfg, 0, 1, device, seed=0)["responses"]
-              for m in (a.model, _peft_merged(a).to(device), actor.load_model(None, seed=0).to(device))]
+              for m in (a.model, _peft_merged(a).to(device), load_model(None, seed=0).to(device))]
     assert torch.equal(tokens[0], tokens[1])
     assert not torch.equal(tokens[1], tokens[2])
 
@@ -228,7 +230,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_a_merged_model(tmp_path):
     with open(os.path.join(final, "adapter_config.json")) as f:
         assert json.load(f)["r"] == 8
     saved = load_file(os.path.join(final, "adapter_model.safetensors"))
-    peft_model = PeftModel.from_pretrained(actor.load_model(None, seed=0), final)
+    peft_model = PeftModel.from_pretrained(load_model(None, seed=0), final)
     loaded = {n: p for n, p in peft_model.named_parameters() if ".lora_" in n}
     assert len(loaded) == len(saved) and all(torch.equal(loaded[k.replace(".weight", ".default.weight")], v)
                                              for k, v in saved.items())
@@ -236,7 +238,7 @@ def test_lora_checkpoint_is_a_peft_adapter_and_a_merged_model(tmp_path):
     ids = torch.tensor([[3, 4, 5, 12, 3, 4]])
     with torch.no_grad():
         lp, lm = peft_model(input_ids=ids).logits, merged(input_ids=ids).logits
-        lb = actor.load_model(None, seed=0)(input_ids=ids).logits
+        lb = load_model(None, seed=0)(input_ids=ids).logits
     assert torch.allclose(lp, lm, atol=1e-5) and not torch.allclose(lm, lb, atol=1e-3)
 
 
@@ -249,12 +251,12 @@ def test_frozen_bf16_base_with_fp32_adapters_under_fsdp2(dist_env):
     parameter in bf16 beside fp32 ones is refused by FSDP2 (why the adapters stay fp32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
     def sharded(trainable_bf16: bool):
-        model = actor.load_model(None, seed=0)
-        actor.apply_lora(model, actor.ActorConfig(lora_rank=8), torch.device("cuda"))  # only its type is read
+        model = load_model(None, seed=0)
+        lora.apply(model, actor.ActorConfig(lora_rank=8), torch.device("cuda"))  # only its type is read
         if trainable_bf16:
             model.model.layers[0].self_attn.q_proj.lora_A.default.weight.data = \
                 model.model.layers[0].self_attn.q_proj.lora_A.default.weight.data.bfloat16()
@@ -266,18 +268,18 @@ def test_frozen_bf16_base_with_fp32_adapters_under_fsdp2(dist_env):
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}, {p.dtype for p in model.parameters()
                                                                            if not p.requires_grad}
     assert dtypes == ({torch.float32}, {torch.bfloat16})
-    logp, _ = actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
+    logp, _ = forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
     logp.sum().backward()
     assert all((p.grad is not None) == p.requires_grad for p in model.parameters())
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
     n_base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    n_adapter = actor.lora_param_count(model.config, 8)
+    n_adapter = lora.lora_param_count(model.config, 8)
     for trainable, per in ((False, 2), (True, 4)):
         got = offload.param_stash("s", model, trainable=trainable).nbytes
         want = per * (n_adapter if trainable else n_base) / world
         assert abs(got - want) <= 0.02 * want, (trainable, got, want)        # FSDP pads each shard
     with pytest.raises(AssertionError, match="uniform original parameter dtype"):
-        actor.forward(sharded(True), tiny_batch(4, 5, device), 1.0, layout(4))
+        forward(sharded(True), tiny_batch(4, 5, device), 1.0, layout(4))
 
 
 def test_reference_forward_first_keeps_fp32_adapter_grads(dist_env):
@@ -287,17 +289,17 @@ def test_reference_forward_first_keeps_fp32_adapter_grads(dist_env):
     has the adapters frozen: the backward fails (torch >= 2.10) or reduces in bf16."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     _, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
+    mesh = build_mesh(device, world, -1)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = actor.load_model(None, seed=0)
-    wrapper = actor.apply_lora(model, actor.ActorConfig(lora_rank=8), torch.device("cuda"))  # only its type is read
+    model = load_model(None, seed=0)
+    wrapper = lora.apply(model, actor.ActorConfig(lora_rank=8), torch.device("cuda"))  # only its type is read
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    actor.settle_grad_dtypes(model)
+    lora.settle_grad_dtypes(model)
     with torch.no_grad(), wrapper.disable_adapter():
-        actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4))
-    logp, _ = actor.forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
+        forward(model, tiny_batch(4, 5, device), 1.0, layout(4))
+    logp, _ = forward(model, tiny_batch(4, 5, device), 1.0, layout(4), "grad")
     logp.sum().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
 

@@ -21,6 +21,9 @@ import offload
 import ref
 import reward_model
 import train_grpo
+import options
+import lora
+from model import build_mesh, build_optimizer, shard
 from conftest import layout, mid_model, tiny_batch
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -34,7 +37,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 @pytest.fixture(scope="module")
 def env(dist_env):
     rank, world, device = dist_env
-    return device, train_grpo.build_mesh(device, world, -1)
+    return device, build_mesh(device, world, -1)
 
 
 def _allocated():
@@ -74,7 +77,7 @@ def _update(model, opt, device, seed=0, cfg=None):
 
 def test_param_offload_frees_shard_bytes_and_reload_restores(env):
     device, mesh = env
-    model = actor.shard(mid_model(), mesh, device)
+    model = shard(mid_model(), mesh, device)
     stash = offload.param_stash("actor_params", model)
     before = _allocated()
     m = offload.offload(stash)
@@ -95,7 +98,7 @@ def test_host_mirrors_are_exact_size_and_page_locked(env):
     can go back to the OS during the call (under 2 ranks it grew by 713 and 733 MiB for an
     813 MiB mirror that was entirely resident)."""
     device, mesh = env
-    model = actor.shard(mid_model(), mesh, device)
+    model = shard(mid_model(), mesh, device)
     stash = offload.param_stash("p", model)
     rounded = sum(1 << (v.numel() - 1).bit_length() for v in stash.views)
     assert rounded > 1.2 * stash.nbytes                 # this model's sizes would show the rounding
@@ -113,8 +116,8 @@ def test_host_mirrors_are_exact_size_and_page_locked(env):
 
 def test_optimizer_offload_frees_adam_state(env):
     device, mesh = env
-    model = actor.shard(mid_model(), mesh, device)
-    opt = actor.build_optimizer(model, actor.ActorConfig())
+    model = shard(mid_model(), mesh, device)
+    opt = build_optimizer(model, actor.ActorConfig())
     _update(model, opt, device)                         # Adam state appears at the first step
     stash = offload.optimizer_stash("actor_optimizer", opt)
     assert stash.nbytes == _adam_bytes(model)           # exp_avg + exp_avg_sq, fp32, this rank's shapes
@@ -162,7 +165,7 @@ def test_lora_actor_holds_a_bf16_base_and_adapter_state_only(env):
     built = _allocated() - before
     n_base = sum(p.numel() for p in a.model.parameters() if not p.requires_grad)
     _close(a.base.nbytes, 2 * n_base / world, tol=0.01)
-    _close(a.params.nbytes, 4 * actor.lora_param_count(a.model.config, 16) / world, tol=0.01)
+    _close(a.params.nbytes, 4 * lora.lora_param_count(a.model.config, 16) / world, tol=0.01)
     _close(built, a.base.nbytes + a.params.nbytes)
     mid = _allocated()
     actor.update(a, batch, 16, 1.0, {})
@@ -188,8 +191,8 @@ def test_lora_actor_holds_a_bf16_base_and_adapter_state_only(env):
 def test_no_creep_over_20_offloaded_steps(env):
     """Load params + Adam -> update -> offload both, 20 times: device and host memory stay flat."""
     device, mesh = env
-    model = actor.shard(mid_model(), mesh, device)
-    opt = actor.build_optimizer(model, actor.ActorConfig())
+    model = shard(mid_model(), mesh, device)
+    opt = build_optimizer(model, actor.ActorConfig())
     params = offload.param_stash("actor_params", model)
     opt_stash = None
     base = _allocated() - params.nbytes                 # what was there before this model
@@ -244,7 +247,7 @@ def test_grpo_steps_with_every_flag_match_none_in_bf16(env):
     """Three GRPO steps through train_step (bf16 compute, levers on): all offload flags == none."""
     runs = []
     for extra in ([], ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]):
-        t = train_grpo.setup(train_grpo.parse_args(["--rollout.engine=hf", "--save=false",
+        t = train_grpo.setup(options.parse_args(["--rollout.engine=hf", "--save=false",
                                                     "--out_dir=/tmp/bf16_offload_test"] + extra))
         runs.append([train_grpo.train_step(t, s) for s in range(3)])
         t = None
@@ -266,7 +269,7 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
     def run(extra):
         import gc
         gc.collect()                       # the last run's models sit in reference cycles until collected
-        t = train_grpo.setup(train_grpo.parse_args(base + extra))
+        t = train_grpo.setup(options.parse_args(base + extra))
         m = [train_grpo.train_step(t, s) for s in range(2)][-1]
         p = offload.param_stash("p", t.actor.model).nbytes
         sizes = {"param": p, "optim": _adam_bytes(t.actor.model), "ref": t.ref.params.nbytes}
@@ -300,14 +303,14 @@ def test_cpu_offload_policy_keeps_params_off_the_gpu(dist_env, deterministic, fs
     rank, world, device = dist_env
     if fsdp_size == 1 and world < 2:
         pytest.skip("hybrid sharding needs 2+ ranks")
-    mesh = train_grpo.build_mesh(device, world, fsdp_size)
+    mesh = build_mesh(device, world, fsdp_size)
     before = _allocated()
-    model = actor.shard(mid_model(), mesh, device, offload_policy=True, param_dtype="float32")
+    model = shard(mid_model(), mesh, device, offload_policy=True, param_dtype="float32")
     assert _allocated() - before < 4 * MB               # only buffers (rotary tables) on the GPU
     assert all(p.to_local().device.type == "cpu" and p.to_local().is_pinned() for p in model.parameters())
-    twin = actor.shard(mid_model(), mesh, device, param_dtype="float32")
+    twin = shard(mid_model(), mesh, device, param_dtype="float32")
     start = [p.detach().full_tensor().cpu() for p in twin.parameters()]
-    stats = [_update(m, actor.build_optimizer(m, actor.ActorConfig()), device) for m in (model, twin)]
+    stats = [_update(m, build_optimizer(m, actor.ActorConfig()), device) for m in (model, twin)]
     for k in ("pg_loss", "kl", "entropy"):
         assert stats[0][k] == pytest.approx(stats[1][k], rel=1e-6, abs=1e-7), k
     # the offloaded grads' norm is summed on the CPU: its fp32 sum of ~10^8 squares differs from the
@@ -335,9 +338,9 @@ def test_hybrid_sharding_holds_its_share_and_makes_the_one_gpu_update(dist_env):
     rank, world, device = dist_env
     if world < 2 or world % 2:
         pytest.skip("hybrid sharding needs an even number of ranks >= 2")
-    replicas = train_grpo.build_mesh(device, world, 1)          # ("replicate", "fsdp") = (world, 1)
+    replicas = build_mesh(device, world, 1)          # ("replicate", "fsdp") = (world, 1)
     meshes = {"one_gpu": replicas["fsdp"], "fsdp_size=1": replicas,
-              "fsdp_size=2": train_grpo.build_mesh(device, world, 2)}
+              "fsdp_size=2": build_mesh(device, world, 2)}
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8)
     full = tiny_batch(16 * world, 32, device, seed=0, vocab=32000)
     mine = {k: v[rank * 16:(rank + 1) * 16] for k, v in full.items()}
@@ -345,9 +348,9 @@ def test_hybrid_sharding_holds_its_share_and_makes_the_one_gpu_update(dist_env):
     for name, mesh in meshes.items():
         gc.collect()
         before = _allocated()
-        model = actor.shard(mid_model(), mesh, device)
+        model = shard(mid_model(), mesh, device)
         held = _allocated() - before
-        opt = actor.build_optimizer(model, cfg)
+        opt = build_optimizer(model, cfg)
         start = [p.detach().full_tensor().clone() for p in model.parameters()]   # one rank: a view, not a copy
         # one_gpu: every rank runs the same whole batch alone; update_policy's counts and sums over
         # the world then count it `world` times, which its loss x world scaling undoes exactly
@@ -382,8 +385,8 @@ def test_critic_offload_frees_its_bytes(env, deterministic):
     twins = []
     for _ in range(2):
         torch.manual_seed(0)
-        model = actor.shard(Qwen2ForTokenClassification(config), mesh, device, param_dtype="float32")
-        twins.append((model, actor.build_optimizer(model, cfg)))
+        model = shard(Qwen2ForTokenClassification(config), mesh, device, param_dtype="float32")
+        twins.append((model, build_optimizer(model, cfg)))
     batch = tiny_batch(16, 32, device, vocab=32000)
     lay = layout(8)
     batch["values"], _ = critic.values(twins[0][0], batch, cfg, lay)
@@ -407,7 +410,7 @@ def test_ppo_step_with_every_offload_flag_matches_none(env):
     flags = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true",
              "--critic.param_offload=true", "--critic.optimizer_offload=true"]
     for extra in ([], flags):
-        cfg = train_grpo.parse_args(["--algorithm.adv_estimator=gae", "--rollout.engine=hf", "--save=false",
+        cfg = options.parse_args(["--algorithm.adv_estimator=gae", "--rollout.engine=hf", "--save=false",
                                      "--actor.param_dtype=float32", "--out_dir=/tmp/ppo_gpu_test"] + extra)
         t = train_grpo.setup(cfg)
         runs.append([train_grpo.train_step(t, s) for s in range(2)])
@@ -433,8 +436,8 @@ def test_chunked_lm_head_cuts_the_update_peak_at_a_150k_vocab(env):
         torch.cuda.empty_cache()
         cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=16, logits_chunk_tokens=chunk)
         torch.manual_seed(0)
-        model = actor.shard(tiny.build_random_model("qwen2.5-0.5b"), mesh, device)
-        opt = actor.build_optimizer(model, cfg)
+        model = shard(tiny.build_random_model("qwen2.5-0.5b"), mesh, device)
+        opt = build_optimizer(model, cfg)
         batch = tiny_batch(16, 256, device, seed=0, vocab=151936)
         batch["response_mask"][:] = 1                           # every response position is real
         batch["attention_mask"][:, -256:] = 1
@@ -496,7 +499,7 @@ def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env):
     runs = []
     for extra in ([], ["--reward_model.param_offload=true"]):
         gc.collect()                       # the last run's models sit in reference cycles until collected
-        t = train_grpo.setup(train_grpo.parse_args(base + extra))
+        t = train_grpo.setup(options.parse_args(base + extra))
         runs.append(([train_grpo.train_step(t, s) for s in range(2)], t.reward_model.params.nbytes))
         t = None
     (none, nbytes), (off, _) = runs
@@ -545,7 +548,7 @@ def test_plan_predicts_each_stage_within_10_percent(env, flags):
     import gc
     gc.collect()
     world = torch.distributed.get_world_size()
-    t = train_grpo.setup(train_grpo.parse_args(
+    t = train_grpo.setup(options.parse_args(
         ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
          f"--train_batch_size={4 * world}", f"--actor.ppo_mini_batch_size={4 * world}", "--rollout.n=4",
          "--rollout.response_length=64", "--out_dir=/tmp/plan_truth_test"] + flags))
@@ -569,7 +572,7 @@ def test_a_checkpoint_leaves_host_memory_where_it_was(env):
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
     torch.distributed.barrier()
-    t = train_grpo.setup(train_grpo.parse_args(
+    t = train_grpo.setup(options.parse_args(
         ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
          f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
          "--rollout.response_length=16", f"--out_dir={out}", "--actor.param_offload=true",

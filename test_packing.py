@@ -15,6 +15,7 @@ import torch
 import actor
 import packing
 import train_grpo
+from model import build_mesh, compute_log_probs, init_distributed, load_model, make_layout, shard
 from conftest import layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _model(dist_env):
     """The tiny model, fp32 compute on any device (the comparisons are at fp32 rounding)."""
     _, world, device = dist_env
-    return actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device,
+    return shard(load_model(None, seed=0), build_mesh(device, world, -1), device,
                        param_dtype="float32"), device
 
 
@@ -92,8 +93,8 @@ def test_token_budget_bins_fit_balance_and_keep_order(dist_env):
         loads = [sum(lengths[i] for i in b.tolist()) for b in bins]
         assert max(loads) <= budget and sorted(i for b in bins for i in b.tolist()) == list(range(16))
         assert max(loads) - min(loads) <= max(lengths)
-    fixed = actor.compute_log_probs(model, batch, layout(5), 1.0)
-    dynamic = actor.compute_log_probs(model, batch, layout(5, use_dynamic_bsz=True,
+    fixed = compute_log_probs(model, batch, layout(5), 1.0)
+    dynamic = compute_log_probs(model, batch, layout(5, use_dynamic_bsz=True,
                                                             log_prob_max_token_len_per_gpu=20), 1.0)
     assert torch.allclose(fixed, dynamic, atol=1e-6)
     with pytest.raises(ValueError, match="raise the"):
@@ -133,15 +134,15 @@ def _update_with_lengths(out_path: str, dynamic: bool):
     `_uneven_batch` (rank 0 gets the short half, rank 1 the long one), with fixed micro-batches of 2
     or a 36-token budget; rank 0 saves the parameter deltas, the stats and how many micro-batches
     each rank ran."""
-    rank, world, device = train_grpo.init_distributed()
-    model = actor.shard(actor.load_model(None, seed=0), train_grpo.build_mesh(device, world, -1), device)
+    rank, world, device = init_distributed()
+    model = shard(load_model(None, seed=0), build_mesh(device, world, -1), device)
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=dynamic, ppo_max_token_len_per_gpu=36,
                             entropy_coeff=0.01, kl_loss_coef=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     before = torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()])
     n = 16 // world
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in _uneven_batch(device).items()}
-    bins = len(packing.micro_batches(mine, actor.make_layout(cfg, 2, cfg.ppo_max_token_len_per_gpu)))
+    bins = len(packing.micro_batches(mine, make_layout(cfg, 2, cfg.ppo_max_token_len_per_gpu)))
     stats = actor.update_policy(model, opt, mine, cfg, mini_size=n, temperature=1.0)
     params = torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()]) - before
     gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
@@ -179,7 +180,7 @@ def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
     (cosine similarity > 0.999), on the ~430M GQA model (16 query heads, 4 KV heads)."""
     from conftest import mid_model
     _, world, device = dist_env
-    model = actor.shard(mid_model(), train_grpo.build_mesh(device, world, -1), device)
+    model = shard(mid_model(), build_mesh(device, world, -1), device)
     batch = tiny_batch(8, 48, device, seed=6, vocab=32000)
     out = {}
     for packed in (True, False):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import plan
-import train_grpo
+import options
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = plan.GB
@@ -78,7 +78,7 @@ def test_lm_head_chunk_bytes_per_element():
 
 
 def _cfg(*args):
-    return train_grpo.parse_args(list(args))
+    return options.parse_args(list(args))
 
 
 def test_offload_flags_take_their_bytes_out_of_the_stages_that_do_not_use_them():
@@ -170,7 +170,7 @@ def test_predictions_within_10_percent_of_the_recorded_h200_peaks():
         truth = json.load(f)
     bad = []
     for row in truth["rows"]:
-        cfg = train_grpo.parse_args(row["args"])
+        cfg = options.parse_args(row["args"])
         p = plan.predict(cfg, row["world"], row["prompt_len"], row["engine"])
         for stage, measured in row["peak_gb"].items():
             pred = p.stage(stage).total / GB

@@ -12,10 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+import options
 import reward_model
 import rollout
 import tiny
 import train_grpo
+from model import build_mesh, init_distributed
 from conftest import tiny_batch
 from test_train import metrics, run
 
@@ -60,7 +62,7 @@ def rm_dirs(tmp_path_factory):
 def _build(dist_env, path, micro=16, param_offload=False, policy_tokenizer=None):
     _, world, device = dist_env
     cfg = reward_model.RewardModelConfig(path=path, micro_batch_size_per_gpu=micro, param_offload=param_offload)
-    return reward_model.build(cfg, mesh=train_grpo.build_mesh(device, world, -1), device=device, param_dtype="float32",
+    return reward_model.build(cfg, mesh=build_mesh(device, world, -1), device=device, param_dtype="float32",
                               policy_tokenizer=policy_tokenizer or tiny.build_tokenizer())
 
 
@@ -165,19 +167,23 @@ def test_mix_weights_the_two_rewards(dist_env):
 
 
 @pytest.mark.parametrize("kw,error,expect", [
-    (dict(weight=1.5), ValueError, "use a value in [0, 1]"),
-    (dict(micro_batch_size_per_gpu=0), ValueError, "use 1 or more"),
+    (dict(weight=1.5), ValueError, "--reward_model.weight=1.5: must be [0, 1]"),
+    (dict(micro_batch_size_per_gpu=0), ValueError, "--reward_model.micro_batch_size_per_gpu=0: must be >= 1"),
     (dict(path="/nonexistent/rm"), FileNotFoundError, "no config.json"),
     (dict(path="random:qwen9"), ValueError, "known sizes are random:tiny"),
     (dict(path="causal"), ValueError, "*ForSequenceClassification checkpoint with one label"),
 ])
 def test_bad_config_says_what_to_change(tmp_path, kw, error, expect):
-    """Each bad option raises before anything is built, with a message that names the fix."""
+    """Each bad option raises before anything is built, with a message that names the fix: a value
+    out of its range when the command line is parsed, a bad path in pre-flight."""
     if kw.get("path") == "causal":                       # a causal LM is not a reward model
         Qwen2ForCausalLM(tiny.tiny_config()).save_pretrained(tmp_path)
         kw = dict(path=str(tmp_path))
     with pytest.raises(error) as e:
-        reward_model.check(reward_model.RewardModelConfig(**kw))
+        if "path" in kw:
+            reward_model.check_model(reward_model.RewardModelConfig(**kw))
+        else:
+            options.parse_args([f"--reward_model.{k}={v}" for k, v in kw.items()])
     assert expect in str(e.value)
 
 
@@ -224,7 +230,7 @@ def test_two_processes_equal_one(tmp_path, rm_dirs):
 
 def _score_my_half(path: str, out_path: str):
     """Under torchrun: this rank's half of a fixed 16-sample batch, scored; saved per rank."""
-    rank, world, device = train_grpo.init_distributed()
+    rank, world, device = init_distributed()
     rm = _build((rank, world, device), path, micro=3)
     full = tiny_batch(16, 5, device, seed=4)
     n = 16 // world

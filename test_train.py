@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import train_grpo
+import options
+import offload
+from model import load_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRPO_STAGES = [s for s in train_grpo.STAGES if s not in ("values", "critic_update", "reward_model")]
+GRPO_STAGES = [s for s in offload.STAGES if s not in ("values", "critic_update", "reward_model")]
 
 
 def run(args, nproc=0, timeout=600, env=None):
@@ -150,7 +153,7 @@ def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     assert type(model).__name__ == "Qwen2ForCausalLM" and tok("12=")["input_ids"] == [3, 4, 12]
     import actor
-    fresh = actor.load_model(None, seed=0)
+    fresh = load_model(None, seed=0)
     moved = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
                                                             fresh.state_dict().values()))
     assert moved > 0                                       # the saved weights are the trained ones
@@ -182,11 +185,11 @@ def test_profile_steps_writes_one_trace(tmp_path):
 def test_profile_steps_option():
     """"1, 3" -> {1, 3}; "" -> off; anything else is refused with the fix; a step not named runs with
     no profiler started."""
-    assert train_grpo.profile_steps("1, 3") == {1, 3} and train_grpo.profile_steps("") == set()
+    assert options.profile_steps("1, 3") == {1, 3} and options.profile_steps("") == set()
     for bad in ("a", "-1", "1;2"):
         with pytest.raises(ValueError, match="give step numbers from 0"):
-            train_grpo.profile_steps(bad)
-    with train_grpo.profiled(train_grpo.parse_args(["--profile_steps=1"]), 0, 0, torch.device("cpu")):
+            options.profile_steps(bad)
+    with train_grpo.profiled(options.parse_args(["--profile_steps=1"]), 0, 0, torch.device("cpu")):
         assert not torch.autograd._profiler_enabled()
 
 
@@ -207,7 +210,7 @@ def test_parquet_and_gsm8k_reward(tmp_path):
 
 def test_config_overrides_are_typed():
     import train_grpo
-    cfg = train_grpo.parse_args(["--actor.lr=1e-6", "--ref.param_offload", "true", "--model=none",
+    cfg = options.parse_args(["--actor.lr=1e-6", "--ref.param_offload", "true", "--model=none",
                                  "--rollout.n=4"])
     assert cfg.actor.lr == 1e-6 and cfg.ref.param_offload is True and cfg.model is None
     assert cfg.rollout.n == 4
@@ -256,7 +259,7 @@ def test_help_prints_every_option_with_its_default_and_comment(capsys):
     train_grpo.main(["--help"])
     out = capsys.readouterr().out
     lines = {m.group(1): m for m in re.finditer(r"^  --(\S+?)=(.*?)  \((.*?)\)  (.+)$", out, re.M)}
-    for name, (obj, _, _) in train_grpo.sections(train_grpo.Config()).items():
+    for name, (obj, _, _) in options.sections(options.Config()).items():
         for f in fields(obj):
             if not is_dataclass(getattr(obj, f.name)):
                 key = f"{name}.{f.name}" if name else f.name
@@ -267,12 +270,12 @@ def test_help_prints_every_option_with_its_default_and_comment(capsys):
 def test_every_numeric_option_has_a_range():
     """Each int / float option is in its section's RANGES (or CHOICES), and every default passes."""
     from dataclasses import fields
-    for name, (obj, ranges, choices) in train_grpo.sections(train_grpo.Config()).items():
+    for name, (obj, ranges, choices) in options.sections(options.Config()).items():
         for f in fields(obj):
             v = getattr(obj, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 assert f.name in ranges or f.name in choices, f"{name}.{f.name} has no range"
-    train_grpo.check_config(train_grpo.Config())
+    options.check_config(options.Config())
 
 
 def test_range_rules():
@@ -421,7 +424,7 @@ def test_temperature_zero_is_greedy_end_to_end(tmp_path, dist_env):
     temperature 1 (no division by 0), and a PPO step (which can learn from greedy samples)
     gives finite losses and applies its optimizer steps."""
     import rollout
-    cfg = train_grpo.parse_args([f"--out_dir={tmp_path}", "--algorithm.adv_estimator=gae",
+    cfg = options.parse_args([f"--out_dir={tmp_path}", "--algorithm.adv_estimator=gae",
                                  "--rollout.temperature=0", "--rollout.n=4", "--steps=1"])
     assert rollout.logprob_temperature(cfg.rollout) == 1.0
     data, _ = train_grpo.preflight(cfg)

@@ -16,8 +16,9 @@ import torch
 import actor
 import offload
 import rollout
-import train_grpo
 import weights
+import lora
+from model import build_mesh, compute_log_probs, shard
 from conftest import layout, mid_model
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
@@ -29,8 +30,8 @@ GB = offload.GB
 @pytest.fixture(scope="module")
 def env(dist_env, tmp_path_factory):
     rank, world, device = dist_env
-    mesh = train_grpo.build_mesh(device, world, -1)
-    model = actor.shard(mid_model(), mesh, device)                     # bf16 compute, fp32 master
+    mesh = build_mesh(device, world, -1)
+    model = shard(mid_model(), mesh, device)                     # bf16 compute, fp32 master
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, gpu_memory_utilization=0.3, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config,
                            out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), max_model_len=64, max_num_seqs=32, dtype="bfloat16",
@@ -67,7 +68,7 @@ def test_greedy_parity_and_logprob_mismatch(env):
     rows = (vb["responses"] == hb["responses"]).all(-1).float().mean().item()
     # sampled tokens at T=1: vLLM's log-probs of its own samples against the actor's recomputation
     sb, _ = _vllm(env)
-    lp = actor.compute_log_probs(model, sb, layout(64), 1.0)
+    lp = compute_log_probs(model, sb, layout(64), 1.0)
     mask = sb["response_mask"]
     diff = ((lp - sb["rollout_log_probs"]).abs() * mask)
     mean, mx = (diff.sum() / mask.sum()).item(), diff.max().item()
@@ -86,7 +87,7 @@ def test_lora_greedy_parity_after_merged_sync(env):
     by more than 0.05 nats (at least 8 prompts), and on at least 2 of those the merged model's
     choice is not the base model's: a sync that sent the base alone would fail."""
     _, engine, cfg, prompts, device = env
-    mesh = train_grpo.build_mesh(device, torch.distributed.get_world_size(), -1)
+    mesh = build_mesh(device, torch.distributed.get_world_size(), -1)
     a = actor.build(actor.ActorConfig(lora_rank=16), model=mid_model(), mesh=mesh, device=device)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -100,7 +101,7 @@ def test_lora_greedy_parity_after_merged_sync(env):
     for kind in ("merged", "base"):
         model = mid_model()
         if kind == "merged":
-            wrapper = actor.apply_lora(model, a.cfg, torch.device("cpu"))
+            wrapper = lora.apply(model, a.cfg, torch.device("cpu"))
             model.load_state_dict(adapter, strict=False)
             model = wrapper.merge_and_unload()
         model = model.to(device, torch.bfloat16)

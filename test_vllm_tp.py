@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from model import build_mesh, compute_log_probs, init_distributed, shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [
@@ -33,8 +34,8 @@ def _generate(out_dir: str, tp: int):
     import rollout
     import train_grpo
     from conftest import layout, mid_model
-    rank, world, device = train_grpo.init_distributed()
-    model = actor.shard(mid_model(), train_grpo.build_mesh(device, world, -1), device)
+    rank, world, device = init_distributed()
+    model = shard(mid_model(), build_mesh(device, world, -1), device)
     g = torch.Generator().manual_seed(100 + rank)        # this rank's prompts, the same in both runs
     prompts = [torch.randint(2, 32000, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
                for _ in range(8)]
@@ -50,7 +51,7 @@ def _generate(out_dir: str, tp: int):
                      position_ids=pb["position_ids"]).logits[:, -1].float()
     top = last.topk(2).values
     sampled = rollout.generate(engine, model, prompts, cfg, 0, 1, device, 7 + rank, [], {})
-    lp = actor.compute_log_probs(model, sampled, layout(64), 1.0)
+    lp = compute_log_probs(model, sampled, layout(64), 1.0)
     mask = sampled["response_mask"]
     diff = (lp - sampled["rollout_log_probs"]).abs() * mask
     torch.save({"input_ids": greedy["input_ids"].cpu(), "responses": greedy["responses"].cpu(),

@@ -10,7 +10,7 @@
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
 bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
 loads and frees the actor's params around the weight sync): this file orders the stages and keeps
-the ledger. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
+the ledger (offload.stage). The options are options.py's; the roles say what they hold at set-up. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -42,7 +42,6 @@ a reward term, and with loss_agg_mode=token-mean long responses weigh more than 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
 import os
 import signal
@@ -52,7 +51,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import actor
@@ -65,165 +63,125 @@ import plan
 import ref
 import reward_model
 import rollout
-from actor import ActorConfig
-from critic import CriticConfig
-from ref import RefConfig
-from reward_model import RewardModelConfig
-from rollout import RolloutConfig
+from model import all_sum, build_mesh, check_model, init_distributed
+from options import Config
 
 
+# --------------------------------------------------------------------------- setup
 @dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"            # grpo | gae (PPO with the critic)
-    norm_adv_by_std_in_grpo: bool = True   # false: Dr.GRPO (score - group mean only)
+class Trainer:
+    """Everything one run holds (state only; the step is a free function). Each role holds its own
+    offload groups and moves them itself; the loop only orders the stages."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    mini_size: int                         # samples per rank in one mini-batch
+    tokenizer: object
+    prompts: list                          # prompt token ids
+    answers: list
+    reward_fn: object
+    order: list                            # prompt order, the same on every rank
+    actor: actor.Actor
+    engine: rollout.Engine
+    fingerprint: str                       # of the prompts and answers: a resume checks it walks the same data
+    ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
+    critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
+    chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
+    reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
+    plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
+    data_offset: int = 0                   # prompts walked before step 0's position (a resume that
+                                           # changed train_batch_size keeps its place in the data)
+    warned: set = field(default_factory=set)   # warnings already printed (each once per run)
 
 
-@dataclass
-class Config:
-    model: str | None = None               # local HF model dir; None: the embedded tiny model
-    data: str | None = None                # .jsonl / .parquet with prompt + answer; None: copy task
-    reward: str | None = None              # module:function(response, answer) -> float
-    reward_error: str = "stop"             # a reward that raises or returns no finite number: stop (one line
-                                           # naming the reward and the sample) | zero (it scores 0, counted)
-    prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
-    answer_key: str = "answer"             # the data's answer field, passed to the reward
-    max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
-    train_batch_size: int = 16             # prompts per step, over all ranks
-    steps: int = 150                       # training steps (a resume continues up to this)
-    seed: int = 0                          # model init, data order, sampling
-    fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
-    out_dir: str = "out"                   # metrics, checkpoints, final/ (an earlier run is never overwritten)
-    save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
-    profile_steps: str = ""                # e.g. "1,3": torch.profiler traces of those steps (from 0) to
-                                           # <out_dir>/profile/; "": off (no profiler is created)
-    offload: str = "manual"                # manual: the flags as given; auto: plan.py picks the offload flags,
-                                           # checkpointing and micro-batch sizes that fit this GPU, fastest first
-    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, and its warnings)
-    memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
-                                           # then shows who allocated what, not only the blocks
-    save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
-                                           # and on SIGTERM; 0: none
-    keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)
-    resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
-                                           # start fresh | a checkpoint dir (into an empty out_dir)
-    dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+def preflight(cfg: Config):
+    """Every check that needs no process group and no model, run on every rank before either
+    exists, so that a mistake costs seconds: the batch arithmetic and each role's combinations, the
+    model directory (config, weights, a decoder layout this code shards), the data and the reward,
+    then the out_dir policy (`checkpoint.plan`). Returns ((prompt ids, answers, chats), the
+    checkpoint to resume or None)."""
+    options.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    check_model(cfg.model)
+    reward_model.check_model(cfg.reward_model)
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
+        critic.check_model(cfg.model)
+    tokenizer = data_io.load_tokenizer(cfg.model)
+    data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    data_io.load_reward(cfg.reward, cfg.data)
+    return data, checkpoint.plan(cfg, data_io.fingerprint(*data[:2]))
 
 
-# checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
-RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
-          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
-          "plan_margin": "[0, 1)"}
-CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto")}
-ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
+def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
+    """Build every role (each offloads what its flags say), then the rollout engine (or reuse
+    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
+    benchmark's)."""
+    rank, world, device = init_distributed(cfg.dist_timeout_s)
+    mini_size = options.check_sizes(cfg, world)
+    torch.manual_seed(cfg.seed)
+    tokenizer = data_io.load_tokenizer(cfg.model)
+    prompts, answers, chats = data if data is not None else data_io.load_data(
+        cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    prompt_len = max(map(len, prompts))
+    kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
+    if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
+        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
+    offload.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
+    a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
+                               out_dir=cfg.out_dir, max_model_len=prompt_len + cfg.rollout.response_length,
+                               max_num_seqs=cfg.train_batch_size // world * cfg.rollout.n, dtype=cfg.actor.param_dtype,
+                               seed=cfg.seed + rank, pad_id=pad, eos_id=tokenizer.eos_token_id, rank=rank)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
+                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
+                order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
+    if rank == 0:
+        print("\n".join(report(t)), flush=True)
+        print(plan.table(t.plan, plan.gpu_capacity(device)), flush=True)
+    return t
 
 
-# --------------------------------------------------------------------------- config
-def sections(cfg: Config) -> dict:
-    """"" for the top level, then each role's section: (its config, its RANGES, its CHOICES)."""
-    return {"": (cfg, RANGES, CHOICES), "actor": (cfg.actor, actor.RANGES, actor.CHOICES),
-            "ref": (cfg.ref, ref.RANGES, {}), "rollout": (cfg.rollout, rollout.RANGES, rollout.CHOICES),
-            "critic": (cfg.critic, critic.RANGES, critic.CHOICES),
-            "reward_model": (cfg.reward_model, reward_model.RANGES, {}),
-            "algorithm": (cfg.algorithm, {}, ALGORITHM_CHOICES)}
+def build_roles(cfg: Config, mesh, device, tokenizer) -> tuple:
+    """(actor, ref or None, critic or None, reward model or None), each built by its own file."""
+    where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
+    a = actor.build(cfg.actor, **where)
+    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if ref.needed(cfg.actor) else None
+    c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
+        if cfg.algorithm.adv_estimator == "gae" else None
+    rm = reward_model.build(cfg.reward_model, param_dtype=cfg.actor.param_dtype, policy_tokenizer=tokenizer, mesh=mesh,
+                            device=device, seed=cfg.seed) if cfg.reward_model.path else None
+    return a, r, c, rm
 
 
-def check_config(cfg: Config):
-    """Every option against its range or its choices, and the combinations that would train
-    nothing: a bad value stops the run before anything is built, with what to change."""
-    options.check(sections(cfg))
-    r = cfg.rollout
-    if r.temperature == 0 and r.n > 1 and cfg.algorithm.adv_estimator == "grpo":
-        raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
-                         f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
-                         f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
-    if cfg.actor.offload_policy and (cfg.actor.param_offload or cfg.actor.optimizer_offload):
-        raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
-                         "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+def roles(t: Trainer) -> list:
+    """The roles this run built, in the order of their stages."""
+    return [x for x in (t.actor, t.reward_model, t.ref, t.critic) if x is not None]
 
 
-def parse_args(argv: list[str]) -> Config:
-    """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`),
-    typed and range-checked (options.py)."""
-    cfg = options.apply(argv, Config())
-    check_config(cfg)
-    return cfg
-
-
-def check_sizes(cfg: Config, world: int) -> int:
-    """Validate the batch arithmetic once, up front; returns the mini-batch size per rank (samples)."""
-    a, n = cfg.actor, cfg.rollout.n
-    if cfg.train_batch_size % world:
-        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not divisible by the "
-                         f"world size {world}; make it a multiple of {world}")
-    if cfg.train_batch_size % a.ppo_mini_batch_size:
-        raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
-                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-    if (a.ppo_mini_batch_size * n) % world:
-        raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
-                         f"samples do not split over {world} ranks; change either")
-    mini = a.ppo_mini_batch_size * n // world
-    if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
-        raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
-                         f"does not divide the {mini} samples per rank of a mini-batch")
-    if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
-        raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
-    if cfg.rollout.tensor_parallel_size < 1 or world % cfg.rollout.tensor_parallel_size:
-        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size} does not divide "
-                         f"the world size {world}: each vLLM engine spans that many ranks")
-    return mini
-
-
-# --------------------------------------------------------------------------- distributed
-def init_distributed(timeout_s: float | None = None):
-    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
-    On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
-    CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
-    with "No backend type associated with device type cpu"). CPU runs: gloo alone.
-    `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
-    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
-    cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_mesh(device, world: int, fsdp_size: int):
-    """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding."""
-    if fsdp_size in (-1, world):
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
-    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size),
-                            mesh_dim_names=("replicate", "fsdp"))
-
-
-# --------------------------------------------------------------------------- algorithm
-def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std: bool = True,
-                   eps: float = 1e-6) -> torch.Tensor:
-    """scores (B,) in groups of n consecutive samples -> advantages (B, R), zero on padding.
-    A group of one sample gets mean 0 and std 1, as in verl."""
-    g = scores.view(-1, n)                                     # (B/n, n)
-    if n == 1:
-        mean, std = torch.zeros_like(g), torch.ones_like(g)
-    else:
-        mean, std = g.mean(-1, keepdim=True), g.std(-1, keepdim=True)   # unbiased std
-    adv = g - mean
-    if norm_by_std:
-        adv = adv / (std + eps)
-    return adv.reshape(-1, 1) * mask
+def report(t: Trainer) -> list[str]:
+    """The run's set-up in a few lines: the data, the engine and the checkpoints, then what each role
+    holds and moves, in its own words (each role's `describe`)."""
+    cfg = t.cfg
+    auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
+    lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
+             + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
+    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
+                                    f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
+                                    if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
+    lines += rollout.describe(t.engine)
+    if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
+                                      if isinstance(s, offload.Stash)):
+        lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
+    lines += actor.describe(t.actor, ppo=t.critic is not None)
+    lines += ref.describe(t.ref) if t.ref is not None else ref.ignored(cfg.ref, cfg.actor)
+    lines += reward_model.describe(t.reward_model) if t.reward_model is not None else \
+        reward_model.ignored(cfg.reward_model)
+    return lines + (critic.describe(t.critic) if t.critic is not None else [])
 
 
 # --------------------------------------------------------------------------- logging
@@ -259,17 +217,6 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
 
 
-def profile_steps(spec: str) -> set[int]:
-    """`--profile_steps=1,3` -> {1, 3}: steps numbered from 0, as in metrics.jsonl; "" -> none."""
-    try:
-        steps = {int(s) for s in spec.split(",") if s.strip()}
-    except ValueError:
-        steps = {-1}
-    if min(steps, default=0) < 0:
-        raise ValueError(f"--profile_steps={spec}: give step numbers from 0, separated by commas (e.g. 1,3)")
-    return steps
-
-
 @contextlib.contextmanager
 def profiled(cfg: Config, step: int, rank: int, device):
     """A torch.profiler trace of this step when --profile_steps names it: CPU ops, CUDA kernels
@@ -277,7 +224,7 @@ def profiled(cfg: Config, step: int, rank: int, device):
     Written to <out_dir>/profile/step<k>.rank<r>.pt.trace.json (Chrome trace: Perfetto,
     chrome://tracing; the .pt.trace.json suffix is what TensorBoard's profiler plugin reads).
     Any other step runs with no profiler at all."""
-    if step not in profile_steps(cfg.profile_steps):
+    if step not in options.profile_steps(cfg.profile_steps):
         yield
         return
     from torch.profiler import ProfilerActivity, profile
@@ -291,220 +238,97 @@ def profiled(cfg: Config, step: int, rank: int, device):
         print(f"[profile] step {step}: {path} (one file per rank)", flush=True)
 
 
-# --------------------------------------------------------------------------- setup
-@dataclass
-class Trainer:
-    """Everything one run holds (state only; the step is a free function). Each role holds its own
-    offload groups and moves them itself; the loop only orders the stages."""
-    cfg: Config
-    rank: int
-    world: int
-    device: torch.device
-    mini_size: int                         # samples per rank in one mini-batch
-    tokenizer: object
-    prompts: list                          # prompt token ids
-    answers: list
-    reward_fn: object
-    order: list                            # prompt order, the same on every rank
-    actor: actor.Actor
-    engine: rollout.Engine
-    fingerprint: str                       # of the prompts and answers: a resume checks it walks the same data
-    ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
-    critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
-    chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
-    reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
-    plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
-    data_offset: int = 0                   # prompts walked before step 0's position (a resume that
-                                           # changed train_batch_size keeps its place in the data)
-    warned: set = field(default_factory=set)   # warnings already printed (each once per run)
-
-
-def preflight(cfg: Config):
-    """Every check that needs no process group and no model, run on every rank before either
-    exists, so that a mistake costs seconds: the batch arithmetic, the model directory (config,
-    weights, a decoder layout this code shards), the data and the reward, then the out_dir policy
-    (`checkpoint.plan`). Returns ((prompt ids, answers, chats), the checkpoint to resume or None)."""
-    check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-    actor.check_model(cfg.model)
-    reward_model.check(cfg.reward_model)
-    profile_steps(cfg.profile_steps)
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
-        critic.check_model(cfg.model)
-    tokenizer = data_io.load_tokenizer(cfg.model)
-    data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
-    data_io.load_reward(cfg.reward, cfg.data)
-    return data, checkpoint.plan(cfg, data_io.fingerprint(*data[:2]))
-
-
-def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
-    """Build every role (each offloads what its flags say), then the rollout engine (or reuse
-    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
-    benchmark's)."""
-    actor.check_model_path(cfg.model)
-    reward_model.check(cfg.reward_model)
-    rank, world, device = init_distributed(cfg.dist_timeout_s)
-    mini_size = check_sizes(cfg, world)
-    torch.manual_seed(cfg.seed)
-    mesh = build_mesh(device, world, cfg.fsdp_size)
-    tokenizer = data_io.load_tokenizer(cfg.model)
-    prompts, answers, chats = data if data is not None else data_io.load_data(
-        cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
-    engine_kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
-    prompt_len = max(map(len, prompts))
-    if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
-        cfg = plan_auto(cfg, world, prompt_len, engine_kind, device, rank)
-    memory_watch(cfg, device)
-    where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
-    a = actor.build(cfg.actor, **where)
-    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if ref.needed(cfg.actor) else None
-    c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
-        if cfg.algorithm.adv_estimator == "gae" else None
-    rm = reward_model.build(cfg.reward_model, param_dtype=cfg.actor.param_dtype, policy_tokenizer=tokenizer, mesh=mesh,
-                            device=device, seed=cfg.seed) if cfg.reward_model.path else None
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
-        engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
-                               out_dir=cfg.out_dir, max_model_len=max(map(len, prompts)) + cfg.rollout.response_length,
-                               max_num_seqs=cfg.train_batch_size // world * cfg.rollout.n,
-                               dtype=cfg.actor.param_dtype, seed=cfg.seed + rank, rank=rank)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
-                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
-                order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
-    if rank == 0:
-        print("\n".join(report(t)), flush=True)
-        print(plan.table(t.plan, gpu_capacity(device)), flush=True)
-    return t
-
-
-def host_bytes_per_rank() -> int:
-    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-
-
-def gpu_capacity(device) -> int:
-    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * plan.GB
-
-
-def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device, rank: int) -> Config:
-    """--offload=auto: the fastest flags that fit this GPU by the plan (plan.choose)."""
-    say = print if rank == 0 else (lambda *a, **k: None)
-    if device.type != "cuda":
-        say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
-        return cfg
-    host = host_bytes_per_rank()
-    best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
-    if best is None:
-        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
-        raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
-                         f"micro-batch sizes that fits {gpu_capacity(device) / plan.GB:.0f} GB per GPU; what would: "
-                         + ("; ".join(fits) if fits else "a bigger GPU"))
-    say(f"[plan] --offload=auto chose: {' '.join(plan.changes(cfg, best)) or 'the flags as given'} "
-        f"(predicted peak {p.peak / plan.GB:.1f} GB, step ~{p.seconds:.1f} s)")
-    return best
-
-
-def memory_watch(cfg: Config, device):
-    """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
-    with memory_history, every allocation's stack is recorded into it as well."""
-    if device.type != "cuda":
-        return
-    if cfg.memory_history:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-    path = os.path.join(cfg.out_dir, f"oom_snapshot.rank{dist.get_rank()}.pickle")
-
-    def dump(*_):                          # called by the allocator at the moment it gives up
-        torch.cuda.memory._dump_snapshot(path)
-    torch._C._cuda_attach_out_of_memory_observer(dump)
-
-
-def report(t: Trainer) -> list[str]:
-    """The run's set-up in a few lines: the engine, and for each offload flag what it moves and when."""
-    cfg, a, dev = t.cfg, t.cfg.actor, t.device
-    GB, where = offload.GB, "pinned host" if dev.type == "cuda" else "host (CPU run: no device memory to save)"
-
-    def flag(name, nbytes, on):
-        return f"[offload] {name}: " + (f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on
-                                        else f"off: keeps {nbytes / GB:.3f} GB on {dev.type}")
-    auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
-    lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
-             + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
-    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
-                                    f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
-                                    if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
-    if t.engine.kind == "vllm":
-        kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
-              f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
-              f"weights + KV cache {cfg.rollout.gpu_memory_utilization:.0%} of the GPU")
-        tp = cfg.rollout.tensor_parallel_size
-        lines.append("[rollout] vLLM engine" + (f" (tensor parallel over {tp} ranks)" if tp > 1 else "")
-                     + f" built in {t.engine.build_s:.1f} s; {kv}; asleep it keeps "
-                     f"{t.engine.asleep_device_gb:.2f} GB on the GPU (CUDA graphs and buffers that sleep cannot free)")
-    if dev.type == "cpu" and (a.param_offload or a.optimizer_offload or cfg.ref.param_offload
-                              or cfg.reward_model.param_offload):
-        lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-    # Adam holds exp_avg + exp_avg_sq shaped like each local shard that trains (counted from shapes:
-    # the shards themselves may be on the host already)
-    adam_bytes = 2 * sum(p.to_local().numel() * 4 for p in t.actor.model.parameters() if p.requires_grad)
-    k = a.param_offload_layers
-    if t.actor.lora is not None:
-        lines.append(actor.describe_lora(t.actor))
-        if a.use_kl_loss and ref.ignored(cfg.ref):
-            lines.append(f"[ref] warning: with actor.lora_rank the reference is the actor with its adapter off "
-                         f"(no ref model): {', '.join(ref.ignored(cfg.ref))} has no effect")
-    elif a.save_merged:
-        lines.append("[actor] warning: actor.save_merged has no effect without actor.lora_rank "
-                     "(the saved model is the whole policy)")
-    lines.append(flag("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
-                      t.actor.params.nbytes + (t.actor.base.nbytes if t.actor.base else 0), a.param_offload))
-    lines.append(flag("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, a.optimizer_offload))
-    timing = []                            # the copy levers: when each offloaded group moves
-    if a.param_offload:
-        timing.append("params leave " + ("at the next weight sync (not after the update)" if a.defer_param_offload
-                                         else "after the update")
-                      + (" and return during the ref forward" if a.prefetch_update and t.ref and not t.critic else "")
-                      + (" and stay after the ref forward (adapter off) for the update"
-                         if a.prefetch_update and t.actor.lora and a.use_kl_loss and not t.critic else ""))
-    if a.optimizer_offload:
-        timing.append("Adam returns " + ("just before optimizer.step" if a.optimizer_load_at_step
-                                         else "on a side stream during the forward/backward"))
-    if timing:
-        lines.append("[offload] timing: " + "; ".join(timing))
-    if t.ref is not None:
-        lines.append(flag("ref.param_offload", t.ref.params.nbytes, cfg.ref.param_offload))
-    if t.reward_model is not None:
-        lines.append(reward_model.describe(t.reward_model))
-        lines.append(flag("reward_model.param_offload", t.reward_model.params.nbytes, cfg.reward_model.param_offload))
-    elif cfg.reward_model.param_offload or cfg.reward_model.weight != 1.0:
-        lines.append("[reward_model] warning: no --reward_model.path: the other reward_model options have no effect")
-    if a.offload_policy or cfg.ref.offload_policy:
-        lines.append("[offload] offload_policy: FSDP2 CPUOffloadPolicy, params (and grads, Adam) on pinned host, "
-                     "copied per layer at all-gather; the optimizer steps on the CPU")
-    if t.critic is not None:
-        c, held = cfg.critic, sum(p.to_local().numel() * 4 for p in t.critic.model.parameters())
-        lines.append(f"[critic] mode={c.mode}: {held / GB:.3f} GB of parameters"
-                     + (" (a value head on the actor's trunk: no second model)" if c.mode == "shared" else ""))
-        if c.mode == "shared" and (c.param_offload or c.optimizer_offload):
-            lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
-        lines.append(flag("critic.param_offload", held, c.param_offload and c.mode == "separate"))
-        lines.append(flag("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held,
-                          c.optimizer_offload and c.mode == "separate"))
-    return lines
-
-
 # --------------------------------------------------------------------------- one step
 class StageOutOfMemory(RuntimeError):
     """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
 
+
+@contextlib.contextmanager
+def ledger(t: Trainer, m: dict, name: str):
+    """One stage in the ledger: its time and memory (vLLM's pool taken out) and the plan's prediction
+    beside them; an OOM inside it is said with where, what was resident, the plan and the change."""
+    assert name in offload.STAGES, name
+    try:
+        with offload.stage(name, m, t.device, t.engine.pool_bytes):
+            yield
+    except torch.OutOfMemoryError as e:
+        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, plan.gpu_capacity(t.device) / plan.GB)) from e
+    plan.record(t.plan, name, m)
+
+
+def train_step(t: Trainer, step: int) -> dict:
+    """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
+    ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
+    cfg, m, t0 = t.cfg, {"step": step}, time.perf_counter()
+    stage = lambda name: ledger(t, m, name)  # noqa: E731
+    temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
+    idx = batch_indices(t, step)
+    with stage("generate"):                # the actor's offloaded params come in for the sync only
+        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx],
+                                 cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
+    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref, reward model)
+    m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(
+        r, "optimizer", None)) if x is not None]) / offload.GB
+    with stage("reward"):                  # CPU: decode and score each response
+        scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
+                                               batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+        m["reward/errors"] = reward_errors(t, errors)   # stops every rank, or counts (reward_error)
+        scores = torch.tensor(scores, dtype=torch.float32, device=t.device)
+    if t.reward_model is not None:         # its shards in, scores, out (its position: offload.STAGES)
+        with stage("reward_model"):
+            with reward_model.resident(t.reward_model, m):
+                rm_scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [
+                    t.chats[i] for i in idx for _ in range(cfg.rollout.n)])
+            scores = reward_model.mix(scores, rm_scores, cfg.reward_model.weight, m)
+    with stage("old_logp"):                # skipped on-policy: the update's first forward is the old policy
+        actor.compute_old_log_probs(t.actor, batch, temperature, cfg.train_batch_size, m)
+    with stage("ref_logp"):
+        if t.ref is not None:              # the frozen ref lends its bracket: the actor's prefetch overlaps it
+            with ref.resident(t.ref, m):
+                if t.critic is None:       # GRPO: the update comes next (PPO: the critic's stages do)
+                    actor.prefetch_update(t.actor, m)
+                batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, temperature)
+        elif cfg.actor.use_kl_loss:        # LoRA (ref.needed): the actor with its adapter off is the reference
+            batch["ref_log_probs"] = actor.compute_ref_log_probs(t.actor, batch, temperature, m, t.critic is None)
+    if t.critic is not None:               # PPO: values of the rollout states
+        with stage("values"):
+            critic.compute_values(t.critic, batch, t.actor, m)
+    with stage("advantage"):               # GRPO: group-normalised scores; PPO: GAE on the critic's values
+        batch["advantages"] = critic.advantages(t.critic, batch, scores) if t.critic is not None else \
+            actor.grpo_advantage(scores, cfg.rollout.n, batch["response_mask"].float(),
+                                 cfg.algorithm.norm_adv_by_std_in_grpo)
+    if t.critic is not None:
+        with stage("critic_update"):
+            m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
+    with stage("update"):
+        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
+    m.update(step_figures(t, scores, batch["response_mask"]), **{"time/step": time.perf_counter() - t0})
+    return reduce_metrics(m, t.device)
+
+
+def batch_indices(t: Trainer, step: int) -> list[int]:
+    """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
+    earlier steps (and a resume's data_offset) walked."""
+    local_bs = t.cfg.train_batch_size // t.world
+    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    return [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
+
+
+def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
+    """The step's reward mean, response length, share of groups with equal rewards (over all ranks)."""
+    groups = scores.view(-1, t.cfg.rollout.n)
+    flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
+    sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
+                                device=t.device, dtype=torch.float64)).tolist()
+    return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": offload.host_rss_gb(),
+            "reward/equal_groups_frac": sums[3] / sums[4]}   # groups whose samples all scored the same
 
 
 def reward_errors(t: Trainer, errors: list) -> int:
     """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
     reward_error=stop every rank raises the first one (so rank 0 can say it); with zero those
     samples scored 0, and the first is shown once as a warning."""
-    n = int(actor.all_sum(torch.tensor([float(len(errors))], device=t.device)).item())
+    n = int(all_sum(torch.tensor([float(len(errors))], device=t.device)).item())
     if n and (t.cfg.reward_error == "stop" or "reward" not in t.warned):
         first = [errors[0] if errors else None]
         if t.world > 1:                    # every rank learns the first rank's message
@@ -520,117 +344,6 @@ def reward_errors(t: Trainer, errors: list) -> int:
     return n
 
 
-
-# reward_model sits before old_logp and ref_logp: the actor's offloaded params have left after the sync
-# and nothing is prefetched yet, so its shards and activations meet the fewest trainer bytes of the step
-STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
-          "update")
-
-
-def train_step(t: Trainer, step: int) -> dict:
-    """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
-    ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
-    cfg, a, device, m = t.cfg, t.cfg.actor, t.device, {"step": step}
-    temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
-
-    @contextlib.contextmanager
-    def stage(name):                      # the ledger: time and memory of each stage, vLLM's pool taken out
-        assert name in STAGES, name
-        try:
-            with offload.stage(name, m, device, t.engine.pool_bytes):
-                yield
-        except torch.OutOfMemoryError as e:   # say where, what was resident, the plan, the change
-            raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, gpu_capacity(device) / plan.GB)) from e
-        predicted = t.plan.stage(name) if t.plan else None
-        if predicted is not None:
-            m[f"plan/{name}/predicted_gb"] = predicted.total / plan.GB
-
-    t_step = time.perf_counter()
-    pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
-    local_bs = cfg.train_batch_size // t.world
-    start = (t.data_offset + step * cfg.train_batch_size) % len(t.order)
-    idx = [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
-    on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
-
-    with stage("generate"):                # the actor's offloaded params come in for the sync only
-        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx], cfg.rollout, pad_id,
-                                 t.tokenizer.eos_token_id, device,
-                                 cfg.seed * 1_000_003 + step * t.world + t.rank, actor.offloaded(t.actor), m)
-    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref, reward model)
-    held = [t.actor.model, t.actor.optimizer] + ([t.ref.model] if t.ref else []) + \
-        ([t.critic.model, t.critic.optimizer] if t.critic else []) + \
-        ([t.reward_model.model] if t.reward_model else [])
-    m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*held) / offload.GB
-
-    with stage("reward"):                  # CPU: decode and score each response
-        mask = batch["response_mask"]
-        texts = t.tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(),
-                                                                      mask.sum(-1).tolist())],
-                                         skip_special_tokens=True)
-        scores, errors = data_io.score(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), texts,
-                                       [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
-        m["reward/errors"] = reward_errors(t, errors)   # stops every rank, or counts (reward_error)
-        scores = torch.tensor(scores, dtype=torch.float32, device=device)
-
-    if t.reward_model is not None:         # its shards in, scores, out (its position: STAGES)
-        with stage("reward_model"):
-            chats = [t.chats[i] for i in idx for _ in range(cfg.rollout.n)] if t.chats else None
-            with reward_model.resident(t.reward_model, m):
-                model_scores = reward_model.compute_scores(t.reward_model, batch, chats)
-            scores = reward_model.mix(scores, model_scores, cfg.reward_model.weight, m)
-
-    with stage("old_logp"):
-        if not on_policy:                  # on-policy: the update's first forward is the old policy
-            batch["old_log_probs"] = actor.compute_old_log_probs(t.actor, batch, temperature, m)
-            if "rollout_log_probs" in batch:
-                m.update(actor.logprob_mismatch(batch["old_log_probs"], batch))
-
-    with stage("ref_logp"):
-        if t.ref is not None:
-            with ref.resident(t.ref, m):
-                if t.critic is None:       # GRPO: the update comes next (PPO: the critic's stages do)
-                    actor.prefetch_update(t.actor, m)
-                batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, temperature)
-        elif a.use_kl_loss:                # LoRA (ref.needed): the actor with its adapter off is the reference
-            batch["ref_log_probs"] = actor.compute_ref_log_probs(t.actor, batch, temperature, m,
-                                                                 update_next=t.critic is None)
-
-    if t.critic is not None:               # PPO: values of the rollout states
-        with stage("values"):
-            batch["values"], feats = critic.compute_values(t.critic, batch, t.actor, m)
-            if feats is not None:
-                batch["features"] = feats
-
-    with stage("advantage"):
-        if t.critic is None:
-            batch["advantages"] = grpo_advantage(scores, cfg.rollout.n, mask.float(),
-                                                 cfg.algorithm.norm_adv_by_std_in_grpo)
-        else:                              # the score sits on each response's last token
-            last = (mask.sum(-1) - 1).clamp(min=0).long()
-            rewards = torch.zeros_like(batch["values"]).scatter_(1, last[:, None], scores[:, None])
-            adv, batch["returns"] = critic.gae(rewards, batch["values"], mask.float(),
-                                               cfg.critic.gamma, cfg.critic.lam)
-            batch["advantages"] = critic.whiten(adv, mask.float())
-
-    if t.critic is not None:
-        with stage("critic_update"):
-            m.update(critic.update(t.critic, batch, t.mini_size, a.ppo_epochs, m))
-        batch.pop("features", None)        # shared mode: the saved actor features, freed
-
-    with stage("update"):
-        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
-
-    groups = scores.view(-1, cfg.rollout.n)
-    flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if cfg.rollout.n > 1 else 0
-    sums = actor.all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
-                                      device=device, dtype=torch.float64)).tolist()
-    m.update(reward_mean=sums[0] / sums[1], response_length=sums[2] / sums[1],
-             host_rss_gb=offload.host_rss_gb())
-    m["reward/equal_groups_frac"] = sums[3] / sums[4]   # groups whose samples all scored the same
-    m["time/step"] = time.perf_counter() - t_step
-    return reduce_metrics(m, device)
-
-
 # --------------------------------------------------------------------------- main
 def train(t: Trainer, start: int) -> bool:
     """Steps start .. cfg.steps - 1, one metrics line each, a checkpoint every save_freq steps and
@@ -638,7 +351,7 @@ def train(t: Trainer, start: int) -> bool:
     cfg = t.cfg
     metrics_path = checkpoint.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
     checkpoint.stop_on_sigterm()
-    t_start, seen, host = time.time(), {}, host_bytes_per_rank()
+    t_start, seen = time.time(), {}
     for step in range(start, cfg.steps):
         with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
@@ -646,9 +359,8 @@ def train(t: Trainer, start: int) -> bool:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
-            if t.device.type == "cuda":    # early warnings: near the limit, retries, off the plan, creep
-                for line in plan.watch(m, seen, t.plan, gpu_capacity(t.device), host):
-                    print(line, flush=True)
+            for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+                print(line, flush=True)
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
             if t.rank == 0:                # GRPO's advantage is then 0 everywhere: only KL / entropy move weights
@@ -657,10 +369,29 @@ def train(t: Trainer, start: int) -> bool:
                       f"in reward/equal_groups_frac and at the end", flush=True)
         stop = checkpoint.stop_requested(t.device)   # a SIGTERM on any rank: all stop after this step
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
-            checkpoint.save(t, step + 1)
+            save(t, step + 1)
         if stop and step + 1 < cfg.steps:
             return False
     return True
+
+
+def trained(t: Trainer) -> list:
+    """(name, state, its checkpoint bracket) of each trained role; the frozen ones are rebuilt from --model."""
+    return [("actor", t.actor, actor.state_in)] + ([("critic", t.critic, critic.state_in)] if t.critic else [])
+
+
+def save(t: Trainer, step: int):
+    """A checkpoint after `step` steps, with where the run is in its data."""
+    checkpoint.save(t.cfg.out_dir, step, trained(t), t.cfg.keep_checkpoints, {
+        "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
+        "world_size": t.world, "config": asdict(t.cfg)})
+
+
+def resume(t: Trainer, path: str) -> int:
+    """Load the checkpoint at `path` into the roles; returns the step to start at."""
+    meta = checkpoint.load(path, trained(t), asdict(t.cfg), t.world)
+    t.data_offset = meta["prompts_seen"] - meta["step"] * t.cfg.train_batch_size   # 0 unless the batch size changed
+    return meta["step"]
 
 
 def summary(metrics_path: str) -> list[str]:
@@ -703,20 +434,20 @@ def fail(message: str, rank: int, code: int = 2):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(options.usage(sections(Config())))
+        print(options.usage(options.sections(Config())))
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
-        cfg = parse_args(argv)
+        cfg = options.parse_args(argv)
         timeout = cfg.dist_timeout_s
-        data, resume = preflight(cfg)
+        data, start = preflight(cfg)
         t = setup(cfg, data=data)
         if t.rank == 0:
             resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
             print(json.dumps(resolved, indent=1))
             with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
                 json.dump(resolved, f, indent=1)
-        finished = train(t, checkpoint.load(t, resume) if resume else 0)
+        finished = train(t, resume(t, start) if start else 0)
         if not finished:                   # SIGTERM: checkpointed; the same command resumes
             if t.rank == 0:
                 print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
@@ -728,7 +459,7 @@ def main(argv=None):
             if t.device.type == "cuda":
                 plan.plot(cfg.out_dir)     # <out_dir>/memory.png: the peaks per stage over the steps, and the plan
         if cfg.save:
-            checkpoint.save_final(t)
+            checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
         fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
     except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change

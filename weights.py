@@ -12,6 +12,8 @@ import shutil
 
 import torch
 
+from model import is_dir
+
 ADAPTER = "default"                        # peft's name for the one adapter
 
 
@@ -116,7 +118,7 @@ def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype |
         hf_class = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
         model.config.architectures = [hf_class.__name__]
         model.config.save_pretrained(path)
-        if model_path is None or model_path.startswith("random:"):
+        if not is_dir(model_path):
             tokenizer.save_pretrained(path)
             return
         for name in sorted(os.listdir(model_path)):

@@ -1,0 +1,267 @@
+"""What every role shares: the model behind --model, FSDP2, AdamW, layouts, the micro-batched forward,
+the collectives and the clipped optimizer step. A role file imports this one, offload.py and
+packing.py, never another role: copying ref.py brings these three along, not actor.py.
+
+    python -m pytest -q test_dist.py test_packing.py      # 2 ranks == 1; packed == padded
+
+--model (and --reward_model.path) name one of three things, resolved here and nowhere else:
+    None            the embedded tiny Qwen2 (tiny.py), built in code
+    random:<size>   a Qwen2.5 size with random weights (random:qwen2.5-7b, random:tiny): benchmarks
+    a directory     a local Hugging Face checkpoint (nothing is downloaded)
+`load_model` builds it with the head a role needs: "causal" (actor, ref: the LM head), "value"
+(the separate critic: one output per token), "score" (the reward model: one per sequence), fp32
+on the host (random sizes straight on the GPU: seconds instead of minutes at 7B); `shard` then
+leaves each rank its FSDP2 shard on its device.
+"""
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+import offload
+import packing
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+HEADS = {"causal": "CausalLM", "value": "TokenClassification", "score": "SequenceClassification"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+SUPPORTED = ("decoder-only causal LMs laid out as model.model.layers + model.model.norm "
+             "(Qwen2/2.5/3, Llama, Mistral, Gemma and the like)")
+
+
+# --------------------------------------------------------------------------- --model
+def random_size(path: str | None) -> str | None:
+    """"random:<size>" -> "<size>"; None for the tiny default and for a directory."""
+    return path[len("random:"):] if path is not None and path.startswith("random:") else None
+
+
+def is_dir(path: str | None) -> bool:
+    """`path` names a local checkpoint (not the tiny default, not random weights)."""
+    return path is not None and random_size(path) is None
+
+
+def hf_config(path: str | None, option: str = "--model"):
+    """The HF config of `path` without its weights, a fresh object each call. `option`: how an
+    unknown random size or a missing directory is named in the error."""
+    import tiny
+    size = random_size(path)
+    if path is None or size == "tiny":
+        return tiny.tiny_config()
+    if size is not None:
+        if size not in tiny.QWEN25:
+            raise ValueError(f"{option}={path}: known sizes are random:tiny, "
+                             + ", ".join(f"random:{k}" for k in tiny.QWEN25))
+        return tiny.qwen25_config(size)
+    check_model_path(path, option)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def head_dim(config) -> int:
+    """Per-head width: the config's own, or hidden / heads (Qwen2 and Llama configs may omit it)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_model_path(path: str | None, option: str = "--model"):
+    if is_dir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{option} {path}: no config.json there; pass a local Hugging Face "
+                                f"model directory (nothing is downloaded)")
+
+
+def check_model(path: str | None):
+    """Before any process group or weight is loaded: a known random size, or a local directory with
+    a config, weights, and the layout `shard` walks (`model.model.layers`, and `model.model.norm` for
+    the shared critic head), read from a model built on the meta device (no memory)."""
+    if not is_dir(path):
+        hf_config(path)                    # an unknown size is one line
+        return
+    check_model_path(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"--model {path}: no weights there (looked for {', '.join(WEIGHT_FILES)})")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()       # a BERT config's "add is_decoder=True" note is not the error
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model {path}: transformers builds no causal LM from its config.json "
+                         f"({str(e).splitlines()[0]}); supported: {SUPPORTED}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    inner = getattr(built, "model", None)
+    if not (hasattr(inner, "layers") and hasattr(inner, "norm")):
+        raise ValueError(f"--model {path}: {type(built).__name__} has no model.model.layers / "
+                         f"model.model.norm; supported: {SUPPORTED}")
+
+
+def load_model(path: str | None, seed: int = 0, head: str = "causal") -> torch.nn.Module:
+    """fp32 weights with `head` (HEADS): built from `seed` (every rank, and the reference, builds the
+    same weights), or read from a local checkpoint."""
+    import transformers
+    config = hf_config(path)
+    if head != "causal":                   # one output: a value per token, or a score per sequence
+        # Set on the config, not passed to from_pretrained: configs without a classifier_dropout field
+        # (Qwen2's) reject it as a keyword. Without it a value head gets dropout 0.1: noisy values.
+        config.num_labels, config.classifier_dropout = 1, 0.0
+    torch.manual_seed(seed)
+    if not is_dir(path):                   # fp32 master weights, whatever dtype the config names
+        gpu = random_size(path) not in (None, "tiny") and torch.cuda.is_available()
+        with torch.device("cuda" if gpu else "cpu"):
+            return getattr(transformers, f"Qwen2For{HEADS[head]}")(config).float()
+    return getattr(transformers, f"AutoModelFor{HEADS[head]}").from_pretrained(
+        path, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa")
+
+
+# --------------------------------------------------------------------------- FSDP2 and AdamW
+def init_distributed(timeout_s: float | None = None):
+    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
+    On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
+    CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
+    with "No backend type associated with device type cpu"). CPU runs: gloo alone.
+    `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
+    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_mesh(device, world: int, fsdp_size: int):
+    """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding."""
+    if fsdp_size in (-1, world):
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(device.type, (world // fsdp_size, fsdp_size),
+                            mesh_dim_names=("replicate", "fsdp"))
+
+
+def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bool = False,
+          param_dtype: str = "bfloat16", gradient_checkpointing: bool = False) -> torch.nn.Module:
+    """FSDP2: each decoder layer, then the root (which takes the embeddings, norm and lm_head).
+    Layers first so each one all-gathers and frees on its own; the root last so it owns the rest.
+    With a 2-D mesh ("replicate", "fsdp") this is hybrid sharding. Moves the shards to `device`
+    (or to pinned host memory with CPUOffloadPolicy)."""
+    cuda = device.type == "cuda"
+    packing.use_packed_attention(model)    # SDPA for padded rows, varlen attention for packed ones
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) \
+        if cuda else MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy(pin_memory=True) if offload_policy and cuda else OffloadPolicy()
+    if gradient_checkpointing:   # per decoder layer; the method was renamed in transformers 5.2x
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    # The root too reshards after forward (FSDP2 keeps the root gathered by default): otherwise the
+    # gathered embedding / lm_head (vocab x hidden, bf16) stays on the GPU between stages.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=True)
+    if not (offload_policy and cuda):
+        model.to(device)            # buffers (rotary inv_freq); shards already moved by fully_shard
+    return model
+
+
+def build_optimizer(model, cfg) -> torch.optim.Optimizer:
+    """AdamW for the actor or the critic (`cfg` has lr and weight_decay), over the parameters that
+    train (with LoRA: the adapters only). Adam state (2 x fp32 shard bytes of those) appears at the
+    first step, on the params' device. fused: one kernel per step and no temporaries; the default
+    foreach path allocates several param-sized lists in the step (at 7B those tens of GB did not fit
+    beside params + grads + Adam on one H200)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                             weight_decay=cfg.weight_decay, fused=True)
+
+
+# --------------------------------------------------------------------------- forward
+def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
+    """How a role splits and runs its batch: `micro` samples, or `max_tokens` with use_dynamic_bsz.
+    `cfg`: the actor's config, whose packing settings every role that runs this architecture shares."""
+    return packing.Layout(micro=micro, max_tokens=max_tokens if cfg.use_dynamic_bsz else 0,
+                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens)
+
+
+def split(batch: dict, size: int):
+    n = next(iter(batch.values())).shape[0]
+    for i in range(0, n, size):
+        yield {k: v[i:i + size] for k, v in batch.items()}
+
+
+def forward(model, mb: dict, temperature: float, layout: packing.Layout, entropy: str = "none"):
+    """Log-probs (and entropy) of the response tokens, (B, R), zero on padding. Only the positions
+    that predict a response token reach the LM head, a chunk at a time (packing.py).
+    entropy: "none"; "log" (no graph: nothing extra kept for backward); "grad" (in the loss)."""
+    logp, ent = packing.response_logprobs(model, mb, temperature, layout, entropy_grad=entropy == "grad")
+    return logp, (None if entropy == "none" else ent)
+
+
+@torch.no_grad()
+def compute_log_probs(model, batch: dict, layout: packing.Layout, temperature: float) -> torch.Tensor:
+    """(B, R) log-probs in micro-batches (peak activation memory scales with the micro-batch),
+    returned in the batch's row order whatever order the token-budget bins took."""
+    batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
+    out = torch.zeros(batch["responses"].shape, dtype=torch.float32, device=batch["responses"].device)
+    for rows in packing.micro_batches(batch, layout):
+        logp = forward(model, packing.take(batch, rows), temperature, layout)[0]
+        if rows.numel():
+            out[rows.to(out.device)] = logp
+    return out
+
+
+# --------------------------------------------------------------------------- the update's pieces
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks (a no-op in one process)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def global_counts(mini: dict) -> tuple[float, float]:
+    """(valid tokens, sequences with a valid token) of a mini-batch over all ranks: the loss
+    denominators (the same rows `agg_loss` counts on its own)."""
+    m = mini["response_mask"]
+    c = all_sum(torch.stack([m.sum(), (m.sum(-1) > 0).sum()]).double())
+    tokens, seqs = c.tolist()                   # one host sync per mini-batch
+    return tokens, seqs
+
+
+def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
+    """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
+    batch's own (sequences: only rows with a valid token, as verl counts them). The update passes
+    the mini-batch's global counts (over micro-batches and ranks) so that the gradient does not
+    depend on how the mini-batch is split."""
+    mat = mat * mask
+    if mode == "token-mean":
+        return mat.sum() / (mask.sum() if tokens is None else tokens)
+    per_seq = mat.sum(-1)                                          # (B,)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"loss_agg_mode={mode!r}: use one of {LOSS_AGG_MODES}")
+    return per_seq.sum() / ((mask.sum(-1) > 0).sum() if seqs is None else seqs)
+
+
+def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None, metrics: dict,
+                 who: str) -> float:
+    """Clip the global grad norm and step; a non-finite norm skips the step (weights kept, the
+    gradients dropped by the caller's next zero_grad). `adam`: the optimizer state's stash (a no-op
+    when its flag keeps it on the device). Returns the norm."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
+    if math.isfinite(norm):
+        metrics.update(offload.ready(adam))   # Adam state: wait for its side-stream copy (or copy it in now)
+        optimizer.step()
+    elif not dist.is_initialized() or dist.get_rank() == 0:   # the norm is global: one rank says it
+        print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
+    return norm
