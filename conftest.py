@@ -1,9 +1,11 @@
 """One process group for the whole pytest session: torchrun's (several ranks) or a 1-process one."""
+import os
+
 import pytest
 import torch
+
 import actor
 from model import init_distributed, make_layout
-
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +57,8 @@ def layout(micro: int, **actor_cfg):
     import actor
     cfg = actor.ActorConfig(**actor_cfg)
     return make_layout(cfg, micro, cfg.log_prob_max_token_len_per_gpu)
+
+
+# a test that starts its own processes (python or torchrun) runs once, not once per rank of a torchrun
+launches = pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", 1)) > 1,
+                              reason="launches its own processes: run it without torchrun")

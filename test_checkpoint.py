@@ -18,6 +18,7 @@ import checkpoint
 import train_grpo
 import options
 from test_train import HERE, metrics, run
+from conftest import launches
 
 # every manual offload flag on: the checkpoint brackets really copy and free the storages on CPU
 OFFLOAD = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]
@@ -72,6 +73,7 @@ def uninterrupted(tmp_path_factory):
     return metrics(out)
 
 
+@launches
 def test_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
     """SIGKILL the whole 2-rank job ~0.3 s into step 4 (3 metrics lines written, the last checkpoint
     at step 2); the same command resumes from that checkpoint, drops the line of step 2 written
@@ -96,6 +98,7 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path, uninterrupt
     assert numbers(resumed) == numbers(uninterrupted)
 
 
+@launches
 def test_sigterm_saves_a_checkpoint_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
     """SIGTERM to torchrun (what a preemption sends; it forwards it to both ranks) during step 3:
     the ranks finish the step, write a checkpoint at the step they finished (no periodic
@@ -117,6 +120,7 @@ def test_sigterm_saves_a_checkpoint_then_resume_equals_uninterrupted(tmp_path, u
     assert numbers(metrics(out)) == numbers(uninterrupted)
 
 
+@launches
 def test_resume_at_another_world_size(tmp_path, dist_env):
     """A checkpoint written by 2 ranks loads into 1 (DCP reshards): the 1-rank trainer's params
     equal the 2-rank run's final/ weights at that step, and its params and AdamW state equal the
@@ -152,6 +156,7 @@ def test_resume_at_another_world_size(tmp_path, dist_env):
     assert m["optimizer_steps"] == 2 and m["skipped_steps"] == 0 and m["delta_w_abs_mean"] > 0
 
 
+@launches
 def test_ppo_resume_with_offloaded_critic_is_bit_exact(tmp_path):
     """PPO with a separate critic, every offload flag on (actor, ref, critic params and Adam):
     2 steps, then the same out_dir with --steps=4 (a finished run extended) equals 4 steps in one
@@ -172,6 +177,7 @@ def test_ppo_resume_with_offloaded_critic_is_bit_exact(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@launches
 def test_half_written_checkpoints_are_never_used_and_only_k_are_kept(tmp_path):
     """--save_freq=1 --keep_checkpoints=2 over 3 steps leaves step 2 and 3, `latest` naming step 3.
     A save cut short (.tmp-step_4 without meta.json) and a later step dir without meta.json are
@@ -193,6 +199,7 @@ def test_half_written_checkpoints_are_never_used_and_only_k_are_kept(tmp_path):
     assert open(os.path.join(root, "latest")).read() == "step_000004"
 
 
+@launches
 def test_a_checkpoint_of_another_model_is_one_line(tmp_path):
     """Resuming the embedded model's checkpoint with --model pointing at a wider Qwen2 (same
     tokenizer and data, so the pre-flight checks pass): the load stops the run with one `error:`
@@ -274,6 +281,7 @@ def test_out_dir_policy(tmp_path):
         plan(tmp_path / "f")
 
 
+@launches
 def test_readme_command_twice_is_refused_before_any_model(tmp_path):
     """The README's `python train_grpo.py`, run a second time in the same out_dir: one line on
     stderr that names the finished run and how to extend it or start another, exit 2, nothing
@@ -292,6 +300,7 @@ def test_readme_command_twice_is_refused_before_any_model(tmp_path):
     assert os.path.getmtime(os.path.join(out, "final", "model.safetensors")) == weights
 
 
+@launches
 def test_stalled_rank_ends_the_job_with_one_line(tmp_path):
     """SIGSTOP rank 1 in the middle of a 2-rank run with --dist_timeout_s=10: rank 0's next
     collective gives up after 10 s and the job ends (torchrun then kills the stopped rank after
@@ -316,6 +325,7 @@ def test_stalled_rank_ends_the_job_with_one_line(tmp_path):
     assert len(mine) == 1 and "waited more than --dist_timeout_s=10 s for the other ranks" in mine[0], text[-3000:]
 
 
+@launches
 def test_errors_under_torchrun_are_one_line_from_rank_0(tmp_path):
     """Under torchrun with 2 ranks: a bad option (found by every rank before the process group)
     and a reward that raises only on rank 1's samples (found mid-run) each print exactly one

@@ -81,11 +81,11 @@ def test_value_loss_seq_mean_skips_empty_rows():
     assert loss.item() == pytest.approx(0.5 * (1 + 4) / 1)
 
 
-def _critic(dist_env, mode="separate"):
+def _critic(dist_env, mode="separate", **flags):
     _, world, device = dist_env
     mesh = build_mesh(device, world, -1)
     act = shard(load_model(None, 0), mesh, device)
-    cfg = critic.CriticConfig(mode=mode)
+    cfg = critic.CriticConfig(mode=mode, **flags)
     c = critic.build(cfg, model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig(), actor_model=act)
     return act, c, cfg, device
 
@@ -96,7 +96,8 @@ def _update(c, batch):
 
 def _ppo_batch(act, c, device, seed):
     batch = tiny_batch(8, 5, device, seed=seed)
-    batch["values"], feats = critic.values(c.model, batch, c.cfg, c.forward_layout, act)
+    with offload.loaded([c.params], {}):  # the values stage's bracket (a no-op when the flag is off)
+        batch["values"], feats = critic.values(c.model, batch, c.cfg, c.forward_layout, act)
     if feats is not None:
         batch["features"] = feats
     batch["returns"] = torch.rand(8, 5, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -104,20 +105,20 @@ def _ppo_batch(act, c, device, seed):
 
 
 def test_critic_offload_round_trip_is_bit_exact(dist_env):
-    twins = [_critic(dist_env) for _ in range(2)]
-    for act, c, cfg, device in twins:
-        _update(c, _ppo_batch(act, c, device, 0))
-    act, c, cfg, device = twins[0]
-    params, states = offload.param_stash("c", c.model), offload.optimizer_stash("co", c.optimizer)
-    snap = [v.clone() for v in params.views + states.views]
-    offload.offload(params), offload.offload(states)
-    assert all(st.nbytes() == 0 for st in params.storages + states.storages)
-    offload.reload(params), offload.reload(states)
-    assert all(torch.equal(a, b) for a, b in zip(snap, params.views + states.views))
-    s1 = _update(c, _ppo_batch(act, c, device, 1))
-    a2, c2, _, _ = twins[1]
-    s2 = _update(c2, _ppo_batch(a2, c2, device, 1))
-    assert s1 == s2
+    """Two updates through critic.update of a critic built with param and optimizer offload equal
+    two of its twin built without; between them its params and Adam state hold no device bytes."""
+    runs = []
+    for on in (False, True):
+        act, c, cfg, device = _critic(dist_env, param_offload=on, optimizer_offload=on)
+        stats = []
+        for seed in range(2):
+            m = {}
+            stats.append(critic.update(c, _ppo_batch(act, c, device, seed), 8, 1, m))
+            if on:
+                assert all(st.nbytes() == 0 for st in c.params.storages + c.adam.storages)
+                assert m["offload/critic_params/offload_gb"] > 0 and m["offload/critic_optimizer/offload_gb"] > 0
+        runs.append(stats)
+    assert runs[0] == runs[1]
 
 
 def test_critic_update_independent_of_micro_batch(dist_env):

@@ -21,7 +21,7 @@ import rollout
 import train_grpo
 import weights
 from model import build_mesh, build_optimizer, compute_log_probs, init_distributed, load_model, shard
-from conftest import layout, tiny_batch
+from conftest import launches, layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -88,6 +88,7 @@ def _same(one, two):
         assert torch.allclose(p, two["params"][name], atol=1e-6, rtol=1e-5), name
 
 
+@launches
 def test_two_processes_equal_one(tmp_path):
     one = _launch(1, str(tmp_path / "one.pt"))
     two = _launch(2, str(tmp_path / "two.pt"))

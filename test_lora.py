@@ -21,7 +21,7 @@ import train_grpo
 import weights
 import lora
 from model import build_mesh, compute_log_probs, forward, init_distributed, load_model, shard
-from conftest import layout, tiny_batch
+from conftest import launches, layout, tiny_batch
 from test_train import metrics, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -156,6 +156,7 @@ def _launch(nproc: int, out_path: str):
     return torch.load(out_path)
 
 
+@launches
 def test_lora_two_processes_equal_one(tmp_path):
     """The same two LoRA SGD steps with 2 gloo processes (each half the batch and half of every
     shard) as with 1: pg_loss, kl, entropy and grad norm within 1e-5, every parameter within 1e-6;
@@ -214,6 +215,7 @@ def test_lora_hf_generate_uses_the_adapter(dist_env):
     assert not torch.equal(tokens[1], tokens[2])
 
 
+@launches
 def test_lora_checkpoint_is_a_peft_adapter_and_a_merged_model(tmp_path):
     """A 2-step LoRA run with --actor.save_merged=true writes <out>/final as a peft adapter
     (adapter_model.safetensors + adapter_config.json, rank 8) that PeftModel.from_pretrained loads onto
@@ -305,6 +307,7 @@ def test_reference_forward_first_keeps_fp32_adapter_grads(dist_env):
 
 
 # --------------------------------------------------------------------------- end to end
+@launches
 def test_lora_offload_flags_change_no_number(tmp_path):
     """Three LoRA steps with no offload, with param + optimizer offload and the copy levers on, and
     with the levers off and Adam in at the step: the same reward, pg_loss, kl and grad norm at every
@@ -337,6 +340,7 @@ def test_lora_offload_flags_change_no_number(tmp_path):
         assert len(warning) == 1 and "ref.param_offload=True has no effect" in warning[0]
 
 
+@launches
 def test_lora_embedded_run_learns(tmp_path):
     """`python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3`, 60 steps: the mean reward of the
     last 10 steps beats the first 10's by more than 0.15 (measured: 0.11 -> 0.34); every step logs

@@ -24,9 +24,9 @@ import train_grpo
 import options
 import lora
 from model import build_mesh, build_optimizer, shard
-from conftest import layout, mid_model, tiny_batch
+from conftest import launches, layout, mid_model, tiny_batch
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("clean_gpu")]
 MB = 1024 ** 2
 GB = 1024 ** 3
@@ -189,26 +189,20 @@ def test_lora_actor_holds_a_bf16_base_and_adapter_state_only(env):
 
 
 def test_no_creep_over_20_offloaded_steps(env):
-    """Load params + Adam -> update -> offload both, 20 times: device and host memory stay flat."""
+    """20 updates through the production `actor.update` with param and optimizer offload on (params
+    and Adam in -> update -> both out): device and host memory stay flat."""
     device, mesh = env
-    model = shard(mid_model(), mesh, device)
-    opt = build_optimizer(model, actor.ActorConfig())
-    params = offload.param_stash("actor_params", model)
-    opt_stash = None
-    base = _allocated() - params.nbytes                 # what was there before this model
+    base = _allocated()                                 # what was there before this model
+    cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=8, param_offload=True, optimizer_offload=True,
+                            defer_param_offload=False)
+    a = actor.build(cfg, model=mid_model(), mesh=mesh, device=device)
     alloc, rss = [], []
     for step in range(20):
-        offload.reload(params)
-        if opt_stash:
-            offload.reload(opt_stash)
-        _update(model, opt, device, seed=step)
-        opt_stash = opt_stash or offload.optimizer_stash("actor_optimizer", opt)
-        offload.offload(opt_stash)
-        offload.offload(params)
+        actor.update(a, tiny_batch(16, 32, device, seed=step, vocab=32000), 16, 1.0, {})
         alloc.append(_allocated())
         rss.append(offload.host_rss_gb() * 1024)
     assert max(alloc[2:]) - min(alloc[2:]) < MB, [a / MB for a in alloc]
-    assert alloc[-1] - base < params.nbytes * 0.05      # the trainer holds (almost) nothing now
+    assert alloc[-1] - base < a.params.nbytes * 0.05    # the trainer holds (almost) nothing now
     assert rss[-1] - rss[4] < 64, rss                   # MiB: host buffers are reused, not re-made
 
 
@@ -372,36 +366,32 @@ def test_hybrid_sharding_holds_its_share_and_makes_the_one_gpu_update(dist_env):
 
 
 def test_critic_offload_frees_its_bytes(env, deterministic):
-    """A separate critic (the same trunk + a 1-output head): params and Adam state each free
-    their bytes within 5 % (Adam's are exactly 2 x fp32 of this rank's unpadded shard shapes: the
-    1-row head does not split evenly over 2 ranks), and after a round trip the next update is
-    the same as a twin's that never left the GPU (deterministic kernels)."""
-    from transformers import Qwen2ForTokenClassification
+    """A separate critic built with param and optimizer offload (critic.build), updated through
+    critic.update: between updates its params and Adam state hold no device bytes (what its twin
+    with the flags off holds, within 5 %; Adam's are exactly 2 x fp32 of this rank's unpadded shard
+    shapes), and its next update is the same as the twin's (deterministic kernels)."""
     import critic
     device, mesh = env
-    config = mid_model().config
-    config.num_labels, config.classifier_dropout = 1, 0.0
-    cfg = critic.CriticConfig(ppo_micro_batch_size_per_gpu=8)
     twins = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        model = shard(Qwen2ForTokenClassification(config), mesh, device, param_dtype="float32")
-        twins.append((model, build_optimizer(model, cfg)))
+    for on in (False, True):
+        cfg = critic.CriticConfig(ppo_micro_batch_size_per_gpu=8, param_offload=on, optimizer_offload=on)
+        twins.append(critic.build(cfg, model_path="random:qwen2.5-0.5b", mesh=mesh, device=device,
+                                  actor_cfg=actor.ActorConfig(param_dtype="float32")))
+    kept, off = twins
     batch = tiny_batch(16, 32, device, vocab=32000)
-    lay = layout(8)
-    batch["values"], _ = critic.values(twins[0][0], batch, cfg, lay)
+    batch["values"], _ = critic.values(kept.model, batch, kept.cfg, kept.forward_layout)
     batch["returns"] = torch.rand_like(batch["values"])
-    for model, opt in twins:
-        critic.update_critic(model, opt, batch, cfg, lay, 16, 1)
-    (model, opt), (twin, twin_opt) = twins
-    params, states = offload.param_stash("critic_params", model), offload.optimizer_stash("critic_optimizer", opt)
-    assert states.nbytes == _adam_bytes(model)
-    for stash in (params, states):
-        before = _allocated()
-        offload.offload(stash)
-        _close(before - _allocated(), stash.nbytes)
-    offload.reload(params), offload.reload(states)
-    assert critic.update_critic(model, opt, batch, cfg, lay, 16, 1) == critic.update_critic(twin, twin_opt, batch, cfg, lay, 16, 1)
+    moved = {}
+    for c in twins:
+        critic.update(c, dict(batch), 16, 1, moved)
+    assert off.adam.nbytes == _adam_bytes(off.model)
+    assert all(st.nbytes() == 0 for st in off.params.storages + off.adam.storages)
+    _close(offload.gpu_bytes(kept.model, kept.optimizer) - offload.gpu_bytes(off.model, off.optimizer),
+           off.params.nbytes + off.adam.nbytes)
+    assert moved["offload/critic_optimizer/offload_gb"] * offload.GB == off.adam.nbytes
+    stats = [critic.update(c, dict(batch), 16, 1, {}) for c in twins]
+    assert [{k: s[k] for k in ("critic/vf_loss", "critic/grad_norm")} for s in stats] == \
+        [{k: stats[0][k] for k in ("critic/vf_loss", "critic/grad_norm")}] * 2
 
 
 def test_ppo_step_with_every_offload_flag_matches_none(env):
@@ -512,6 +502,7 @@ def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
 
 
+@launches
 def test_an_oom_is_explained_with_a_snapshot(tmp_path):
     """A run capped at 7 GB of the GPU (set_per_process_memory_fraction) at Qwen2.5-0.5B shapes runs
     out of memory: it exits 1, its last stderr line names the stage, what was resident and the
@@ -580,7 +571,7 @@ def test_a_checkpoint_leaves_host_memory_where_it_was(env):
     train_grpo.train_step(t, 0)
     rss = [offload.host_rss_gb()]
     for step in (1, 2):
-        checkpoint.save(t, step)
+        train_grpo.save(t, step)
         rss.append(offload.host_rss_gb())
     print(f"\n[checkpoint] host RSS {rss[0]:.2f} -> {rss[1]:.2f} -> {rss[2]:.2f} GB", flush=True)
     assert rss[1] - rss[0] < 0.5 and rss[2] - rss[1] < 0.25, rss

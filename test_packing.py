@@ -16,7 +16,7 @@ import actor
 import packing
 import train_grpo
 from model import build_mesh, compute_log_probs, init_distributed, load_model, make_layout, shard
-from conftest import layout, tiny_batch
+from conftest import launches, layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -152,6 +152,7 @@ def _update_with_lengths(out_path: str, dynamic: bool):
     train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
+@launches
 def test_token_budget_update_equals_fixed_on_two_ranks(tmp_path):
     """2 gloo ranks with unequal lengths: the token-budget update runs the same number of
     micro-batches on both ranks (not the fixed path's 4) and gives the same gradient (1e-6) and

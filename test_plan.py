@@ -13,6 +13,7 @@ import torch
 
 import plan
 import options
+from conftest import launches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = plan.GB
@@ -118,6 +119,7 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     assert any("GPUs" in x for x in plan.what_would_fit(big, 1, 256, 80 * GB, 0.1, "vllm"))
 
 
+@launches
 def test_cli_prints_the_table_and_the_choice_in_seconds():
     """`python plan.py <train_grpo options> --nproc=8 --gpu_gb=80` runs on the CPU (no model built)
     within 60 s and prints each stage's row and the fastest configuration that fits."""

@@ -18,7 +18,7 @@ import rollout
 import tiny
 import train_grpo
 from model import build_mesh, init_distributed
-from conftest import tiny_batch
+from conftest import launches, tiny_batch
 from test_train import metrics, run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -194,6 +194,7 @@ def test_policy_ids_beyond_its_vocabulary_are_refused(dist_env):
         _build(dist_env, "random:tiny", policy_tokenizer=other_tokenizer())
 
 
+@launches
 def test_run_with_a_reward_model_logs_its_stage(tmp_path, rm_dirs):
     """train_grpo.py with a reward model of another tokenizer, offloaded, weight 0.25: every step has
     the reward_model stage's time and memory, its offload moves (in, then dropped), both reward means,
@@ -212,6 +213,7 @@ def test_run_with_a_reward_model_logs_its_stage(tmp_path, rm_dirs):
     assert "[offload] reward_model.param_offload: ON" in r.stdout and "reads its own tokenization" in r.stdout
 
 
+@launches
 def test_two_processes_equal_one(tmp_path, rm_dirs):
     """2 gloo ranks, each holding half the parameters and scoring half the batch (3 per forward,
     re-tokenized for the other tokenizer), give the scores of 1 rank scoring all of it."""

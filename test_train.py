@@ -16,6 +16,7 @@ import train_grpo
 import options
 import offload
 from model import load_model
+from conftest import launches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GRPO_STAGES = [s for s in offload.STAGES if s not in ("values", "critic_update", "reward_model")]
@@ -37,6 +38,7 @@ def metrics(out):
         return [json.loads(line) for line in f]
 
 
+@launches
 def test_embedded_run_learns_on_two_processes(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false"], nproc=2)
@@ -75,6 +77,7 @@ def _wait_all(procs, timeout: float) -> list:
     return [p.returncode for p in procs]
 
 
+@launches
 def test_two_nodes_through_c10d_rendezvous_equal_one_node(tmp_path):
     """Two "nodes" of one CPU process each, started as a multi-node job starts (one torchrun per
     node, --nnodes=2, c10d rendezvous at 127.0.0.1:<free port>, one --rdzv-id), run 3 steps with the
@@ -103,6 +106,7 @@ def test_two_nodes_through_c10d_rendezvous_equal_one_node(tmp_path):
     assert [[m[k] for k in keys] for m in got] == [[m[k] for k in keys] for m in want]
 
 
+@launches
 def test_offload_flags_and_off_policy_path_run(tmp_path):
     """Every manual offload flag on, 2 mini-batches x 2 epochs (so old log-probs are recomputed)."""
     out = str(tmp_path / "run")
@@ -117,6 +121,7 @@ def test_offload_flags_and_off_policy_path_run(tmp_path):
     assert "[offload] actor.param_offload: ON" in r.stdout
 
 
+@launches
 def test_copy_levers_change_no_number_and_save_a_copy(tmp_path):
     """prefetch_update, defer_param_offload and optimizer_load_at_step only move copies in time:
     the same run with them off gives the same numbers. On: per step one param copy in (prefetched during the ref forward, so
@@ -142,6 +147,7 @@ def test_copy_levers_change_no_number_and_save_a_copy(tmp_path):
     assert off["offload/actor_params/reload_gb"] > 0 and "offload/actor_params/drop_s" in off
 
 
+@launches
 def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     """Save the embedded policy, load it with from_pretrained, then train from it on a jsonl file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -165,6 +171,7 @@ def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@launches
 def test_profile_steps_writes_one_trace(tmp_path):
     """A 3-step run with --profile_steps=1 writes one trace, step 1's from rank 0, and no other: valid
     JSON (Chrome trace format) with CPU op events and their input shapes (record_shapes), allocation
@@ -216,6 +223,7 @@ def test_config_overrides_are_typed():
     assert cfg.rollout.n == 4
 
 
+@launches
 @pytest.mark.parametrize("args,expect", [
     (["--model=/nonexistent/model"], "no config.json"),
     (["--actor.no_such_key=1"], "unknown option --actor.no_such_key"),
@@ -236,6 +244,7 @@ def test_bad_input_gives_one_clear_line(args, expect):
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], r.stderr[-2000:]
 
 
+@launches
 def test_malformed_data_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1=", "answer": "1"}\n{"prompt": "2=", "answer": \n')
@@ -244,6 +253,7 @@ def test_malformed_data_line(tmp_path):
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "line 2 is not valid JSON" in r.stderr
 
 
+@launches
 def test_indivisible_world_size(tmp_path):
     r = run(["--train_batch_size=3", "--actor.ppo_mini_batch_size=3", "--steps=1", "--save=false",
              f"--out_dir={tmp_path}"], nproc=2)
@@ -388,6 +398,7 @@ def test_reward_failures_are_named_with_the_sample():
         "reward mod:reward returned inf"]
 
 
+@launches
 def test_reward_error_zero_scores_and_counts(tmp_path):
     """--reward_error=zero: a reward returning None for some samples does not stop the run; those
     samples score 0, reward/errors counts them, one warning shows the first, the end line totals."""
@@ -403,6 +414,7 @@ def test_reward_error_zero_scores_and_counts(tmp_path):
     assert f"; {failed} rewards failed and scored 0" in r.stdout
 
 
+@launches
 def test_equal_rewards_warn_and_the_end_line_says_nothing_moved(tmp_path):
     """A reward that is always 0 (GRPO, no KL term): every group is flat, so the gradient is exactly
     0: one warning at the first step, and the end-of-run line says all optimizer steps were
@@ -459,6 +471,7 @@ def _local_model(d):
     GenerationConfig(eos_token_id=1, pad_token_id=0, do_sample=True, temperature=0.7, top_p=0.9).save_pretrained(d)
 
 
+@launches
 def test_local_model_ppo_critic_and_final_round_trip(tmp_path):
     """PPO with a separate critic on a local --model dir (it used to fail: classifier_dropout passed
     to from_pretrained), then out/final: the input's tokenizer files and generation_config.json
@@ -487,6 +500,7 @@ def test_local_model_ppo_critic_and_final_round_trip(tmp_path):
 
 
 # --------------------------------------------------------------------------- long-run flatness
+@launches
 def test_host_memory_flat_over_many_steps(tmp_path):
     """60 steps of the embedded model with every offload flag on and a checkpoint every 10 steps
     (the host buffers and the DCP saves are where a leak would live). After a 20-step warm-up

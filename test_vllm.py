@@ -8,6 +8,7 @@ compute in bf16 with different kernels, so exact greedy equality is asserted onl
 actor's top-1 token leads by more than bf16 noise, and the sampled-token log-prob mismatch is
 bounded (the measured size of the rollout/training mismatch, BENCHMARKS.md).
 """
+import dataclasses
 import importlib.util
 
 import pytest
@@ -21,7 +22,7 @@ import lora
 from model import build_mesh, compute_log_probs, shard
 from conftest import layout, mid_model
 
-pytestmark = [pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                  reason="needs a CUDA GPU and vLLM"),
               pytest.mark.usefixtures("clean_gpu")]     # the LoRA test's actor must not leave mid-measurement
 GB = offload.GB
@@ -35,7 +36,7 @@ def env(dist_env, tmp_path_factory):
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, gpu_memory_utilization=0.3, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config,
                            out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), max_model_len=64, max_num_seqs=32, dtype="bfloat16",
-                           seed=rank, rank=rank)
+                           seed=rank, pad_id=0, eos_id=1, rank=rank)
     print(f"\n[vllm] asleep after build: {engine.asleep_device_gb:.2f} GB stays on the GPU")
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(2, 32000, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
@@ -47,7 +48,7 @@ def _vllm(env, stashes=(), **over):
     model, engine, cfg, prompts, device = env
     c = rollout.RolloutConfig(**{**cfg.__dict__, **over})
     m = {}
-    batch = rollout.generate(engine, model, prompts, c, 0, 1, device, 7, list(stashes), m)
+    batch = rollout.generate(dataclasses.replace(engine, cfg=c), model, prompts, 7, list(stashes), m)
     return batch, m
 
 

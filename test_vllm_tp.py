@@ -9,6 +9,7 @@ the real bracket and weight sync) and saves what each rank got; the test compare
 The model is conftest's ~430M-parameter Qwen2 (random weights): 16 heads, 4 KV heads, so each
 GPU of the TP=2 engine holds half of both.
 """
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -20,6 +21,7 @@ from model import build_mesh, compute_log_probs, init_distributed, shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [
+    pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
                        reason="needs 2 CUDA GPUs and vLLM"),
     pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", 1)) > 1,
@@ -41,16 +43,17 @@ def _generate(out_dir: str, tp: int):
                for _ in range(8)]
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, tensor_parallel_size=tp, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config, out_dir=out_dir,
-                           max_model_len=64, max_num_seqs=len(prompts) * cfg.n, dtype="bfloat16", seed=rank, rank=rank)
+                           max_model_len=64, max_num_seqs=len(prompts) * cfg.n, dtype="bfloat16", seed=rank,
+                           pad_id=0, eos_id=1, rank=rank)
     greedy_cfg = rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0})
     m = {}
-    greedy = rollout.generate(engine, model, prompts, greedy_cfg, 0, 1, device, 7 + rank, [], m)
+    greedy = rollout.generate(dataclasses.replace(engine, cfg=greedy_cfg), model, prompts, 7 + rank, [], m)
     pb = rollout.make_batch(prompts, [[] for _ in prompts], 0, 0, 1, device)
     with torch.no_grad():                   # the actor's first-token margin: where its top-1 is clear
         last = model(input_ids=pb["input_ids"], attention_mask=pb["attention_mask"],
                      position_ids=pb["position_ids"]).logits[:, -1].float()
     top = last.topk(2).values
-    sampled = rollout.generate(engine, model, prompts, cfg, 0, 1, device, 7 + rank, [], {})
+    sampled = rollout.generate(engine, model, prompts, 7 + rank, [], {})
     lp = compute_log_probs(model, sampled, layout(64), 1.0)
     mask = sampled["response_mask"]
     diff = (lp - sampled["rollout_log_probs"]).abs() * mask

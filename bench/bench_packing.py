@@ -1,9 +1,9 @@
 """Padding and micro-batching on a wide spread of response lengths: padded vs packed rows, fixed
 vs token-budget micro-batches, side by side in one process.
 
-    python bench_packing.py --model=random:qwen2.5-1.5b --samples=64 --min_len=32 --max_len=1024 \
+    python bench/bench_packing.py --model=random:qwen2.5-1.5b --samples=64 --min_len=32 --max_len=1024 \
         --micro=8 --budget=16384 --out=packing_1.5b.json
-    python bench_packing.py --model=random:qwen2.5-7b --samples=32 --micro=4 --budget=8192 \
+    python bench/bench_packing.py --model=random:qwen2.5-7b --samples=32 --micro=4 --budget=8192 \
         --actor.gradient_checkpointing=true --out=packing_7b.json       # other options go to train_grpo
 
 Responses are random tokens with lengths drawn uniformly from [min_len, max_len] (fixed seed), after
@@ -15,16 +15,20 @@ the update cost what the real tokens cost (packed time ~ real/padded x padded ti
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
+
 import actor
 import offload
+import options
 import ref
 import rollout
 import train_grpo
-import options
 from model import make_layout
 
 CONFIGS = {  # name: (remove_padding, use_dynamic_bsz)

@@ -1,6 +1,6 @@
 """Rollout benchmark: vLLM (with the full offload bracket) against HF generate on the same batch.
 
-    python bench_rollout.py --model=random:qwen2.5-0.5b --prompts=16 --n=8 --prompt_len=128 \
+    python bench/bench_rollout.py --model=random:qwen2.5-0.5b --prompts=16 --n=8 --prompt_len=128 \
         --response_len=256 --out=bench_rollout.json
 
 Both engines run in this one process on the same prompts and the same FSDP2 actor; the figures
@@ -9,9 +9,13 @@ are ratios measured side by side. Bracket overhead = everything in the bracket b
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
 
 import actor
 import offload
@@ -47,14 +51,14 @@ def main():
     engine = rollout.build(cfg, device=device, model_path=args.model, config=model.config,
                            out_dir="/tmp/bench_rollout", max_model_len=args.prompt_len + args.response_len,
                            max_num_seqs=args.prompts * args.n,
-                           dtype="bfloat16", seed=rank, rank=rank)
+                           dtype="bfloat16", seed=rank, pad_id=0, eos_id=eos, rank=rank)
     stashes = [stash] if args.param_offload else []
     if args.param_offload:
         offload.offload(stash)
 
     def run_vllm():
         m = {}
-        b = rollout.generate(engine, model, prompts, cfg, 0, eos, device, 1, stashes, m)
+        b = rollout.generate(engine, model, prompts, 1, stashes, m)
         m["tokens"] = b["response_mask"].sum().item()
         m["trainer_gpu_gb"] = offload.gpu_bytes(model) / offload.GB
         return m

@@ -1,12 +1,12 @@
 """Offload on/off table: what each flag saves and costs per stage, against the copy bandwidth limit.
 
-    python bench_offload.py --model=random:qwen2.5-1.5b --levers --out=offload_1.5b.json --plot=offload_1.5b.png
-    python bench_offload.py --model=random:qwen2.5-7b --configs=none,param,optim,ref,all \
+    python bench/bench_offload.py --model=random:qwen2.5-1.5b --levers --out=offload_1.5b.json --plot=offload_1.5b.png
+    python bench/bench_offload.py --model=random:qwen2.5-7b --configs=none,param,optim,ref,all \
         --actor.gradient_checkpointing=true --out=offload_7b.json      # other options go to train_grpo
-    python bench_offload.py --model=random:qwen2.5-1.5b --configs=none,rm,rm_offload,all,rm_all --out=rm_1.5b.json
-    torchrun --nproc_per_node=2 bench_offload.py --prompts=32 --configs=none,all \
+    python bench/bench_offload.py --model=random:qwen2.5-1.5b --configs=none,rm,rm_offload,all,rm_all --out=rm_1.5b.json
+    torchrun --nproc_per_node=2 bench/bench_offload.py --prompts=32 --configs=none,all \
         --rollout.tensor_parallel_size=2 --out=tp2_1.5b.json     # --prompts counts all ranks' prompts
-    python bench_offload.py --model=random:qwen2.5-7b --configs=ref,lora,lora_all --steps=3 --prompts=8 --n=8 \
+    python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref,lora,lora_all --steps=3 --prompts=8 --n=8 \
         --prompt_len=256 --response_len=256 --micro=4 --gpu_memory_utilization=0.16 \
         --actor.gradient_checkpointing=true --out=lora_7b.json       # LoRA vs full fine-tuning
 
@@ -21,18 +21,21 @@ persistent buffers, a synchronize per copy vs per bracket, and where the Adam st
 import argparse
 import gc
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
+
 import actor
 import offload
-import rollout
-import tiny
-import train_grpo
 import options
-from model import init_distributed
+import rollout
+import train_grpo
+from model import hf_config, init_distributed
 
 STAGES = offload.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
@@ -105,7 +108,7 @@ def bench_cfg(name, args, extra):
                                  f"--critic.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--critic.forward_micro_batch_size_per_gpu={args.micro}",
                                  f"--reward_model.micro_batch_size_per_gpu={args.micro}",
-                                 "--out_dir=/tmp/bench_offload", "--reward=bench_offload:zero_reward"] + extra)
+                                 "--out_dir=/tmp/bench_offload", "--reward=bench.bench_offload:zero_reward"] + extra)
     for key, value in CONFIGS[name].items():
         section, field = key.split(".")
         setattr(getattr(cfg, section), field, value)
@@ -206,7 +209,7 @@ def adam_placement(t, batch) -> dict:
     with the forward/backward (the default); blocking just before optimizer.step
     (actor.optimizer_load_at_step, verl issue #5282: lower peak, exposed copy)."""
     a, out = t.actor, {}
-    a.cfg.optimizer_offload = True
+    a.cfg.optimizer_offload = a.adam.enabled = True     # the flag, and the stash that knows it
     offload.offload(a.adam)
     ways = {"blocking_before_update": (True, False), "side_stream_during_forward": (False, False),
             "blocking_at_step": (False, True)}
@@ -262,13 +265,14 @@ def main():
     res = {"model": args.model, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "args": vars(args), "bandwidth": copy_bandwidth() if cuda else {},
            "configs": {}}
-    hf = tiny.qwen25_config(args.model.split(":")[1])
+    hf = hf_config(args.model)
     rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  tensor_parallel_size=options.parse_args(extra).rollout.tensor_parallel_size)
     engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
                            max_model_len=args.prompt_len + args.response_len,
-                           max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank, rank=rank)
+                           max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank,
+                           pad_id=0, eos_id=1, rank=rank)    # the tiny tokenizer's: random models use it
     g = torch.Generator().manual_seed(0)
     data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
              for _ in range(64)], ["0"] * 64, None)
