@@ -116,7 +116,13 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         if earlier and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
             raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
                              f"{cfg.resume} into an empty --out_dir")
-    meta = read_meta(path)
+    _check_resumable(cfg, path, data_fingerprint)
+    return path
+
+
+def _check_resumable(cfg, path: str, data_fingerprint: str):
+    """The checkpoint at `path` has steps left to train, the roles this run trains, and this data."""
+    meta, out, final = read_meta(path), cfg.out_dir, os.path.join(cfg.out_dir, "final")
     if meta["step"] >= cfg.steps and cfg.resume != "auto":
         raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
                          f"nothing to train; pass --steps=N with N > {meta['step']}")
@@ -133,7 +139,6 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
                          f"changed): its position would mean nothing; resume with the same ones, or "
                          f"start a new run in another --out_dir")
-    return path
 
 
 # --------------------------------------------------------------------------- save and load
@@ -277,6 +282,23 @@ def keep_metrics(out_dir: str, step: int, rank: int) -> str:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
     return path
+
+
+def summary(metrics_path: str) -> list[str]:
+    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    n = sum(r["optimizer_steps"] for r in rows)
+    applied = n - sum(r["skipped_steps"] for r in rows)
+    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
+    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
+    failed = sum(r["reward/errors"] for r in rows)
+    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
+             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    if dw == 0:
+        lines.append("[warn] the weights never moved: this run trained nothing")
+    return lines
 
 
 def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None):

@@ -184,6 +184,32 @@ def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[st
     return score(reward_fn, name, texts, answers)
 
 
+def reward_errors(errors: list, policy: str, warned: set, device) -> int:
+    """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
+    `policy` (--reward_error) stop every rank raises the first one (so rank 0 can say it); with zero
+    those samples scored 0, and the first is shown once (`warned` remembers) as a warning."""
+    import torch
+    import torch.distributed as dist
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    n = torch.tensor([float(len(errors))], device=device)
+    if world > 1:
+        dist.all_reduce(n)
+    n = int(n.item())
+    if n and (policy == "stop" or "reward" not in warned):
+        first = [errors[0] if errors else None]
+        if world > 1:                      # every rank learns the first rank's message
+            first = [None] * world
+            dist.all_gather_object(first, errors[0] if errors else None)
+        message = next(e for e in first if e)
+        if policy == "stop":
+            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
+        warned.add("reward")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "
+                  f"{message}", flush=True)
+    return n
+
+
 def fingerprint(prompts: list[list[int]], answers: list[str]) -> str:
     """A short hash of the prompt ids and answers: a resume checks it walks the same data."""
     return hashlib.sha256(json.dumps([prompts, answers]).encode()).hexdigest()[:16]

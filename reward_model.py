@@ -152,9 +152,10 @@ def render(tokenizer, chat: list[dict], response: str) -> list[int]:
 
 def sequences(rm: RewardModel, batch: dict, chats: list | None = None) -> list[list[int]]:
     """Each sample's prompt + response in the reward model's token ids, no padding. `chats`: the
-    prompt's chat messages per sample (None: the prompt is decoded from the rollout as one user
-    message); used only when the reward model has its own tokenizer."""
-    P = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    prompt's chat messages per sample, or per prompt (each stands for its group's consecutive
+    samples); None: the prompt is decoded from the rollout as one user message. Used only when the
+    reward model has its own tokenizer."""
+    P, B = batch["input_ids"].shape[1] - batch["responses"].shape[1], batch["input_ids"].shape[0]
     out = []
     for i, (ids, keep) in enumerate(zip(batch["input_ids"].tolist(), batch["attention_mask"].tolist())):
         prompt = [t for t, k in zip(ids[:P], keep[:P]) if k]        # left pads out
@@ -163,7 +164,8 @@ def sequences(rm: RewardModel, batch: dict, chats: list | None = None) -> list[l
             out.append(prompt + response)
             continue
         pt = rm.policy_tokenizer
-        chat = chats[i] if chats else [{"role": "user", "content": pt.decode(prompt, skip_special_tokens=True)}]
+        chat = chats[i * len(chats) // B] if chats else \
+            [{"role": "user", "content": pt.decode(prompt, skip_special_tokens=True)}]
         out.append(render(rm.tokenizer, chat, pt.decode(response, skip_special_tokens=True)))
     return out
 

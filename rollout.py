@@ -135,8 +135,9 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
     kv = 0 if cfg.gpu_memory_utilization > 0 else kv_cache_bytes(
         config, max_num_seqs, max_model_len, nbytes, tp, cfg.kv_cache_margin)
     need = engine_bytes(config, kv_bytes=kv, max_num_seqs=max_num_seqs, dtype_bytes=nbytes, tp=tp)
-    return build_vllm(cfg, model_dir(model_path, config, out_dir, rank), max_model_len, dtype, seed,
-                      kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group, fixed=fixed)
+    return build_vllm(cfg, model_dir=model_dir(model_path, config, out_dir, rank), max_model_len=max_model_len,
+                      dtype=dtype, seed=seed, kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group,
+                      fixed=fixed)
 
 
 def describe(engine: Engine) -> list[str]:
@@ -310,7 +311,7 @@ def _used_gb() -> float:
     return (total - free) / offload.GB
 
 
-def build_vllm(cfg: RolloutConfig, model_dir: str, max_model_len: int, dtype: str, seed: int, *,
+def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype: str, seed: int,
                kv_bytes: int, need: dict, max_num_seqs: int, group=None, fixed: dict) -> Engine:
     """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
     when returned. `model_dir` needs only a config.json: the weights are random until the first

@@ -24,7 +24,7 @@ import train_grpo
 import options
 import lora
 from model import build_mesh, build_optimizer, shard
-from conftest import launches, layout, mid_model, tiny_batch
+from conftest import launches, mid_model, tiny_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("clean_gpu")]

@@ -10,7 +10,8 @@
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
 bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
 loads and frees the actor's params around the weight sync): this file orders the stages and keeps
-the ledger (offload.stage). The options are options.py's; the roles say what they hold at set-up. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
+the ledger (offload.stage); options.py holds the options, each role's `describe` its set-up lines.
+--profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -39,7 +40,7 @@ on SIGTERM; the same command resumes a stopped run (checkpoint.py).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
-from __future__ import annotations
+from __future__ import annotations   # the Trainer's fields share their names with the role modules
 
 import contextlib
 import json
@@ -158,8 +159,7 @@ def build_roles(cfg: Config, mesh, device, tokenizer) -> tuple:
     return a, r, c, rm
 
 
-def roles(t: Trainer) -> list:
-    """The roles this run built, in the order of their stages."""
+def roles(t: Trainer) -> list:           # the roles this run built
     return [x for x in (t.actor, t.reward_model, t.ref, t.critic) if x is not None]
 
 
@@ -266,19 +266,16 @@ def train_step(t: Trainer, step: int) -> dict:
     with stage("generate"):                # the actor's offloaded params come in for the sync only
         batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx],
                                  cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
-    # what the trainer kept on the GPU while the engine generated (params, grads, Adam, ref, reward model)
-    m["rollout/trainer_gpu_gb"] = offload.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(
-        r, "optimizer", None)) if x is not None]) / offload.GB
+    m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     with stage("reward"):                  # CPU: decode and score each response
         scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
                                                batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
-        m["reward/errors"] = reward_errors(t, errors)   # stops every rank, or counts (reward_error)
+        m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device)   # stop, or count
         scores = torch.tensor(scores, dtype=torch.float32, device=t.device)
     if t.reward_model is not None:         # its shards in, scores, out (its position: offload.STAGES)
         with stage("reward_model"):
             with reward_model.resident(t.reward_model, m):
-                rm_scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [
-                    t.chats[i] for i in idx for _ in range(cfg.rollout.n)])
+                rm_scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
             scores = reward_model.mix(scores, rm_scores, cfg.reward_model.weight, m)
     with stage("old_logp"):                # skipped on-policy: the update's first forward is the old policy
         actor.compute_old_log_probs(t.actor, batch, temperature, cfg.train_batch_size, m)
@@ -306,6 +303,11 @@ def train_step(t: Trainer, step: int) -> dict:
     return reduce_metrics(m, t.device)
 
 
+def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimizer state on the GPU now
+    return offload.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(r, "optimizer", None))
+                               if x is not None]) / offload.GB
+
+
 def batch_indices(t: Trainer, step: int) -> list[int]:
     """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
     earlier steps (and a resume's data_offset) walked."""
@@ -322,26 +324,6 @@ def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
                                 device=t.device, dtype=torch.float64)).tolist()
     return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": offload.host_rss_gb(),
             "reward/equal_groups_frac": sums[3] / sums[4]}   # groups whose samples all scored the same
-
-
-def reward_errors(t: Trainer, errors: list) -> int:
-    """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
-    reward_error=stop every rank raises the first one (so rank 0 can say it); with zero those
-    samples scored 0, and the first is shown once as a warning."""
-    n = int(all_sum(torch.tensor([float(len(errors))], device=t.device)).item())
-    if n and (t.cfg.reward_error == "stop" or "reward" not in t.warned):
-        first = [errors[0] if errors else None]
-        if t.world > 1:                    # every rank learns the first rank's message
-            first = [None] * t.world
-            dist.all_gather_object(first, errors[0] if errors else None)
-        message = next(e for e in first if e)
-        if t.cfg.reward_error == "stop":
-            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
-        t.warned.add("reward")
-        if t.rank == 0:
-            print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "
-                  f"{message}", flush=True)
-    return n
 
 
 # --------------------------------------------------------------------------- main
@@ -375,13 +357,11 @@ def train(t: Trainer, start: int) -> bool:
     return True
 
 
-def trained(t: Trainer) -> list:
-    """(name, state, its checkpoint bracket) of each trained role; the frozen ones are rebuilt from --model."""
+def trained(t: Trainer) -> list:   # (name, state, checkpoint bracket); the frozen roles are rebuilt from --model
     return [("actor", t.actor, actor.state_in)] + ([("critic", t.critic, critic.state_in)] if t.critic else [])
 
 
-def save(t: Trainer, step: int):
-    """A checkpoint after `step` steps, with where the run is in its data."""
+def save(t: Trainer, step: int):          # a checkpoint after `step` steps, with the run's place in its data
     checkpoint.save(t.cfg.out_dir, step, trained(t), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
         "world_size": t.world, "config": asdict(t.cfg)})
@@ -392,23 +372,6 @@ def resume(t: Trainer, path: str) -> int:
     meta = checkpoint.load(path, trained(t), asdict(t.cfg), t.world)
     t.data_offset = meta["prompts_seen"] - meta["step"] * t.cfg.train_batch_size   # 0 unless the batch size changed
     return meta["step"]
-
-
-def summary(metrics_path: str) -> list[str]:
-    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    n = sum(r["optimizer_steps"] for r in rows)
-    applied = n - sum(r["skipped_steps"] for r in rows)
-    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
-    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
-    failed = sum(r["reward/errors"] for r in rows)
-    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
-             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
-    if dw == 0:
-        lines.append("[warn] the weights never moved: this run trained nothing")
-    return lines
 
 
 def fail(message: str, rank: int, code: int = 2):
@@ -455,7 +418,7 @@ def main(argv=None):
                                                       else "without a checkpoint (--save_freq=0)"), flush=True)
             sys.exit(143)
         if t.rank == 0:
-            print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
+            print("\n".join(checkpoint.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
             if t.device.type == "cuda":
                 plan.plot(cfg.out_dir)     # <out_dir>/memory.png: the peaks per stage over the steps, and the plan
         if cfg.save:
@@ -476,12 +439,10 @@ def main(argv=None):
 def leave(code: int = 0):
     """End this worker process once everything it writes is written: on success every rank waits for
     the others and the process groups are destroyed; then the process exits with `code` without the
-    interpreter's teardown. Why not a plain return: DTensor's sharding caches keep the DeviceMesh, and
-    through it the gloo group with its loop threads, alive after destroy_process_group, so they are
-    torn down during interpreter exit while a peer that exited first closes its sockets under them;
-    that can abort a run that had finished (SIGABRT, "terminate called without an active exception",
-    once in a CI run of 2 CPU ranks). os._exit skips the teardown; the OS takes back memory, sockets and
-    GPU contexts."""
+    interpreter's teardown. Why not a plain return: DTensor's sharding caches keep the DeviceMesh (and
+    its gloo group's threads) alive after destroy_process_group; torn down at interpreter exit while a
+    peer closes its sockets, they can abort a finished run (SIGABRT, once in a 2-rank CPU CI run).
+    os._exit skips the teardown; the OS takes back memory, sockets and GPU contexts."""
     if code == 0 and dist.is_initialized():
         dist.barrier()                     # no rank tears gloo down while another still talks
         dist.destroy_process_group()

@@ -17,7 +17,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
 
-import actor
 import offload
 import rollout
 import train_grpo
