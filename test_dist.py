@@ -40,9 +40,9 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     mine = {k: v[rank * n:(rank + 1) * n] for k, v in full.items()}
     stats = actor.update_policy(model, opt, mine, cfg, mini_size=n, temperature=1.0)  # 2 epochs: 2 Adam steps
     params = {k: p.detach().full_tensor().cpu() for k, p in model.named_parameters()}
-    shard = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
+    fraction = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
-        torch.save({"params": params, "stats": stats, "shard_fraction": shard}, out_path)
+        torch.save({"params": params, "stats": stats, "shard_fraction": fraction}, out_path)
     train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
