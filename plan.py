@@ -40,6 +40,12 @@ TFLOPS = 742e12 * 0.35       # bf16 matmul peak measured there x the share a tra
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
+# Device level (what mem_get_info shows), calibrated on the H200 runs in docs/ (52 stages):
+OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
+VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
+FORWARD_SLACK = int(1.2 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
+UPDATE_SLACK = 0.10          # reserved beyond an update's allocated peak, as a share of it (median of 40 updates)
+SLEEP_RESIDUE = int(0.9 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
 ALLOC_SLACK = 1.01           # allocations are rounded up to 512 B blocks and a few buffers go uncounted:
                              # measured peaks run 1-2 % above the sum of the terms (docs/plan_truth.json)
 
@@ -121,10 +127,15 @@ class Plan:
     vllm_device: dict                          # device-level bytes while vLLM generates (mem_get_info)
     pinned_host: int                           # bytes of pinned host mirrors per rank
     seconds: float                             # the step's exposed copy + compute estimate (for ranking)
+    device: dict = field(default_factory=dict)  # stage -> device-level bytes at its highest (mem_get_info)
 
     @property
     def peak(self) -> int:
         return max([s.total for s in self.stages] + [sum(self.vllm_device.values())])
+
+    @property
+    def device_peak(self) -> int:
+        return max(self.device.values(), default=0)
 
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
@@ -235,7 +246,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
             n = tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
             held = resident("critic params", "critic Adam")
             stages.append(Stage("critic_update", _update_peak(
-                held, {"critic grads": crit}, {**_activations(s, n, a.gradient_checkpointing, c),
+                held, {"critic grads": crit}, {**_activations(s, n, cr.gradient_checkpointing, c),
                                                "gathered layers + root": gather},
                 accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {})))
     stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
@@ -254,7 +265,39 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         dev = {"trainer (allocated)": sum(resident().values()), "vLLM weights": c * P // ro.tensor_parallel_size,
                "vLLM KV cache": kv_bytes, "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
     pinned = sum(off for on, off in groups.values()) + (actor_p if a.offload_policy else 0)   # + the host grads
-    return Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
+    plan = Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
+    plan.device = _device_levels(plan, sum(resident().values()), c * P // ro.tensor_parallel_size, engine)
+    return plan
+
+
+def _device_levels(plan: Plan, between: int, vllm_weights: int, engine: str) -> dict:
+    """Each stage's device-level bytes at its highest (what mem_get_info shows; nvidia-smi too): the
+    allocator's reserve plus what lies outside it. The reserve only grows within a step: nothing
+    gives cached blocks back between the weight sync's empty_cache and the next step's, so a stage
+    holds the largest reserve of the stages before it as well as its own allocated peak plus the
+    cached blocks of its transients (FORWARD_SLACK, UPDATE_SLACK). The generate stage peaks either
+    at the weight sync (the trainer's actor params in, beside vLLM's woken weights) or while
+    vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
+    emptied: every stage sees the step's largest reserve (steady state from the second step)."""
+    outside = OUTSIDE + (VLLM_OUTSIDE if engine == "vllm" else 0)
+    reserve = {}
+    carry = int(between * 1.05) + SLEEP_RESIDUE   # after generate's empty_cache: the live blocks' segments
+    for st in plan.stages:
+        if st.name == "generate":
+            reserve[st.name] = carry
+            continue
+        own = st.total * (1 + UPDATE_SLACK) if st.name in ("update", "critic_update") else \
+            st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
+        carry = max(carry, int(own))
+        reserve[st.name] = carry
+    if engine != "vllm":
+        top = max(max(reserve.values()), int(plan.stages[0].total * (1 + UPDATE_SLACK)))
+        return {name: outside + top for name in reserve}
+    gen = plan.stage("generate")
+    sync = gen.total + vllm_weights + VLLM_OUTSIDE if gen else 0
+    out = {name: outside + r for name, r in reserve.items()}
+    out["generate"] = max(OUTSIDE + sync, sum(plan.vllm_device.values()) - CUDA_CONTEXT + OUTSIDE)
+    return out
 
 
 def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, at_step: dict) -> dict:
@@ -353,17 +396,21 @@ def candidates(cfg, world: int):
         yield c
 
 
-def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0):
-    """(the fastest configuration whose every stage fits, its Plan), or (None, None). `host_bytes`:
-    the pinned host memory one rank may use (0: not checked)."""
+def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0,
+           least_memory: bool = False):
+    """(the fastest configuration whose every stage fits, its Plan), or (None, None). A stage fits
+    when its allocated peak fits `budget` and its device level (plan.device: the allocator's reserve,
+    the contexts, vLLM) keeps `margin` of the GPU free. `host_bytes`: the pinned host memory one rank
+    may use (0: not checked). `least_memory`: the one with the lowest device level instead."""
     limit = budget(gpu_bytes, margin, engine)
     best, key = None, None
     for c in candidates(cfg, world):
         p = predict(c, world, prompt_len, engine)
         if host_bytes and p.pinned_host > 0.9 * host_bytes:
             continue
-        if max(s.total for s in p.stages) <= limit and sum(p.vllm_device.values()) <= gpu_bytes * (1 - margin):
+        if max(s.total for s in p.stages) <= limit and p.device_peak <= gpu_bytes * (1 - margin):
             k = (round(p.seconds, 2), len(changes(cfg, c)))     # the fastest; of equals, the fewest changes
+            k = (p.device_peak,) + k if least_memory else k
             if best is None or k < key:
                 best, key = (c, p), k
     return best or (None, None)
@@ -419,14 +466,15 @@ def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: flo
 
 # --------------------------------------------------------------------------- reporting
 def table(plan: Plan, gpu_bytes: int) -> str:
-    lines = [f"{'stage':<14}{'predicted GB':>13}   what is on the GPU at the stage's peak (GB)"]
+    lines = [f"{'stage':<14}{'predicted GB':>13}{'device GB':>10}   what is on the GPU at the stage's peak (GB)"]
     for st in plan.stages:
         terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v)
-        lines.append(f"{st.name:<14}{st.total / GB:>13.2f}   {terms}")
+        lines.append(f"{st.name:<14}{st.total / GB:>13.2f}{plan.device.get(st.name, 0) / GB:>10.2f}   {terms}")
     if plan.vllm_device:
         terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.vllm_device.items())
         lines.append(f"{'(vLLM awake)':<14}{sum(plan.vllm_device.values()) / GB:>13.2f}   device-level: {terms}")
-    lines.append(f"peak {plan.peak / GB:.2f} GB of {gpu_bytes / GB:.0f} GB; pinned host RAM per rank "
+    lines.append(f"peak {plan.peak / GB:.2f} GB allocated, {plan.device_peak / GB:.2f} GB device-level (the "
+                 f"allocator's reserve, CUDA contexts, vLLM) of {gpu_bytes / GB:.0f} GB; pinned host RAM per rank "
                  f"{plan.pinned_host / GB:.2f} GB; step estimate {plan.seconds:.1f} s")
     return "\n".join(lines)
 
@@ -448,7 +496,8 @@ def report(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engi
         flags = changes(cfg, best)
         out.append(f"[plan] fastest that fits under {limit / GB:.1f} GB ({margin:.0%} margin): "
                    + (" ".join(flags) if flags else "the configuration as given")
-                   + f" (peak {best_plan.peak / GB:.1f} GB, step ~{best_plan.seconds:.1f} s)")
+                   + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
+                   f"step ~{best_plan.seconds:.1f} s)")
     return "\n".join(out)
 
 

@@ -428,6 +428,9 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], cfg: RolloutC
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
+    # the stage's device-level high point: the sync (actor params beside vLLM's weights) or generation
+    metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
+                                            and k.endswith("_device_gb"))
 
     rows, responses, logps = [], [], []
     for p, out, k in zip(reqs, outs, owners):

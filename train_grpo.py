@@ -396,13 +396,20 @@ def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device
         return cfg
     host = host_bytes_per_rank()
     best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
+    if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
+        best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), 0.0, engine_kind, host, least_memory=True)
+        if best is not None:
+            say(f"[plan] --offload=auto: nothing keeps {cfg.plan_margin:.0%} of the GPU free at the device level; "
+                f"taking the configuration that needs the least (the allocator may have to free its cache and "
+                f"retry near the top; more GPUs or LoRA would leave headroom)")
     if best is None:
         fits = plan.what_would_fit(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
         raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
                          f"micro-batch sizes that fits {gpu_capacity(device) / plan.GB:.0f} GB per GPU; what would: "
                          + ("; ".join(fits) if fits else "a bigger GPU"))
     say(f"[plan] --offload=auto chose: {' '.join(plan.changes(cfg, best)) or 'the flags as given'} "
-        f"(predicted peak {p.peak / plan.GB:.1f} GB, step ~{p.seconds:.1f} s)")
+        f"(predicted peak {p.peak / plan.GB:.1f} GB allocated, {p.device_peak / plan.GB:.1f} GB device-level, "
+        f"step ~{p.seconds:.1f} s)")
     return best
 
 
@@ -544,6 +551,7 @@ def train_step(t: Trainer, step: int) -> dict:
         predicted = t.plan.stage(name) if t.plan else None
         if predicted is not None:
             m[f"plan/{name}/predicted_gb"] = predicted.total / plan.GB
+            m[f"plan/{name}/device_gb"] = t.plan.device.get(name, 0) / plan.GB   # vs mem/<stage>/device_used_gb
 
     t_step = time.perf_counter()
     pad_id = t.tokenizer.pad_token_id if t.tokenizer.pad_token_id is not None else t.tokenizer.eos_token_id
