@@ -43,9 +43,11 @@ VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs,
 # Device level (what mem_get_info shows), calibrated on the H200 runs in docs/ (52 stages):
 OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
 VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
-FORWARD_SLACK = int(1.2 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
-UPDATE_SLACK = 0.10          # reserved beyond an update's allocated peak, as a share of it (median of 40 updates)
-SLEEP_RESIDUE = int(0.9 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
+FORWARD_SLACK = int(0.8 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
+UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's allocated peak, as a share of it
+LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
+SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
+SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
 ALLOC_SLACK = 1.01           # allocations are rounded up to 512 B blocks and a few buffers go uncounted:
                              # measured peaks run 1-2 % above the sum of the terms (docs/plan_truth.json)
 
@@ -242,14 +244,14 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
         stages.append(Stage("values", {**resident("critic params" if crit else "actor params"),
                                        **forward(tokens(cr.forward_micro_batch_size_per_gpu, cr.forward_max_token_len_per_gpu)),
                                        "features": 0 if crit else samples * R * s.hidden * c}))
-        if crit:
-            n = tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
-            held = resident("critic params", "critic Adam")
-            stages.append(Stage("critic_update", _update_peak(
-                held, {"critic grads": crit}, {**_activations(s, n, cr.gradient_checkpointing, c),
-                                               "gathered layers + root": gather},
-                accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {})))
-    stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
+    stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))   # (run order)
+    if gae and crit:
+        n = tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
+        held = resident("critic params", "critic Adam")
+        stages.append(Stage("critic_update", _update_peak(
+            held, {"critic grads": crit}, {**_activations(s, n, cr.gradient_checkpointing, c),
+                                           "gathered layers + root": gather},
+            accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {})))
     n = tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
     grads = {"actor grads": 0 if a.offload_policy else actor_p}
     held = resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
@@ -266,11 +268,14 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                "vLLM KV cache": kv_bytes, "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
     pinned = sum(off for on, off in groups.values()) + (actor_p if a.offload_policy else 0)   # + the host grads
     plan = Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
-    plan.device = _device_levels(plan, sum(resident().values()), c * P // ro.tensor_parallel_size, engine)
+    merge = 4 * s.largest if lora else 0       # LoRA's sync merges W + BA in fp32: that block stays cached
+    slack = LORA_UPDATE_SLACK if lora else UPDATE_SLACK
+    plan.device = _device_levels(plan, sum(resident().values()), c * P // ro.tensor_parallel_size + merge,
+                                 engine, slack)
     return plan
 
 
-def _device_levels(plan: Plan, between: int, vllm_weights: int, engine: str) -> dict:
+def _device_levels(plan: Plan, between: int, vllm_weights: int, engine: str, slack: float) -> dict:
     """Each stage's device-level bytes at its highest (what mem_get_info shows; nvidia-smi too): the
     allocator's reserve plus what lies outside it. The reserve only grows within a step: nothing
     gives cached blocks back between the weight sync's empty_cache and the next step's, so a stage
@@ -281,17 +286,21 @@ def _device_levels(plan: Plan, between: int, vllm_weights: int, engine: str) -> 
     emptied: every stage sees the step's largest reserve (steady state from the second step)."""
     outside = OUTSIDE + (VLLM_OUTSIDE if engine == "vllm" else 0)
     reserve = {}
-    carry = int(between * 1.05) + SLEEP_RESIDUE   # after generate's empty_cache: the live blocks' segments
+    carry = between + SLEEP_RESIDUE            # after generate's empty_cache: the live blocks' segments
     for st in plan.stages:
         if st.name == "generate":
             reserve[st.name] = carry
             continue
-        own = st.total * (1 + UPDATE_SLACK) if st.name in ("update", "critic_update") else \
-            st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
+        if st.name == "update" and "critic_update" in reserve:
+            own = st.total * (1 + SECOND_UPDATE_SLACK)
+        elif st.name in ("update", "critic_update"):
+            own = st.total * (1 + slack)
+        else:
+            own = st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
         carry = max(carry, int(own))
         reserve[st.name] = carry
     if engine != "vllm":
-        top = max(max(reserve.values()), int(plan.stages[0].total * (1 + UPDATE_SLACK)))
+        top = max(max(reserve.values()), int(plan.stages[0].total * (1 + slack)))
         return {name: outside + top for name in reserve}
     gen = plan.stage("generate")
     sync = gen.total + vllm_weights + VLLM_OUTSIDE if gen else 0
@@ -358,6 +367,8 @@ SEARCH = {  # the flags the planner may turn, cheapest first
     "actor.param_offload": (False, True),
     "actor.optimizer_offload": (False, True),
     "actor.optimizer_load_at_step": (False, True),
+    "critic.param_offload": (False, True),     # PPO with a separate critic only
+    "critic.optimizer_offload": (False, True),
 }
 
 
@@ -384,6 +395,9 @@ def candidates(cfg, world: int):
         if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
             continue
         if flags["ref.param_offload"] and not cfg.actor.use_kl_loss:
+            continue
+        separate = cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate"
+        if not separate and (flags["critic.param_offload"] or flags["critic.optimizer_offload"]):
             continue
         c = copy.deepcopy(cfg)
         for key, v in flags.items():

@@ -36,7 +36,7 @@ CASES = {"grpo": [],
 
 
 def run(tmp_path, model: str, extra: list[str]) -> dict:
-    """One 2-step run; its last metrics line."""
+    """One 2-step run: its last metrics line, and whether --offload=auto said nothing keeps the margin."""
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(HERE, "train_grpo.py"), f"--model=random:{model}", "--rollout.engine=vllm",
            "--steps=2", "--save=false", "--save_freq=0", f"--out_dir={out}", *SIZES, *extra]
@@ -44,8 +44,9 @@ def run(tmp_path, model: str, extra: list[str]) -> dict:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    print("\n" + "\n".join(line for line in proc.stdout.splitlines() if line.startswith("[plan]")))
-    return rows[-1]
+    plan_lines = [line for line in proc.stdout.splitlines() if line.startswith("[plan]")]
+    print("\n" + "\n".join(plan_lines))
+    return {**rows[-1], "tight": any("nothing keeps" in line for line in plan_lines)}
 
 
 def compare(m: dict) -> list[tuple]:
@@ -65,15 +66,18 @@ def compare(m: dict) -> list[tuple]:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", ["qwen2.5-3b", "qwen2.5-7b"])
 def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
-    if (model, case, offload) == ("qwen2.5-7b", "ppo_separate", "manual"):
-        # 177 GB of states (actor and critic fp32 + Adam, bf16 ref) on one 140 GB GPU: it cannot run, and
-        # must say so in one line that names the stage and the change (auto's variant below runs)
+    if (model, case) == ("qwen2.5-7b", "ppo_separate"):
+        # 177 GB of states (actor and critic fp32 + Adam, bf16 ref) on one 140 GB GPU; offloaded, 178 GB of
+        # pinned host memory on a 128 GB host: it cannot run on one H200, and must say so in one line: as
+        # given, an OOM naming the stage and the change; with auto, before building anything, what would fit
         out = subprocess.run([sys.executable, os.path.join(HERE, "train_grpo.py"), f"--model=random:{model}",
                               "--rollout.engine=vllm", "--steps=1", "--save=false", "--save_freq=0",
-                              f"--out_dir={tmp_path / 'run'}", *SIZES, *CASES[case]],
+                              f"--out_dir={tmp_path / 'run'}", f"--offload={offload}", *SIZES, *CASES[case]],
                              capture_output=True, text=True, timeout=900, cwd=HERE)
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
-        assert out.returncode == 1 and last.startswith("error: out of GPU memory in stage") and "--" in last, \
+        want = ("error: out of GPU memory in stage", 1) if offload == "manual" else \
+            ("error: --offload=auto: the plan finds no combination", 2)
+        assert out.returncode == want[1] and last.startswith(want[0]) and ("--" in last or "GPUs" in last), \
             (out.stdout + out.stderr)[-3000:]
         return
     m = run(tmp_path, model, CASES[case] + [f"--offload={offload}"])
@@ -92,7 +96,7 @@ def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
             assert abs(pred / peak - 1) <= 0.10, f"{st}: allocator peak {peak:.2f} GB, plan {pred:.2f}"
         if dev is not None and dev > 1 and dev < 0.97 * gpu:   # at the GPU's size the allocator retries instead
             assert abs(pdev / dev - 1) <= 0.10, f"{st}: device level {dev:.2f} GB, plan {pdev:.2f}"
-    if offload == "auto":
+    if offload == "auto" and not m["tight"]:   # the plan kept plan_margin free: no retry may happen
         retries = {k: v for k, v in m.items() if k.endswith("/alloc_retries") and v}
         assert not retries, f"--offload=auto ran into allocator retries: {retries}"
 
