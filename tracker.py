@@ -26,6 +26,7 @@ import json
 import math
 import os
 import re
+import secrets
 import sys
 
 KINDS = ("auto", "tensorboard", "wandb", "none")
@@ -105,16 +106,17 @@ class Wandb:
             with io.open(id_file) as f:
                 run_id = f.read().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = secrets.token_hex(4)    # wandb's own generate_id moved between versions
             with io.open(id_file, "w") as f:
                 f.write(run_id)
         try:
             config = json.loads(config_text)
         except ValueError:
             config = {"config": config_text}
+        self.mode = os.environ.get("WANDB_MODE", "offline")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-memory"), dir=out_dir, id=run_id,
                               name=os.path.basename(os.path.abspath(out_dir)), resume="allow", config=config,
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              mode=self.mode)
 
     def log(self, metrics: dict, step: int):
         self.run.log(scalars(metrics), step=step)
@@ -134,7 +136,8 @@ def open(kind: str, out_dir: str, config_text: str, rank: int, resume_step: int 
         return Nothing()
     logger = TensorBoard(out_dir, config_text, resume_step) if kind == "tensorboard" else \
         Wandb(out_dir, config_text, resume_step)
-    where = f"tensorboard --logdir {logger.path}" if kind == "tensorboard" else f"offline: wandb sync {logger.path}"
+    where = (f"tensorboard --logdir {logger.path}" if kind == "tensorboard" else
+             f"wandb sync {logger.path}/offline-run-*" if logger.mode in ("offline", "dryrun") else f"wandb, mode {logger.mode}")
     print(f"[logger] {kind}: every metric of every step -> {logger.path} ({where})", flush=True)
     return logger
 
