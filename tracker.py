@@ -74,6 +74,7 @@ class Nothing:
 
 
 class TensorBoard:
+    """<out_dir>/tensorboard: one scalar curve per metrics.jsonl number, the config as text."""
     kind = "tensorboard"
 
     def __init__(self, out_dir: str, config_text: str, resume_step: int):
@@ -95,6 +96,7 @@ class TensorBoard:
 
 
 class Wandb:
+    """<out_dir>/wandb: one wandb run (its id kept in run_id across resumes), the config as its config."""
     kind = "wandb"
 
     def __init__(self, out_dir: str, config_text: str, resume_step: int):
@@ -137,7 +139,8 @@ def open(kind: str, out_dir: str, config_text: str, rank: int, resume_step: int 
     logger = TensorBoard(out_dir, config_text, resume_step) if kind == "tensorboard" else \
         Wandb(out_dir, config_text, resume_step)
     where = (f"tensorboard --logdir {logger.path}" if kind == "tensorboard" else
-             f"wandb sync {logger.path}/offline-run-*" if logger.mode in ("offline", "dryrun") else f"wandb, mode {logger.mode}")
+             f"wandb sync {logger.path}/offline-run-*" if logger.mode in ("offline", "dryrun") else
+             f"WANDB_MODE={logger.mode}")
     print(f"[logger] {kind}: every metric of every step -> {logger.path} ({where})", flush=True)
     return logger
 
