@@ -84,6 +84,8 @@ def test_picture_from_a_run_folder(resumed, tmp_path):
     assert memory["update"]["peak"] == [r["mem/update/peak_gb"] for r in rows]
     assert memory["update"]["predicted"] == [r["plan/update/predicted_gb"] for r in rows]
     assert memory["update"]["device"] == [r["mem/update/device_used_gb"] for r in rows]
+    if "plan/update/device_gb" in rows[0]:                # the plan's device-level figure, where it gives one
+        assert memory["update"]["plan_device"] == [r["plan/update/device_gb"] for r in rows]
     assert copies == {}                                    # no offload flag on
     # the command draws the same into the run folder
     r = subprocess.run([sys.executable, os.path.join(HERE, "plan.py"), "--plot", out], capture_output=True, text=True,
