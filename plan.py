@@ -6,7 +6,7 @@ nothing does. It moves nothing and builds no model (shapes come from config.json
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
     python plan.py --model=random:qwen2.5-72b --nproc=8 --gpu_gb=141 --host_gb=560   # pinned RAM checked too
     python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
-    python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl
+    python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl (tracker.picture)
 
 How the prediction is made (per rank, bytes; each term named in the table it prints):
 - States: fp32 shards of the actor (and critic) are 4 B x params / shard-group size, their grads
@@ -28,9 +28,7 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
 Calibrated against the H200 measurements kept in docs/plan_truth.json (test_plan.py checks it).
 """
 import functools
-import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field
 
@@ -618,59 +616,18 @@ def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
             f"Or let the planner choose: --offload=auto.")
 
 
-# --------------------------------------------------------------------------- the run's picture
-def plot(out_dir: str, path: str | None = None) -> str | None:
-    """<out_dir>/memory.png: each stage's measured peak over the steps, the device's used memory
-    and the plan's prediction (dashed). Needs matplotlib; without it, says so and returns None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[plan] matplotlib is not installed: no memory.png (pip install matplotlib)")
-        return None
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
-        return None
-    import train_grpo
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    steps = [m["step"] for m in rows]
-    for i, st in enumerate(train_grpo.STAGES):
-        key = f"mem/{st}/peak_gb"
-        if key not in rows[-1]:
-            continue
-        color = f"C{i % 10}"
-        ax.plot(steps, [m.get(key, float("nan")) for m in rows], color=color, label=st)
-        pred = rows[-1].get(f"plan/{st}/predicted_gb")
-        if pred is not None:
-            ax.axhline(pred, color=color, linestyle="--", linewidth=0.8)
-    used = [max((v for k, v in m.items() if k.endswith("_device_gb") or k.endswith("/device_used_gb")), default=0)
-            for m in rows]
-    ax.plot(steps, used, color="black", linewidth=1.5, label="device used (mem_get_info)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("GB")
-    ax.set_title("peak allocated per stage (solid), the plan's prediction (dashed)")
-    ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    path = path or os.path.join(out_dir, "memory.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm",
            "host_gb": 0.0, "nproc_per_node": 0}       # host_gb: RAM per node (0: pinned memory not checked)
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # issue 28: the picture is tracker.py's
+        import tracker
+        sys.exit(tracker.plot_command(argv))
     rest = []
     for arg in argv:
         key, _, value = arg[2:].partition("=")
         if arg == "--templates":
             print(templates())
-            return
-        if key == "plot":
-            print(plot(value) or "no picture")
             return
         if key in own:
             own[key] = type(own[key])(value)

@@ -11,6 +11,8 @@ One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every m
 bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
 loads and frees the actor's params around the weight sync): this file orders the stages and keeps
 the ledger. --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
+Every metric of every step also goes to TensorBoard (`tensorboard --logdir <out_dir>/tensorboard`; or
+wandb, or none: --logger, tracker.py); a GPU run ends with <out_dir>/memory.png (tracker.picture).
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -65,6 +67,7 @@ import plan
 import ref
 import reward_model
 import rollout
+import tracker                             # issue 28: TensorBoard / wandb, the memory picture
 from actor import ActorConfig
 from critic import CriticConfig
 from ref import RefConfig
@@ -107,6 +110,9 @@ class Config:
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
+    logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
+                                           # (<out_dir>/wandb, offline unless WANDB_MODE) | none; auto: tensorboard
+                                           # when installed, else none (metrics.jsonl is always written)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -119,7 +125,7 @@ class Config:
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
           "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
           "plan_margin": "[0, 1)"}
-CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto")}
+CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto"), "logger": tracker.KINDS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 
@@ -328,6 +334,7 @@ def preflight(cfg: Config):
     actor.check_model(cfg.model)
     reward_model.check(cfg.reward_model)
     profile_steps(cfg.profile_steps)
+    tracker.resolve(cfg.logger)            # issue 28: a logger asked for but not installed: one line, now
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
         critic.check_model(cfg.model)
     tokenizer = data_io.load_tokenizer(cfg.model)
@@ -645,6 +652,7 @@ def train(t: Trainer, start: int) -> bool:
     after the last. Returns False when a SIGTERM stopped it (after the step and its checkpoint)."""
     cfg = t.cfg
     metrics_path = checkpoint.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
+    log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)  # issue 28
     checkpoint.stop_on_sigterm()
     t_start, seen, host = time.time(), {}, host_bytes_per_rank()
     for step in range(start, cfg.steps):
@@ -653,6 +661,7 @@ def train(t: Trainer, start: int) -> bool:
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
+            log.log(m, step)               # issue 28: the same line to TensorBoard / wandb
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
             if t.device.type == "cuda":    # early warnings: near the limit, retries, off the plan, creep
                 for line in plan.watch(m, seen, t.plan, gpu_capacity(t.device), host):
@@ -667,7 +676,9 @@ def train(t: Trainer, start: int) -> bool:
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
             checkpoint.save(t, step + 1)
         if stop and step + 1 < cfg.steps:
+            log.close()                    # issue 28
             return False
+    log.close()                            # issue 28
     return True
 
 
@@ -734,7 +745,7 @@ def main(argv=None):
         if t.rank == 0:
             print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
             if t.device.type == "cuda":
-                plan.plot(cfg.out_dir)     # <out_dir>/memory.png: the peaks per stage over the steps, and the plan
+                tracker.picture_at_end(cfg.out_dir)   # issue 28: <out_dir>/memory.png (plan.py --plot draws it too)
         if cfg.save:
             checkpoint.save_final(t)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
