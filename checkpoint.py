@@ -27,8 +27,11 @@ that left no checkpoint, is refused with a line that says what to pass instead. 
 earlier run is overwritten except by resuming it.
 """
 import datetime
+import errno
+import fcntl
 import json
 import os
+import socket
 import random
 import shutil
 import signal
@@ -46,6 +49,51 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import actor
 import critic
 import offload
+
+# --------------------------------------------------------------------------- one run per out_dir
+LOCK = ".run.lock"
+_held: dict = {}                               # realpath of a locked out_dir -> its open lock file
+
+
+def lock_out_dir(out: str, rank: int):
+    """Make `out` this run's: an exclusive flock on out/.run.lock, held until the process ends (the
+    kernel drops it when the process dies, kill -9 included, so a killed run never leaves a stale
+    lock and torchrun's restarted workers take it again). Taken before anything else is written.
+    One run is one lock holder: only the global rank 0 (RANK) locks; every other rank, on this node
+    or another that shares the folder, does not, so the nodes of one run never lock each other out.
+    On NFS, Linux implements flock with byte-range locks that every client sees; a filesystem
+    without locks (e.g. Lustre mounted without -o flock) gets a warning and no lock.
+    Raises ValueError naming the holder (pid, host, since when) when another run holds it."""
+    if rank != 0 or os.path.realpath(out) in _held:
+        return
+    _check_writable(out)
+    path = os.path.join(out, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
+                  f"stops a second run from using --out_dir={out} at the same time", flush=True)
+            f.close()
+            return
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on host {h['host']} since {h['since']}"
+        except (ValueError, KeyError, TypeError):   # the holder is between its lock and its write
+            who = "a process that is just starting"
+        raise ValueError(f"--out_dir={out} is in use by another run ({who}; lock {path}): wait for it "
+                         f"to end or stop it, or pass another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
+    f.flush()
+    _held[os.path.realpath(out)] = f            # kept open (never closed): the lock lives as long as the process
+
 
 # --------------------------------------------------------------------------- the out_dir policy
 

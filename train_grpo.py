@@ -709,6 +709,7 @@ def main(argv=None):
     try:
         cfg = parse_args(argv)
         timeout = cfg.dist_timeout_s
+        checkpoint.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
         data, resume = preflight(cfg)
         t = setup(cfg, data=data)
         if t.rank == 0:
