@@ -37,6 +37,7 @@ import shutil
 import signal
 import tempfile
 import time
+import zlib
 from dataclasses import asdict
 
 import numpy as np
@@ -98,24 +99,136 @@ def lock_out_dir(out: str, rank: int):
 # --------------------------------------------------------------------------- the out_dir policy
 
 
-def checkpoint_dir(path: str) -> str | None:
-    """A complete checkpoint at `path` (a step_N dir, or an out_dir whose `latest` names one), or None."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
+def _say(line: str):
+    """A warning from code that runs on every rank before the process group: said once, by rank 0."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(line, flush=True)
+
+
+def _step_dirs(root: str) -> list[str]:
+    """The step_N directories under checkpoints/, newest first (a `.damaged` one set aside is not one)."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]
+    return sorted(names, key=lambda n: int(n[5:]), reverse=True)
+
+
+def newest(out: str, below: int | None = None) -> str | None:
+    """The checkpoint a resume of out_dir starts from: the one checkpoints/latest names when it is
+    complete and intact, else the newest complete and intact one (a `latest` that was deleted or
+    names nothing usable is only an index: the step dirs are the truth). A damaged one (meta.json
+    unreadable, a file missing or of another size than recorded) is passed over with a warning and
+    left in place for inspection. `below`: only those before that step (a fallback). None: none."""
+    root = os.path.join(out, "checkpoints")
+    names = _step_dirs(root)
+    pointer, named = os.path.join(root, "latest"), None
+    if below is None and os.path.isfile(pointer):
+        try:
+            with open(pointer) as f:
+                named = f.read().strip()
+        except OSError:
+            pass
+    order = [n for n in names if below is None or int(n[5:]) < below]
+    if named in order:
+        order = [named] + [n for n in order if n != named]
+    passed = set()
+    for n in order:
+        path = os.path.join(root, n)
+        if not os.path.exists(os.path.join(path, "meta.json")):
+            continue                               # a save that never finished (or a killed run's leftover)
+        err = damage(path, checksums=False)
+        if err:
+            _say(f"[resume] warning: {err}; passing over {path} (left in place for inspection)")
+            passed.add(n)
+            continue
+        if below is None and n != named and named not in passed:
+            _say(f"[resume] warning: {pointer} " + ("names " + repr(named) if named else "is missing")
+                 + f", not an intact checkpoint; resuming from the newest intact one, {path}")
         return path
-    pointer = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            target = os.path.join(path, "checkpoints", f.read().strip())
-        if not os.path.isfile(os.path.join(target, "meta.json")):
-            raise ValueError(f"{pointer} names {target}, which is not a complete checkpoint; "
-                             f"point it at one of {path}/checkpoints/step_* or remove it")
-        return target
     return None
 
 
+def checkpoint_dir(path: str) -> str | None:
+    """A complete checkpoint at `path` (a step_N dir, or an out_dir: its newest intact one), or None."""
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    return newest(path)
+
+
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
+    """A checkpoint's meta.json; a damaged one raises ValueError naming the file."""
+    name = os.path.join(path, "meta.json")
+    try:
+        with open(name) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is damaged (not valid JSON: {e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is damaged (not UTF-8 text)") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{name} is damaged (no step number in it)")
+    return meta
+
+
+# --------------------------------------------------------------------------- integrity
+def _crc(path: str) -> int:
+    """zlib.crc32 of a file, read in 16 MiB chunks (~GB/s: a checksum costs less than the write)."""
+    c = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            c = zlib.crc32(chunk, c)
+    return c
+
+
+def _files(path: str) -> list[str]:
+    """A checkpoint's files (relative paths, sorted: every rank lists the same), meta.json aside."""
+    out = [os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs]
+    return sorted(f for f in out if not f.startswith("meta.json"))
+
+
+def _record(path: str, rank: int, world: int) -> dict:
+    """{file: {size, crc32}} of every file of the checkpoint at `path`, each rank checksumming its
+    share (ranks read in parallel), gathered on every rank."""
+    share = {f: {"size": os.path.getsize(os.path.join(path, f)), "crc32": _crc(os.path.join(path, f))}
+             for f in _files(path)[rank::world]}
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, share)
+        share = {k: v for part in parts for k, v in part.items()}
+    return share
+
+
+def damage(path: str, checksums: bool = True, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the checkpoint at `path`, naming the file, or None when it is intact:
+    meta.json readable, every file it records there with the recorded size and (`checksums`) crc32.
+    Sizes are checked for every file (cheap: the pre-flight does it on every rank); checksums for
+    this rank's share (`rank` of `world`). A checkpoint written before files were recorded has
+    nothing to check beyond its meta.json."""
+    try:
+        files = read_meta(path).get("files")
+    except (OSError, ValueError) as e:
+        return str(e)
+    for i, (name, rec) in enumerate(sorted((files or {}).items())):
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+        except OSError:
+            return f"{full} is missing (meta.json records it)"
+        if size != rec["size"]:
+            return f"{full} is damaged ({size} bytes, meta.json records {rec['size']}: truncated?)"
+        if checksums and i % world == rank and _crc(full) != rec["crc32"]:
+            return f"{full} is damaged (its checksum differs from the one meta.json records)"
+    return None
+
+
+def verify(path: str, rank: int, world: int) -> str | None:
+    """damage() with checksums, the files split over the ranks, the answer the same on every rank."""
+    err = damage(path, True, rank, world)
+    if world > 1:
+        errs = [None] * world
+        dist.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    return err
 
 
 def _check_writable(out: str):
@@ -140,7 +253,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     final = os.path.join(out, "final")
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
-    latest = checkpoint_dir(out)
+    latest = newest(out)
     # what an earlier run leaves (a run that failed before its first step leaves none of these)
     earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
                and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
@@ -161,7 +274,13 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         if path is None:
             raise ValueError(f"--resume={cfg.resume}: no complete checkpoint there (a step_N directory "
                              f"with meta.json, or an out_dir with checkpoints/latest)")
-        if earlier and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
+        err = damage(path, checksums=False)
+        if err:
+            raise ValueError(f"--resume={cfg.resume}: {err}; pass an intact checkpoint (another "
+                             f"checkpoints/step_N), or an out_dir (its newest intact one is used)")
+        # a checkpoint of this out_dir's own run resumes in place (from an older step too)
+        own = os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(out, "checkpoints"))
+        if earlier and not own and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
             raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
                              f"{cfg.resume} into an empty --out_dir")
     meta = read_meta(path)
@@ -243,13 +362,14 @@ def save(t, step: int):
     offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
     torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{t.rank}.pt"))
     dist.barrier()                                # every rank's files are on disk
+    files = _record(tmp, t.rank, t.world)         # sizes and checksums: a resume verifies them
     if t.rank == 0:
-        _write_json(os.path.join(tmp, "meta.json"), {
+        _write_json(os.path.join(tmp, "meta.json"), {"files": files,
             "step": step, "prompts_seen": t.data_offset + step * t.cfg.train_batch_size,
             "data": t.fingerprint, "world_size": t.world, "roles": [r[0] for r in _roles(t)],
             "config": asdict(t.cfg), "time": datetime.datetime.now().isoformat(timespec="seconds")})
         target = os.path.join(root, name)
-        shutil.rmtree(target, ignore_errors=True)  # left by a run killed before `latest` reached it
+        _discard(target)                          # left by a run killed before `latest` reached it
         os.replace(tmp, target)
         with open(os.path.join(root, "latest.tmp"), "w") as f:
             f.write(name)
@@ -271,13 +391,29 @@ def _cause(e: CheckpointException) -> str:
 def _prune(root: str, step: int, keep: int):
     """Keep the newest `keep` checkpoints up to `step`; later ones are a killed run's leftovers."""
     steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
-    for s in [s for s in steps if s > step] + [s for s in steps if s <= step][:-keep]:
+    for s in [s for s in steps if s > step]:
+        _discard(os.path.join(root, f"step_{s:06d}"))
+    for s in [s for s in steps if s <= step][:-keep]:
         shutil.rmtree(os.path.join(root, f"step_{s:06d}"), ignore_errors=True)
+
+
+def _discard(path: str):
+    """Remove a checkpoint dir this run replaces (a later step: a killed run's leftover, or a resume
+    from an older one); a damaged one that a resume passed over is set aside as <dir>.damaged
+    instead, for inspection (resume and pruning ignore that name)."""
+    if os.path.exists(os.path.join(path, "meta.json")) and damage(path):
+        aside = f"{path}.damaged"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        print(f"[checkpoint] set the damaged {path} aside as {aside} (remove it when inspected)", flush=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load(t, path: str) -> int:
     """Load a checkpoint into a freshly built trainer (any world size: DCP reshards); returns
     the step to start at. Prints how this run's config differs from the checkpoint's."""
+    path = _intact(t, path)
     meta = read_meta(path)
     for role, model, optimizer, state_in, obj in _roles(t):
         with state_in(obj, loading=True):
@@ -286,7 +422,7 @@ def load(t, path: str) -> int:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             try:
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role))
-            except CheckpointException as e:
+            except CheckpointException as e:   # verified intact (or written before checksums): the model differs
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
@@ -303,6 +439,26 @@ def load(t, path: str) -> int:
         print(f"[resume] {path}: step {step}, saved by {meta['world_size']} rank(s), now {t.world}"
               + (f"; config changed: {', '.join(changed)}" if changed else ""), flush=True)
     return step
+
+
+def _intact(t, path: str) -> str:
+    """`path` once its checksums check out (verified by all ranks, each its share); a damaged one
+    stops an explicit --resume with the file named, and with --resume=auto the next older intact
+    checkpoint of out_dir is tried instead, with a warning (the damaged one is left in place)."""
+    while True:
+        err = verify(path, t.rank, t.world)
+        if err is None:
+            return path
+        step = read_meta(path)["step"]
+        older = newest(t.cfg.out_dir, below=step) if t.cfg.resume == "auto" else None
+        if older is None:
+            raise ValueError(f"{err}; " + ("no older intact checkpoint in " + os.path.join(t.cfg.out_dir, "checkpoints")
+                                           + ": start anew in another --out_dir" if t.cfg.resume == "auto"
+                                           else "pass an intact checkpoint, or --resume=auto"))
+        if t.rank == 0:
+            print(f"[resume] warning: {err}; falling back to {older} (the damaged one is left in place "
+                  f"for inspection)", flush=True)
+        path = older
 
 
 def _flat(d: dict, prefix: str = "") -> dict:

@@ -57,3 +57,100 @@ def test_a_second_run_on_one_out_dir_stops_at_once_naming_the_holder(tmp_path):
     r = run([f"--out_dir={out}", "--steps=1", "--save=false"] + SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(open(out / checkpoint.LOCK).read())["host"] == socket.gethostname()
+
+
+# --------------------------------------------------------------------------- 3, 4. damaged checkpoints, lost `latest`
+CKPT = ["--save_freq=1", "--keep_checkpoints=3", "--save=false"] + SMALL
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """A 3-step run with a checkpoint after every step (step 1, 2, 3 kept): copied by each test."""
+    out = str(tmp_path_factory.mktemp("three") / "run")
+    r = run([f"--out_dir={out}", "--steps=3"] + CKPT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _copy(three, tmp_path) -> str:
+    import shutil
+    out = str(tmp_path / "run")
+    shutil.copytree(three, out)
+    os.remove(os.path.join(out, checkpoint.LOCK))
+    return out
+
+
+def _step(out, n):
+    return os.path.join(out, "checkpoints", f"step_{n:06d}")
+
+
+def _truncate(path, keep=None):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2 if keep is None else keep)
+
+
+def _plan(out, *extra):
+    """checkpoint.plan for the embedded task (what main's pre-flight runs) with --steps=4."""
+    import data as data_io
+    import train_grpo
+    fp = data_io.fingerprint(*data_io.load_data(None, data_io.load_tokenizer(None))[:2])
+    return checkpoint.plan(train_grpo.parse_args([f"--out_dir={out}", "--steps=4", *extra]), fp)
+
+
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, three):
+    """The newest checkpoint's actor/__0_0.distcp truncated and the one before it with one byte
+    flipped (same size: only its checksum tells): --resume=auto passes over step 3 in the
+    pre-flight (sizes), finds step 2's checksum wrong when it loads, names both files in a
+    warning, resumes from step 1, and the finished run's metrics equal the uninterrupted run's;
+    no traceback. The damaged step 3 is set aside as step_000003.damaged when the run replaces it."""
+    out = _copy(three, tmp_path)
+    _truncate(os.path.join(_step(out, 3), "actor", "__0_0.distcp"))
+    name = os.path.join(_step(out, 2), "actor", "__0_0.distcp")
+    with open(name, "r+b") as f:
+        f.seek(os.path.getsize(name) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = run([f"--out_dir={out}", "--steps=4"] + CKPT)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"[resume] warning: {_step(out, 3)}/actor/__0_0.distcp is damaged (" in r.stdout, r.stdout[-3000:]
+    assert f"[resume] warning: {name} is damaged (its checksum differs" in r.stdout
+    assert f"falling back to {_step(out, 1)}" in r.stdout and "step_000001: step 1" in r.stdout
+    assert numbers(metrics(out))[:3] == numbers(metrics(three)) and [m["step"] for m in metrics(out)] == [0, 1, 2, 3]
+    assert os.path.isdir(_step(out, 3) + ".damaged")
+
+
+def test_damaged_metadata_or_meta_json_is_passed_over_or_one_line(tmp_path, three):
+    """A truncated DCP .metadata or meta.json of the newest checkpoint: --resume=auto's pre-flight
+    passes over it with a warning naming the file (no DCP traceback) and picks the one before; the
+    same checkpoint given as --resume=<dir> stops with one line naming the damaged file."""
+    out = _copy(three, tmp_path)
+    _truncate(os.path.join(_step(out, 3), "actor", ".metadata"))
+    assert _plan(out) == _step(out, 2)
+    _truncate(os.path.join(_step(out, 2), "meta.json"))
+    assert _plan(out) == _step(out, 1)
+    with pytest.raises(ValueError, match=r"step_000002/meta.json is damaged \(not valid JSON"):
+        _plan(tmp_path / "other", f"--resume={_step(out, 2)}")
+    r = run([f"--out_dir={tmp_path / 'other2'}", "--steps=4", f"--resume={_step(out, 3)}"] + CKPT)
+    was = checkpoint.read_meta(_step(out, 3))["files"]["actor/.metadata"]["size"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --resume={_step(out, 3)}: {_step(out, 3)}/actor/.metadata is damaged "
+        f"({was // 2} bytes, meta.json records {was}: truncated?); pass an intact "
+        f"checkpoint (another checkpoints/step_N), or an out_dir (its newest intact one is used)"], r.stderr[-3000:]
+
+
+def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
+    """checkpoints/latest deleted, or naming a checkpoint that is gone: the resume finds the newest
+    complete one (step 3) with a warning; --resume=<this out_dir's own step_2> resumes in place
+    instead of being refused as another run's."""
+    out = _copy(three, tmp_path)
+    pointer = os.path.join(out, "checkpoints", "latest")
+    os.remove(pointer)
+    assert _plan(out) == _step(out, 3)
+    with open(pointer, "w") as f:
+        f.write("step_000009")
+    assert _plan(out) == _step(out, 3)
+    assert _plan(out, f"--resume={_step(out, 2)}") == _step(out, 2)
+    with pytest.raises(ValueError, match="holds another run"):     # another out_dir's checkpoint still is refused
+        _plan(out, f"--resume={_step(three, 2)}")
