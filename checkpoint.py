@@ -287,7 +287,9 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     if meta["step"] >= cfg.steps and cfg.resume != "auto":
         raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
                          f"nothing to train; pass --steps=N with N > {meta['step']}")
-    if meta["step"] >= cfg.steps:
+    # a run whose final save failed (a full disk): the same command writes final/ from its last checkpoint
+    export = meta["step"] == cfg.steps and cfg.save and not os.path.exists(final) and path == latest
+    if meta["step"] >= cfg.steps and not export:
         saved = f", the policy in {final}" if os.path.isdir(final) else ""
         raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
                          f"further pass --steps=N with N > {meta['step']} (it resumes there); to start "
@@ -300,6 +302,9 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
                          f"changed): its position would mean nothing; resume with the same ones, or "
                          f"start a new run in another --out_dir")
+    if export:
+        _say(f"[resume] {path} is at --steps={cfg.steps} but {final} was never written (a final save that "
+             f"failed): writing it from the checkpoint")
     return path
 
 
@@ -341,12 +346,106 @@ def _write_json(path: str, obj):
     os.replace(path + ".tmp", path)
 
 
+# --------------------------------------------------------------------------- disk space
+GB = 2**30
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of `path` (for this user); tests replace it to stand in for a full disk."""
+    return shutil.disk_usage(path).free
+
+
+def write_sizes(t) -> tuple[int, int]:
+    """(one checkpoint, the final save) in bytes, from the shapes: each trained role's params in
+    fp32 plus AdamW's two fp32 moments of what trains; the final save: the policy's params in
+    their own dtype (LoRA: the adapter, and the merged model with save_merged)."""
+    ckpt = 0
+    for _, model, *_ in _roles(t):
+        for p in model.parameters():
+            ckpt += p.numel() * 4 + (8 * p.numel() if p.requires_grad else 0)
+    ckpt = int(ckpt * 1.02) + 2**20            # DCP's .metadata, the RNG states, meta.json
+    params = list(t.actor.model.parameters())
+    if t.actor.lora is None:
+        final = sum(p.numel() * p.element_size() for p in params)
+    else:
+        final = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        if t.cfg.actor.save_merged:
+            final += sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    return ckpt, final
+
+
+def disk_report(t) -> str:
+    """The set-up report's line on disk space: what the run will write into out_dir at most (the
+    newest keep_checkpoints, one more while a new one is written, and final/) against what is
+    free. Raises OSError (one line, what to change) when it cannot fit."""
+    cfg = t.cfg
+    ckpt, final = write_sizes(t)
+    saves = len({s for s in range(1, cfg.steps + 1) if s % cfg.save_freq == 0} | {cfg.steps}) if cfg.save_freq else 0
+    n = min(cfg.keep_checkpoints + 1, saves)
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    kept = sum(os.path.getsize(os.path.join(d, f)) for n_ in _step_dirs(root)
+               for d, _, fs in os.walk(os.path.join(root, n_)) for f in fs)   # replaced as new ones come
+    need = max(n * ckpt + (final if cfg.save else 0) - kept, 0)
+    free = free_bytes(cfg.out_dir)
+    what = (f"{n} checkpoint(s) of ~{ckpt / GB:.3f} GB" if n else "no checkpoints") + \
+        (f" + final/ ~{final / GB:.3f} GB" if cfg.save else "")
+    if need > free:
+        raise OSError(f"{cfg.out_dir} has {free / GB:.3f} GB free but this run writes ~{need / GB:.3f} GB there "
+                      f"({what}): free space, pass an --out_dir on a larger disk, or lower --keep_checkpoints "
+                      f"(or --save_freq=0, --save=false)")
+    return f"[disk] writes up to ~{need / GB:.3f} GB to {cfg.out_dir} ({what}); {free / GB:.3f} GB free"
+
+
+def _agree(ok: bool, device) -> bool:
+    """True on every rank when it is true on every rank (one all-reduce)."""
+    flag = torch.tensor([float(ok)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _no_space(e: BaseException) -> bool:
+    """ENOSPC (or EDQUOT), as an OSError or inside a message (DCP's CheckpointException, safetensors'
+    I/O error, torch's zip writer 'unexpected pos' when the disk filled under it)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return any(w in text for w in ("No space left", "Disk quota exceeded", "unexpected pos", "os error 28"))
+
+
+def _space_error(what: str, path: str, need: int, kept: str) -> OSError:
+    where = os.path.dirname(path.rstrip("/")) or "."
+    while not os.path.isdir(where):               # the partial files are gone by now
+        where = os.path.dirname(where) or "."
+    free = free_bytes(where)
+    return OSError(f"{what} {path} failed: no space left on device (it needs ~{need / GB:.3f} GB, "
+                   f"{free / GB:.3f} GB free); {kept}: free space (or lower --keep_checkpoints), "
+                   f"then run the same command")
+
+
 def save(t, step: int):
     """A checkpoint after `step` steps (module docstring), on every rank; `t` is train_grpo's Trainer."""
     root = os.path.join(t.cfg.out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp = os.path.join(root, f".tmp-{name}")   # never read by a resume until renamed
     t0 = time.perf_counter()
+    need, last = write_sizes(t)[0], newest(t.cfg.out_dir) or "no earlier checkpoint"
+    if not _agree(free_bytes(t.cfg.out_dir) >= need, t.device):   # checked before each write, on every rank
+        raise _space_error("writing the checkpoint", tmp, need, f"nothing was written and {last} is kept")
+    kept = f"the partial {tmp} was removed and {last} is kept"
+    try:
+        _write(t, step, root, name, tmp, t0)
+    except BaseException as e:                    # a full disk on any rank: one line, no partial files
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (isinstance(e, OSError) or _no_space(e)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)    # any rank may: the folder is shared
+        if _no_space(e):
+            raise _space_error("writing the checkpoint", getattr(e, "filename", None) or tmp, need, kept) from None
+        raise
+
+
+def _write(t, step: int, root: str, name: str, tmp: str, t0: float):
+    """save()'s body: every rank's files into `tmp`, then meta.json, the rename and `latest`."""
     if t.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)    # a save cut short by a kill
         os.makedirs(os.path.join(tmp, "rng"))
@@ -357,10 +456,18 @@ def save(t, step: int):
             try:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
+                if _no_space(e):
+                    raise OSError(errno.ENOSPC, _cause(e), os.path.join(tmp, role)) from None
                 raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
             del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
     offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{t.rank}.pt"))
+    rng = os.path.join(tmp, "rng", f"rank{t.rank}.pt")
+    try:
+        torch.save(rng_state(), rng)
+    except RuntimeError as e:                     # the zip writer's report of a full disk names no file
+        if _no_space(e):
+            raise OSError(errno.ENOSPC, str(e), rng) from None
+        raise
     dist.barrier()                                # every rank's files are on disk
     files = _record(tmp, t.rank, t.world)         # sizes and checksums: a resume verifies them
     if t.rank == 0:
@@ -493,11 +600,25 @@ def save_final(t):
     longer run replaces the earlier final/), with this run's config beside it."""
     final = os.path.join(t.cfg.out_dir, "final")
     tmp, old = final + ".tmp", final + ".old"
+    need, last = write_sizes(t)[1], newest(t.cfg.out_dir)
+    kept = (f"{final} is untouched and " if os.path.isdir(final) else "") + \
+        (f"the checkpoint {last} is kept (the same command writes final/ from it)" if last
+         else "no checkpoint was written (--save_freq=0): the weights are lost")
+    if not _agree(free_bytes(t.cfg.out_dir) >= need, t.device):
+        raise _space_error("writing the final policy", tmp, need, kept)
     if t.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    what = actor.save(t.actor, t.tokenizer, tmp, t.rank, t.cfg.model)   # gathers: every rank
+    try:
+        what = actor.save(t.actor, t.tokenizer, tmp, t.rank, t.cfg.model)   # gathers: every rank
+        if t.rank == 0:
+            _write_json(os.path.join(tmp, "run_config.json"), asdict(t.cfg))
+    except Exception as e:                    # never a half-written final/: it is swapped in only when whole
+        if t.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
+            raise _space_error("writing the final policy", tmp, need, f"the partial {tmp} was removed, {kept}") from None
+        raise
     if t.rank == 0:
-        _write_json(os.path.join(tmp, "run_config.json"), asdict(t.cfg))
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
             os.replace(final, old)

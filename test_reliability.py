@@ -154,3 +154,68 @@ def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
     assert _plan(out, f"--resume={_step(out, 2)}") == _step(out, 2)
     with pytest.raises(ValueError, match="holds another run"):     # another out_dir's checkpoint still is refused
         _plan(out, f"--resume={_step(three, 2)}")
+
+
+# --------------------------------------------------------------------------- 2. a full disk
+def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumable(tmp_path, dist_env, monkeypatch):
+    """In this process (1 rank): the start check refuses an out_dir with too little space in one
+    line; a checkpoint write whose disk fills (torch's zip writer's 'unexpected pos', as in the
+    issue) is one OSError naming the path, the bytes needed and free, and leaves no .tmp-* behind;
+    the check before a write refuses without writing; a final save whose disk fills (safetensors'
+    I/O error) leaves no final/ and no final.tmp, and the same command then writes final/ from the
+    newest checkpoint (in a subprocess, the disk freed)."""
+    import safetensors.torch
+    import torch
+    import train_grpo
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=1", "--save_freq=1"] + SMALL
+    cfg = train_grpo.parse_args(args)
+    data, _ = train_grpo.preflight(cfg)
+    t = train_grpo.setup(cfg, data=data)
+    step0 = train_grpo.train_step(t, 0)
+    assert any(line.startswith(f"[disk] writes up to ~0.0") and "GB free" in line for line in train_grpo.report(t))
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "free_bytes", lambda path: 10 * 2**20)
+        with pytest.raises(OSError, match=rf"{out} has 0.010 GB free but this run writes ~0.0\d\d GB there "
+                                          r"\(1 checkpoint\(s\) of ~0.03\d GB \+ final/ ~0.01\d GB\): free space"):
+            checkpoint.disk_report(t)
+        with pytest.raises(OSError, match=r"writing the checkpoint .*/.tmp-step_000001 failed: no space left on "
+                                          r"device \(it needs ~0.03\d GB, 0.010 GB free\); nothing was written"):
+            checkpoint.save(t, 1)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):                  # DCP's files are written; then the disk is full
+        real_save(obj, f, *a, **k)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", full)
+        with pytest.raises(OSError) as e:
+            checkpoint.save(t, 1)
+    tmp = os.path.join(out, "checkpoints", ".tmp-step_000001")
+    assert str(e.value).startswith(f"writing the checkpoint {tmp}/actor failed: no space left on device (it needs "
+                                   f"~0.03"), str(e.value)     # DCP's own torch.save (its .metadata) hit it
+    assert "the partial" in str(e.value) and "no earlier checkpoint is kept" in str(e.value)
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+    checkpoint.save(t, 1)                          # the disk freed: complete
+    assert checkpoint.newest(out) == _step(out, 1)
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(step0) + "\n")
+
+    class SafetensorError(Exception):
+        pass
+
+    def full_final(sd, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_final)
+        with pytest.raises(OSError, match=rf"writing the final policy {out}/final.tmp failed: no space left on "
+                                          rf"device \(it needs ~0.01\d GB, [\d.]+ GB free\); the partial .* removed, the "
+                                          rf"checkpoint {_step(out, 1)} is kept \(the same command writes final/ from it\)"):
+            checkpoint.save_final(t)
+    assert sorted(os.listdir(out)) == [checkpoint.LOCK, "checkpoints", "metrics.jsonl"] or \
+        sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]
+    r = run(args)
+    assert r.returncode == 0 and "was never written (a final save that failed): writing it" in r.stdout, r.stderr[-3000:]
+    assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))

@@ -434,6 +434,7 @@ def report(t: Trainer) -> list[str]:
     lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
+    lines.append(checkpoint.disk_report(t))   # what the run writes vs what is free (raises when it cannot fit)
     if t.engine.kind == "vllm":
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
