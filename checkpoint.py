@@ -288,7 +288,8 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
                          f"nothing to train; pass --steps=N with N > {meta['step']}")
     # a run whose final save failed (a full disk): the same command writes final/ from its last checkpoint
-    export = meta["step"] == cfg.steps and cfg.save and not os.path.exists(final) and path == latest
+    export = (meta["step"] == cfg.steps and cfg.save and meta["config"].get("save") is True
+              and not os.path.exists(final) and path == latest)
     if meta["step"] >= cfg.steps and not export:
         saved = f", the policy in {final}" if os.path.isdir(final) else ""
         raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
