@@ -31,10 +31,11 @@ import errno
 import fcntl
 import json
 import os
-import socket
 import random
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 import zlib
@@ -629,22 +630,58 @@ def save_final(t):
     dist.barrier()
 
 
-# --------------------------------------------------------------------------- preemption
+# --------------------------------------------------------------------------- preemption, Ctrl-C
 _signals: list = []
+NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
-def _on_sigterm(signum, frame):
-    _signals.append(signum)                       # acted on at the end of the step
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def _on_stop(signum, frame):
+    """Noted, and acted on at the end of the step; a second SIGINT ends the process at once (no
+    checkpoint, no traceback: os._exit skips the unwinding that would print one per rank)."""
+    if signum == signal.SIGINT and signal.SIGINT in _signals:
+        if _rank0():
+            print("[interrupt] second Ctrl-C: stopped at once, without a checkpoint; the same command resumes "
+                  "from the last one", file=sys.stderr, flush=True)
+        os._exit(130)
+    if signum == signal.SIGINT and signal.SIGINT not in _signals and _rank0():
+        print("[interrupt] Ctrl-C: finishing this step, then a checkpoint (Ctrl-C again stops at once)", flush=True)
+    _signals.append(signum)
+
+
+def exit_on_sigint():
+    """Before the first step (options, models, engine): Ctrl-C ends the run at once with one line
+    instead of a KeyboardInterrupt traceback from every rank; nothing is lost yet."""
+    def stop(signum, frame):
+        if _rank0():
+            print("[interrupt] Ctrl-C during set-up: stopped (nothing to save yet)", file=sys.stderr, flush=True)
+        os._exit(130)
+    signal.signal(signal.SIGINT, stop)
 
 
 def stop_on_sigterm():
-    """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL):
-    the current step finishes, a checkpoint is written, the run exits."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
+    SIGINT (Ctrl-C; torchrun forwards that too, so each worker handles it): the current step
+    finishes, a checkpoint is written, the run exits; a second SIGINT stops at once."""
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
+
+
+def stop_line(cfg) -> tuple[str, int]:
+    """The stopped run's one line (how to resume) and its exit code: 130 for Ctrl-C, 143 for SIGTERM
+    (the signal this rank got; a rank that got none was stopped by another's: SIGTERM)."""
+    sig = _signals[0] if _signals else signal.SIGTERM
+    line = f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped " + (
+        f"after a checkpoint in {cfg.out_dir}/checkpoints; the same command resumes there" if cfg.save_freq
+        else "without a checkpoint (--save_freq=0)")
+    return line, 130 if sig == signal.SIGINT else 143
 
 
 def stop_requested(device) -> bool:
-    """Did any rank get SIGTERM? One all-reduce per step, so every rank stops after the same step."""
+    """Did any rank get SIGTERM or SIGINT? One all-reduce per step, so every rank stops after the same step."""
     flag = torch.tensor([float(bool(_signals))], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

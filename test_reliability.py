@@ -219,3 +219,49 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     r = run(args)
     assert r.returncode == 0 and "was never written (a final save that failed): writing it" in r.stdout, r.stderr[-3000:]
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- 5. Ctrl-C
+def _start(args, log, nproc=0):
+    """train_grpo.py in the background (plain python, or torchrun with nproc ranks), output to `log`."""
+    if nproc:
+        return launch(args, nproc, log)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "train_grpo.py")] + args, env=env, cwd=HERE,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
+    """The first SIGINT (to the process, or to torchrun, which forwards it to each worker) finishes
+    the step, writes a checkpoint at it (none was due: save_freq=100) and exits 130 with one line
+    saying how to resume; no KeyboardInterrupt or traceback from any rank. Then, resumed, two
+    SIGINTs in a row (plain python) stop at once without a checkpoint, again without a traceback."""
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=200", "--save_freq=100", "--save=false"] + SMALL
+    with open(tmp_path / "int.log", "w") as log:
+        proc = _start(args, log, nproc)
+        wait_for_lines(out, 2, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    text = open(tmp_path / "int.log").read()
+    done = len(metrics(out))
+    assert f"[preempt] SIGINT (Ctrl-C): stopped after a checkpoint in {out}/checkpoints; the same command resumes " \
+           f"there" in text and 2 <= done < 200, text[-3000:]
+    assert "KeyboardInterrupt" not in text and "Traceback" not in text.split("[preempt]")[0], text[-3000:]
+    if not nproc:
+        assert proc.returncode == 130
+    assert checkpoint.read_meta(checkpoint.checkpoint_dir(out))["step"] == done
+    if nproc:
+        return
+    with open(tmp_path / "int2.log", "w") as log:
+        proc = _start(args, log)
+        wait_for_lines(out, done + 1, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    text = open(tmp_path / "int2.log").read()
+    assert proc.returncode == 130 and "[interrupt] second Ctrl-C: stopped at once" in text, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert checkpoint.read_meta(checkpoint.checkpoint_dir(out))["step"] == done   # no new checkpoint

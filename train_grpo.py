@@ -711,6 +711,7 @@ def main(argv=None):
         cfg = parse_args(argv)
         timeout = cfg.dist_timeout_s
         checkpoint.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
+        checkpoint.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
         data, resume = preflight(cfg)
         t = setup(cfg, data=data)
         if t.rank == 0:
@@ -719,12 +720,11 @@ def main(argv=None):
             with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
                 json.dump(resolved, f, indent=1)
         finished = train(t, checkpoint.load(t, resume) if resume else 0)
-        if not finished:                   # SIGTERM: checkpointed; the same command resumes
+        if not finished:                   # SIGTERM or Ctrl-C: checkpointed; the same command resumes
+            line, code = checkpoint.stop_line(cfg)
             if t.rank == 0:
-                print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
-                                                      f"command resumes there" if cfg.save_freq
-                                                      else "without a checkpoint (--save_freq=0)"), flush=True)
-            sys.exit(143)
+                print(line, flush=True)
+            sys.exit(code)
         if t.rank == 0:
             print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
             if t.device.type == "cuda":
