@@ -265,3 +265,26 @@ def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
     assert proc.returncode == 130 and "[interrupt] second Ctrl-C: stopped at once" in text, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     assert checkpoint.read_meta(checkpoint.checkpoint_dir(out))["step"] == done   # no new checkpoint
+
+
+# --------------------------------------------------------------------------- 7. small ones
+def test_reward_without_a_colon_says_module_function():
+    import data as data_io
+    with pytest.raises(ValueError, match=r"--reward mymod: give module:function \(e.g. --reward=mymod:reward\)"):
+        data_io.load_reward("mymod", None)
+
+
+def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(tmp_path):
+    """2 ranks under torchrun: --profile_steps=99 with --steps=1 warns at start (once), a prompt
+    longer than max_prompt_length is dropped and said once (rank 0), and --help prints once."""
+    rows = [{"prompt": f"what is {i} plus {i}", "answer": str(2 * i)} for i in range(8)]
+    rows.append({"prompt": " ".join(["word"] * 200), "answer": "0"})
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run([f"--out_dir={tmp_path / 'o'}", "--steps=1", "--save=false", f"--data={path}", "--max_prompt_length=64",
+             "--profile_steps=99", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("[data] dropped 1 prompts longer than max_prompt_length=64") == 1, r.stdout[-3000:]
+    assert r.stdout.count("[profile] warning: --profile_steps=99: step(s) 99 never run (--steps=1") == 1
+    r = run(["--help"], nproc=2)
+    assert r.returncode == 0 and r.stdout.count("--keep_checkpoints") == 1, r.stdout[-3000:]

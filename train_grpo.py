@@ -270,6 +270,15 @@ def profile_steps(spec: str) -> set[int]:
     return steps
 
 
+def profile_warning(cfg: Config) -> str | None:
+    """--profile_steps naming steps this run never reaches (numbered from 0, up to --steps - 1)."""
+    late = sorted(s for s in profile_steps(cfg.profile_steps) if s >= cfg.steps)
+    if late:
+        return (f"[profile] warning: --profile_steps={cfg.profile_steps}: step(s) {', '.join(map(str, late))} "
+                f"never run (--steps={cfg.steps}: steps 0 to {cfg.steps - 1}), so nothing is traced for them")
+    return None
+
+
 @contextlib.contextmanager
 def profiled(cfg: Config, step: int, rank: int, device):
     """A torch.profiler trace of this step when --profile_steps names it: CPU ops, CUDA kernels
@@ -435,6 +444,7 @@ def report(t: Trainer) -> list[str]:
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     lines.append(checkpoint.disk_report(t))   # what the run writes vs what is free (raises when it cannot fit)
+    lines += [w for w in [profile_warning(cfg)] if w]   # --profile_steps past --steps
     if t.engine.kind == "vllm":
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
@@ -704,7 +714,7 @@ def fail(message: str, rank: int, code: int = 2):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(options.usage(sections(Config())))
+        print(options.usage(sections(Config()))) if int(os.environ.get("RANK", 0)) == 0 else None   # once under torchrun
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
