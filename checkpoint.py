@@ -21,6 +21,13 @@ use. Only the newest `keep_checkpoints` stay. What a save moves: each role bring
 Adam to the device through its own bracket (`actor.state_in`, `critic.state_in`: the update
 stage's bytes without grads and activations), one role at a time, and drops them again after.
 
+Reliability (issue 24): global rank 0 holds an flock on out_dir/.run.lock for the run's life (one
+run per out_dir); meta.json records each file's size and crc32, checked at resume (a damaged
+checkpoint is named, and --resume=auto falls back to the newest intact one; `latest` is only an
+index); free space is checked at start and before each write, and a full disk is one line with
+no partial files left; SIGINT does what SIGTERM does, a second one stops at once; a worker that
+torchrun restarted joins through a store of its own attempt (`restart_store`).
+
 The out_dir policy (checked before any model is built, `plan`): an out_dir with an unfinished
 run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run
 that left no checkpoint, is refused with a line that says what to pass instead. Nothing of an
@@ -628,6 +635,22 @@ def save_final(t):
         shutil.rmtree(old, ignore_errors=True)
         print(f"[save] {final} ({what})", flush=True)
     dist.barrier()
+
+
+# --------------------------------------------------------------------------- torchrun's restarts
+def restart_store(timeout_s: float | None) -> dict:
+    """init_process_group's store for a worker that torchrun restarted (--max-restarts, after a rank
+    died): the agent's store under a prefix of this attempt. Without it the new workers can read
+    the previous attempt's addresses from the store and gloo's (or NCCL's) connect is refused, or
+    waits (pytorch#167288). {} on a first attempt or outside torchrun: the usual env:// set-up."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s or 1800))
+    return {"store": dist.PrefixStore(f"/restart_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
 
 
 # --------------------------------------------------------------------------- preemption, Ctrl-C

@@ -288,3 +288,34 @@ def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(
     assert r.stdout.count("[profile] warning: --profile_steps=99: step(s) 99 never run (--steps=1") == 1
     r = run(["--help"], nproc=2)
     assert r.returncode == 0 and r.stdout.count("--keep_checkpoints") == 1, r.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- 8. torchrun's restarts
+def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterrupted):
+    """torchrun --max-restarts=2, 2 ranks: kill -9 rank 1 inside step 4 (the last checkpoint at step
+    2). torchrun stops the other worker and starts both again with the same command line; they
+    resume from the checkpoint by themselves (--resume=auto; the killed job's rank 0 released the
+    out_dir lock when it died, the new rank 0 takes it) and the finished run's metrics equal an
+    uninterrupted run's, each step once."""
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+           os.path.join(HERE, "train_grpo.py")] + args
+    with open(tmp_path / "restart.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_lines(out, 3, proc)
+            first = workers(proc)
+            os.kill(first[1], signal.SIGKILL)
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:               # stuck: its workers first (they are in sessions of their own)
+                for pid in list(workers(proc).values()) + [proc.pid]:
+                    os.kill(pid, signal.SIGKILL)
+    text = open(tmp_path / "restart.log").read()
+    assert proc.returncode == 0, text[-4000:]
+    assert "[resume]" in text and "step_000002: step 2" in text, text[-4000:]
+    resumed = metrics(out)
+    assert [m["step"] for m in resumed] == list(range(6))
+    assert numbers(resumed) == numbers(uninterrupted)

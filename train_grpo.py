@@ -196,7 +196,8 @@ def init_distributed(timeout_s: float | None = None):
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait,
+                                    **checkpoint.restart_store(timeout_s))   # torchrun restarted us: a fresh store
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
