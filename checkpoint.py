@@ -625,7 +625,8 @@ def save_final(t):
         if t.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if _no_space(e):
-            raise _space_error("writing the final policy", tmp, need, f"the partial {tmp} was removed, {kept}") from None
+            raise _space_error("writing the final policy", tmp, need,
+                               f"the partial {tmp} was removed, {kept}") from None
         raise
     if t.rank == 0:
         shutil.rmtree(old, ignore_errors=True)
