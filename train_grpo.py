@@ -715,7 +715,7 @@ def fail(message: str, rank: int, code: int = 2):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(options.usage(sections(Config()))) if int(os.environ.get("RANK", 0)) == 0 else None   # once under torchrun
+        print(options.usage(sections(Config()))) if int(os.environ.get("RANK", 0)) == 0 else None  # once under torchrun
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
