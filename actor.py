@@ -282,9 +282,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
     """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
-    batch's own (sequences: only rows with a valid token, as verl counts them). The update passes
-    the mini-batch's global counts (over micro-batches and ranks) so that the gradient does not
-    depend on how the mini-batch is split."""
+    batch's own (sequences: only rows with a valid token, verl's `seq_mask` when it gets no global
+    batch size). The update passes the mini-batch's global counts (`global_counts`: over
+    micro-batches and ranks, every row for the seq-mean modes, as verl's engine divides by its
+    global batch size) so that the gradient does not depend on how the mini-batch is split."""
     mat = mat * mask
     if mode == "token-mean":
         return mat.sum() / (mask.sum() if tokens is None else tokens)
@@ -387,10 +388,12 @@ def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None,
 
 
 def global_counts(mini: dict) -> tuple[float, float]:
-    """(valid tokens, sequences with a valid token) of a mini-batch over all ranks: the loss
-    denominators (the same rows `agg_loss` counts on its own)."""
+    """(valid tokens, rows) of a mini-batch over all ranks: the loss denominators. Rows are all of
+    them, an empty response (no valid token) included: verl's engine divides the seq-mean modes by
+    the global batch size (ppo_mini_batch_size x n), not by the rows that have a token, so an
+    empty row lowers the mean instead of being left out of it."""
     m = mini["response_mask"]
-    c = all_sum(torch.stack([m.sum(), (m.sum(-1) > 0).sum()]).double())
+    c = all_sum(torch.stack([m.sum(), torch.tensor(float(m.shape[0]), device=m.device)]).double())
     tokens, seqs = c.tolist()                   # one host sync per mini-batch
     return tokens, seqs
 

@@ -202,7 +202,8 @@ def init_distributed(timeout_s: float | None = None):
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait,
+                                    **checkpoint.restart_store(timeout_s))   # torchrun restarted us: a fresh store
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
@@ -274,6 +275,15 @@ def profile_steps(spec: str) -> set[int]:
     if min(steps, default=0) < 0:
         raise ValueError(f"--profile_steps={spec}: give step numbers from 0, separated by commas (e.g. 1,3)")
     return steps
+
+
+def profile_warning(cfg: Config) -> str | None:
+    """--profile_steps naming steps this run never reaches (numbered from 0, up to --steps - 1)."""
+    late = sorted(s for s in profile_steps(cfg.profile_steps) if s >= cfg.steps)
+    if late:
+        return (f"[profile] warning: --profile_steps={cfg.profile_steps}: step(s) {', '.join(map(str, late))} "
+                f"never run (--steps={cfg.steps}: steps 0 to {cfg.steps - 1}), so nothing is traced for them")
+    return None
 
 
 @contextlib.contextmanager
@@ -448,6 +458,8 @@ def report(t: Trainer) -> list[str]:
     lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
+    lines.append(checkpoint.disk_report(t))   # what the run writes vs what is free (raises when it cannot fit)
+    lines += [w for w in [profile_warning(cfg)] if w]   # --profile_steps past --steps
     if t.engine.kind == "vllm":
         kv = (f"KV cache {t.engine.kv_cache_bytes / GB:.2f} GB, sized from the batch "
               f"(+{cfg.rollout.kv_cache_margin:.0%})" if t.engine.kv_cache_bytes else
@@ -722,12 +734,14 @@ def fail(message: str, rank: int, code: int = 2):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(options.usage(sections(Config())))
+        print(options.usage(sections(Config()))) if int(os.environ.get("RANK", 0)) == 0 else None  # once under torchrun
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
         cfg = parse_args(argv)
         timeout = cfg.dist_timeout_s
+        checkpoint.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
+        checkpoint.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
         data, resume = preflight(cfg)
         t = setup(cfg, data=data)
         if t.rank == 0:
@@ -736,12 +750,11 @@ def main(argv=None):
             with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
                 json.dump(resolved, f, indent=1)
         finished = train(t, checkpoint.load(t, resume) if resume else 0)
-        if not finished:                   # SIGTERM: checkpointed; the same command resumes
+        if not finished:                   # SIGTERM or Ctrl-C: checkpointed; the same command resumes
+            line, code = checkpoint.stop_line(cfg)
             if t.rank == 0:
-                print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
-                                                      f"command resumes there" if cfg.save_freq
-                                                      else "without a checkpoint (--save_freq=0)"), flush=True)
-            sys.exit(143)
+                print(line, flush=True)
+            sys.exit(code)
         if t.rank == 0:
             print("\n".join(summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
             if t.device.type == "cuda":
