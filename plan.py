@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
-TFLOPS = 742e12 * 0.35       # bf16 matmul peak measured there x the share a training step reaches
+TFLOPS = 742e12 * 0.46       # bf16 matmul peak measured there x the share a training step reaches (fitted)
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
@@ -338,24 +338,43 @@ def _kv_budget(cfg, world: int, T: int) -> int:
                                   T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
 
 
+DECODE_STEP = 3.5e-3          # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
+                              # scheduling; 64-128 sequences), fitted on the H200 rows of docs/plan_truth.json
+HBM = 4.0e12                  # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
+STAGE_FIXED = 0.2             # seconds each stage pays whatever its size (launches, syncs, the ledger)
+
+
 def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, engine: str) -> float:
-    """A step's time, for ranking configurations: compute at a measured share of the GPU's bf16 rate
-    (update 3 passes, +1 with checkpointing; log-prob forwards 1 pass each) plus the copies that
-    cannot hide (bytes / pinned bandwidth), per the copy levers."""
-    a = cfg.actor
+    """A step's time, for ranking configurations: generation (one decoding step per response token,
+    each reading the weights once), the training compute at a measured share of the GPU's bf16 rate
+    (update 3 passes, +1 with checkpointing; each log-prob or value forward 1 pass; a separate
+    critic's update 3-4 more), and the copies that cannot hide (bytes / pinned bandwidth), per the
+    copy levers. Within 20 % of the measured step on the H200 rows (test_plan.py)."""
+    a, cr, ro = cfg.actor, cfg.critic, cfg.rollout
     tokens = samples * T
-    passes = 3 + (1 if a.gradient_checkpointing else 0) + (1 if a.use_kl_loss else 0)
+    gae = cfg.algorithm.adv_estimator == "gae"
+    separate = gae and cr.mode == "separate"
+    lora = a.lora_rank > 0                     # the frozen base's weight grads are never computed: 2 passes
+    passes = (2 if lora else 3) + (1 if a.gradient_checkpointing else 0) + (1 if a.use_kl_loss else 0)
     passes += 0 if (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size) else 1
+    passes += (1 + 3 + (1 if cr.gradient_checkpointing else 0)) if separate else (1 if gae else 0)
     compute = 2 * s.params * tokens * passes / TFLOPS
+    rm = getattr(cfg, "reward_model", None)
+    if rm is not None and rm.path:             # the reward model's forward over every sequence
+        compute += 2 * shapes(model_config(rm.path)).params * tokens / TFLOPS + STAGE_FIXED
+    generate = ro.response_length * (DECODE_STEP + 2 * s.params / ro.tensor_parallel_size / HBM)
+    stages = 2 + (1 if a.use_kl_loss else 0) + (2 if separate else 1 if gae else 0)    # the stages that compute
+    stages += 0 if (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size) else 1
+    fixed = generate + stages * STAGE_FIXED
     exposed = 0.0
     p_off, a_off = groups["actor params"][1], groups["actor Adam"][1]
     if a.offload_policy:                       # the optimizer steps on the CPU: 16.2 s for 1.54B params on
-        return compute + 10.5e-9 * s.params / max(world, 1) + 3 * groups["actor params"][0] / PINNED_GBPS  # one H200 host
+        return fixed + compute + 10.5e-9 * s.params / max(world, 1) + 3 * groups["actor params"][0] / PINNED_GBPS
     exposed += p_off * (1 + (0.25 if a.prefetch_update else 1)) / PINNED_GBPS   # out at the sync, in for the update
     exposed += a_off * (1 + (1 if a.optimizer_load_at_step else 0.5)) / PINNED_GBPS
     exposed += sum(off for g, (on, off) in groups.items() if g not in ("actor params", "actor Adam")) / PINNED_GBPS
     micro = max(1, samples // max(a.ppo_micro_batch_size_per_gpu, 1))
-    return compute + exposed + micro * s.layers * 1.5e-3
+    return fixed + compute + exposed + micro * s.layers * 1.5e-3
 
 
 # --------------------------------------------------------------------------- choosing flags
