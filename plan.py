@@ -342,6 +342,7 @@ DECODE_STEP = 3.5e-3          # vLLM: seconds per decoding step beyond reading t
                               # scheduling; 64-128 sequences), fitted on the H200 rows of docs/plan_truth.json
 HBM = 4.0e12                  # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
 STAGE_FIXED = 0.2             # seconds each stage pays whatever its size (launches, syncs, the ledger)
+TP_ALLREDUCE = 15e-6          # a tensor-parallel engine's all-reduce, twice per layer per decoding step (latency-bound)
 
 
 def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, engine: str) -> float:
@@ -362,7 +363,8 @@ def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, eng
     rm = getattr(cfg, "reward_model", None)
     if rm is not None and rm.path:             # the reward model's forward over every sequence
         compute += 2 * shapes(model_config(rm.path)).params * tokens / TFLOPS + STAGE_FIXED
-    generate = ro.response_length * (DECODE_STEP + 2 * s.params / ro.tensor_parallel_size / HBM)
+    tp = ro.tensor_parallel_size
+    generate = ro.response_length * (DECODE_STEP + 2 * s.params / tp / HBM + (2 * s.layers * TP_ALLREDUCE if tp > 1 else 0))
     stages = 2 + (1 if a.use_kl_loss else 0) + (2 if separate else 1 if gae else 0)    # the stages that compute
     stages += 0 if (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size) else 1
     fixed = generate + stages * STAGE_FIXED
@@ -536,7 +538,8 @@ def templates() -> str:
     """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on
     1 x 80 GB, 8 x 80 GB and 8 x 141 GB GPUs."""
     import train_grpo
-    rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU | pinned host GB/rank |", "|---|---|---|---|---|"]
+    rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU allocated | device level GB/GPU "
+            "| pinned host GB/rank |", "|---|---|---|---|---|---|"]
     for model in ("random:qwen2.5-0.5b", "random:qwen2.5-7b", "random:qwen2.5-72b"):
         for world, gb in ((1, 80), (8, 80), (8, 141)):
             cfg = train_grpo.parse_args([f"--model={model}", f"--train_batch_size={8 * world}", "--rollout.n=8",
@@ -546,10 +549,11 @@ def templates() -> str:
             best, p = choose(cfg, world, 512, gb * GB, 0.1, "vllm", host)
             if best is None:
                 fits = what_would_fit(cfg, world, 512, gb * GB, 0.1, "vllm", host)
-                rows.append(f"| {model[7:]} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - |")
+                rows.append(f"| {model[7:]} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} "
+                            f"| - | - | - |")
             else:
                 rows.append(f"| {model[7:]} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
-                            f"{p.peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
+                            f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
     return "\n".join(rows)
 
 
