@@ -111,21 +111,23 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     cfg = _cfg("--model=random:qwen2.5-3b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                "--rollout.response_length=1024", "--actor.ppo_micro_batch_size_per_gpu=64",
                "--algorithm.adv_estimator=gae", "--actor.gradient_checkpointing=false")
-    assert plan.predict(cfg, 1, 256).peak > plan.budget(141 * GB, 0.1, "vllm")
-    best, p = plan.choose(cfg, 1, 256, 141 * GB, 0.1, "vllm")
+    h200 = plan.Target(world=1, prompt_len=256, gpu_bytes=141 * GB)
+    assert plan.predict(cfg, 1, 256).peak > h200.budget
+    best, p = plan.choose(cfg, h200)
     assert best is not None and plan.changes(cfg, best)
-    assert max(s.total for s in p.stages) <= plan.budget(141 * GB, 0.1, "vllm")
+    assert max(s.total for s in p.stages) <= h200.budget
     assert p.device_peak <= 0.9 * 141 * GB and p.device_peak >= max(s.total for s in p.stages)
     big7 = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                 "--rollout.response_length=512", "--actor.ppo_micro_batch_size_per_gpu=8")
-    assert plan.choose(big7, 1, 256, 128 * GB, 0.1, "vllm") == (None, None)
-    least, lp = plan.choose(big7, 1, 256, 128 * GB, 0.0, "vllm", least_memory=True)
+    gpu128 = plan.Target(world=1, prompt_len=256, gpu_bytes=128 * GB)
+    assert plan.choose(big7, gpu128) == (None, None)
+    least, lp = plan.choose(big7, plan.Target(1, 256, 128 * GB, margin=0.0), least_memory=True)
     assert "--actor.optimizer_offload=true" in plan.changes(big7, least) and lp.device_peak <= 128 * GB
     assert lp.device_peak < min(plan.predict(c, 1, 256).device_peak for c in [big7])
-    assert plan.choose(big7, 1, 256, 80 * GB, 0.0, "vllm") == (None, None)
+    assert plan.choose(big7, plan.Target(1, 256, 80 * GB, margin=0.0)) == (None, None)
     big = _cfg("--model=random:qwen2.5-72b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8")
-    assert plan.choose(big, 1, 256, 80 * GB, 0.1, "vllm") == (None, None)
-    assert any("GPUs" in x for x in plan.what_would_fit(big, 1, 256, 80 * GB, 0.1, "vllm"))
+    assert plan.choose(big, plan.Target(1, 256, 80 * GB)) == (None, None)
+    assert any("GPUs" in x for x in plan.what_would_fit(big, plan.Target(1, 256, 80 * GB)))
 
 
 def test_cli_prints_the_table_and_the_choice_in_seconds():

@@ -50,7 +50,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -412,15 +412,16 @@ def plan_auto(cfg: Config, world: int, prompt_len: int, engine_kind: str, device
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
     host = host_bytes_per_rank()
-    best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
+    target = plan.Target(world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
+    best, p = plan.choose(cfg, target)
     if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
-        best, p = plan.choose(cfg, world, prompt_len, gpu_capacity(device), 0.0, engine_kind, host, least_memory=True)
+        best, p = plan.choose(cfg, replace(target, margin=0.0), least_memory=True)
         if best is not None:
             say(f"[plan] --offload=auto: nothing keeps {cfg.plan_margin:.0%} of the GPU free at the device level; "
                 f"taking the configuration that needs the least (the allocator may have to free its cache and "
                 f"retry near the top; more GPUs or LoRA would leave headroom)")
     if best is None:
-        fits = plan.what_would_fit(cfg, world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host)
+        fits = plan.what_would_fit(cfg, target)
         raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
                          f"micro-batch sizes that fits {gpu_capacity(device) / plan.GB:.0f} GB per GPU; what would: "
                          + ("; ".join(fits) if fits else "a bigger GPU"))
