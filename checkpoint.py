@@ -1,19 +1,16 @@
-"""Checkpoints and resume: what a run keeps in its out_dir so that it survives a kill, a
-preemption or a dead rank, and so that a new run never destroys an earlier one.
+"""Checkpoints and resume: what a run keeps so that it survives a kill, a preemption or a dead
+rank (the out_dir around them, the lock, the disk and the stop signals: rundir.py).
 
     python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
     python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
     torchrun --nproc_per_node=2 train_grpo.py --steps=40 --resume=out/checkpoints/step_000020 --out_dir=out2
     python -m pytest test_checkpoint.py -q
 
-out_dir holds:
-    metrics.jsonl            one line per step; a resume drops the lines after its checkpoint's step
-    run_config.json          this launch's resolved config
-    checkpoints/step_000020/ meta.json (written last: its presence marks a complete checkpoint),
-                             actor/ and critic/ (torch.distributed.checkpoint: params + AdamW state,
-                             one file per rank, reshardable to another world size), rng/rank<r>.pt
-    checkpoints/latest       the newest complete checkpoint's name, replaced after it is complete
-    final/                   the Hugging Face policy (swapped in whole at the end)
+A checkpoint, checkpoints/step_000020/: meta.json (written last: its presence marks a complete
+checkpoint; it records every file's size and crc32), actor/ and critic/ (torch.distributed.checkpoint:
+params + AdamW state, one file per rank, reshardable to another world size), rng/rank<r>.pt.
+checkpoints/latest names the newest complete one (an index: the step dirs are the truth); final/
+is the Hugging Face policy, swapped in whole at the end.
 
 A checkpoint is written into checkpoints/.tmp-step_N/ and renamed when every rank's files and
 meta.json are in it, then `latest` moves: a kill at any moment leaves the last complete one in
@@ -22,20 +19,18 @@ Adam to the device through its own bracket (`actor.state_in`, `critic.state_in`:
 stage's bytes without grads and activations), one role at a time, and drops them again after.
 The loop hands in the trained roles and the run's figures; `load` returns the checkpoint's meta
 (the step, the data position): nothing here reads or writes the loop's own state.
-
-The out_dir policy (checked before any model is built, `plan`): an out_dir with an unfinished
-run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run
-that left no checkpoint, is refused with a line that says what to pass instead. Nothing of an
-earlier run is overwritten except by resuming it.
+A resume verifies the recorded sizes and checksums: a damaged checkpoint is named, and with
+--resume=auto the newest intact one is used instead (the damaged one is left for inspection).
+Free space is checked before each write; a full disk is one line, and no partial files are left.
 """
 import datetime
+import errno
 import json
 import os
 import random
 import shutil
-import signal
-import tempfile
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -47,98 +42,141 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 import actor
 import offload
 
-# --------------------------------------------------------------------------- the out_dir policy
+GB = 2**30
 
 
-def checkpoint_dir(path: str) -> str | None:
-    """A complete checkpoint at `path` (a step_N dir, or an out_dir whose `latest` names one), or None."""
-    if os.path.isfile(os.path.join(path, "meta.json")):
+# --------------------------------------------------------------------------- finding checkpoints
+def say_once(line: str):
+    """A warning from code that runs on every rank before the process group: said once, by rank 0."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(line, flush=True)
+
+
+def step_dirs(root: str) -> list[str]:
+    """The step_N directories under checkpoints/, newest first (a `.damaged` one set aside is not one)."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]
+    return sorted(names, key=lambda n: int(n[5:]), reverse=True)
+
+
+def newest(out: str, below: int | None = None) -> str | None:
+    """The checkpoint a resume of out_dir starts from: the one checkpoints/latest names when it is
+    complete and intact, else the newest complete and intact one (a `latest` that was deleted or
+    names nothing usable is only an index: the step dirs are the truth). A damaged one (meta.json
+    unreadable, a file missing or of another size than recorded) is passed over with a warning and
+    left in place for inspection. `below`: only those before that step (a fallback). None: none."""
+    root = os.path.join(out, "checkpoints")
+    names = step_dirs(root)
+    pointer, named = os.path.join(root, "latest"), None
+    if below is None and os.path.isfile(pointer):
+        try:
+            with open(pointer) as f:
+                named = f.read().strip()
+        except OSError:
+            pass
+    order = [n for n in names if below is None or int(n[5:]) < below]
+    if named in order:
+        order = [named] + [n for n in order if n != named]
+    passed = set()
+    for n in order:
+        path = os.path.join(root, n)
+        if not os.path.exists(os.path.join(path, "meta.json")):
+            continue                               # a save that never finished (or a killed run's leftover)
+        err = damage(path, checksums=False)
+        if err:
+            say_once(f"[resume] warning: {err}; passing over {path} (left in place for inspection)")
+            passed.add(n)
+            continue
+        if below is None and n != named and named not in passed:
+            say_once(f"[resume] warning: {pointer} " + ("names " + repr(named) if named else "is missing")
+                 + f", not an intact checkpoint; resuming from the newest intact one, {path}")
         return path
-    pointer = os.path.join(path, "checkpoints", "latest")
-    if os.path.isfile(pointer):
-        with open(pointer) as f:
-            target = os.path.join(path, "checkpoints", f.read().strip())
-        if not os.path.isfile(os.path.join(target, "meta.json")):
-            raise ValueError(f"{pointer} names {target}, which is not a complete checkpoint; "
-                             f"point it at one of {path}/checkpoints/step_* or remove it")
-        return target
     return None
 
 
+def checkpoint_dir(path: str) -> str | None:
+    """A complete checkpoint at `path` (a step_N dir, or an out_dir: its newest intact one), or None."""
+    if os.path.exists(os.path.join(path, "meta.json")):
+        return path
+    return newest(path)
+
+
 def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
-def _check_writable(out: str):
-    """out_dir exists (made here) and a file can be created in it, before anything else runs."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out_dir={out} is a file; pass a directory")
+    """A checkpoint's meta.json; a damaged one raises ValueError naming the file."""
+    name = os.path.join(path, "meta.json")
     try:
-        os.makedirs(out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"--out_dir={out} is not a writable directory ({e.strerror}); pass another") from None
+        with open(name) as f:
+            meta = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is damaged (not valid JSON: {e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is damaged (not UTF-8 text)") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+        raise ValueError(f"{name} is damaged (no step number in it)")
+    return meta
 
 
-def plan(cfg, data_fingerprint: str) -> str | None:
-    """Where this run starts, decided before the process group and the models: the checkpoint to
-    resume from, or None for a fresh start. Raises (one line, what to pass instead) for an
-    out_dir that would have to be overwritten."""
-    out = cfg.out_dir
-    _check_writable(out)
-    final = os.path.join(out, "final")
-    if os.path.exists(final) and not os.path.isdir(final):
-        raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
-    latest = checkpoint_dir(out)
-    # what an earlier run leaves (a run that failed before its first step leaves none of these)
-    earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
-               and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
-    if cfg.resume == "never" and earlier:
-        raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) and --resume=never "
-                         f"starts only in an empty one: pass another --out_dir, or remove {out}")
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        path = latest
-        if path is None and earlier:
-            raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
-                             f"to resume from: pass another --out_dir, or remove {out}")
-        if path is None:
-            return None
-    else:
-        path = checkpoint_dir(cfg.resume)
-        if path is None:
-            raise ValueError(f"--resume={cfg.resume}: no complete checkpoint there (a step_N directory "
-                             f"with meta.json, or an out_dir with checkpoints/latest)")
-        if earlier and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
-            raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
-                             f"{cfg.resume} into an empty --out_dir")
-    _check_resumable(cfg, path, data_fingerprint)
-    return path
+# --------------------------------------------------------------------------- integrity
+def _crc(path: str) -> int:
+    """zlib.crc32 of a file, read in 16 MiB chunks (~GB/s: a checksum costs less than the write)."""
+    c = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            c = zlib.crc32(chunk, c)
+    return c
 
 
-def _check_resumable(cfg, path: str, data_fingerprint: str):
-    """The checkpoint at `path` has steps left to train, the roles this run trains, and this data."""
-    meta, out, final = read_meta(path), cfg.out_dir, os.path.join(cfg.out_dir, "final")
-    if meta["step"] >= cfg.steps and cfg.resume != "auto":
-        raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
-                         f"nothing to train; pass --steps=N with N > {meta['step']}")
-    if meta["step"] >= cfg.steps:
-        saved = f", the policy in {final}" if os.path.isdir(final) else ""
-        raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
-                         f"further pass --steps=N with N > {meta['step']} (it resumes there); to start "
-                         f"a new run pass another --out_dir, or remove {out}")
-    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
-    if meta.get("roles", roles) != roles:
-        raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
-                         f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
-    if meta["data"] != data_fingerprint or meta["config"]["seed"] != cfg.seed:
-        raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
-                         f"changed): its position would mean nothing; resume with the same ones, or "
-                         f"start a new run in another --out_dir")
+def _files(path: str) -> list[str]:
+    """A checkpoint's files (relative paths, sorted: every rank lists the same), meta.json aside."""
+    out = [os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs]
+    return sorted(f for f in out if not f.startswith("meta.json"))
+
+
+def _record(path: str, rank: int, world: int) -> dict:
+    """{file: {size, crc32}} of every file of the checkpoint at `path`, each rank checksumming its
+    share (ranks read in parallel), gathered on every rank."""
+    share = {f: {"size": os.path.getsize(os.path.join(path, f)), "crc32": _crc(os.path.join(path, f))}
+             for f in _files(path)[rank::world]}
+    if world > 1:
+        parts = [None] * world
+        dist.all_gather_object(parts, share)
+        share = {k: v for part in parts for k, v in part.items()}
+    return share
+
+
+def damage(path: str, checksums: bool = True, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with the checkpoint at `path`, naming the file, or None when it is intact:
+    meta.json readable, every file it records there with the recorded size and (`checksums`) crc32.
+    Sizes are checked for every file (cheap: the pre-flight does it on every rank); checksums for
+    this rank's share (`rank` of `world`). A checkpoint written before files were recorded has
+    nothing to check beyond its meta.json."""
+    try:
+        files = read_meta(path).get("files")
+    except (OSError, ValueError) as e:
+        return str(e)
+    for i, (name, rec) in enumerate(sorted((files or {}).items())):
+        full = os.path.join(path, name)
+        try:
+            size = os.path.getsize(full)
+        except OSError:
+            return f"{full} is missing (meta.json records it)"
+        if size != rec["size"]:
+            return f"{full} is damaged ({size} bytes, meta.json records {rec['size']}: truncated?)"
+        if checksums and i % world == rank and _crc(full) != rec["crc32"]:
+            return f"{full} is damaged (its checksum differs from the one meta.json records)"
+    return None
+
+
+def verify(path: str, rank: int, world: int) -> str | None:
+    """damage() with checksums, the files split over the ranks, the answer the same on every rank."""
+    err = damage(path, True, rank, world)
+    if world > 1:
+        errs = [None] * world
+        dist.all_gather_object(errs, err)
+        err = next((e for e in errs if e), None)
+    return err
+
 
 
 # --------------------------------------------------------------------------- save and load
@@ -170,40 +208,110 @@ def _write_json(path: str, obj):
     os.replace(path + ".tmp", path)
 
 
+def free_bytes(path: str) -> int:
+    """Free bytes on the filesystem of `path` (for this user); tests replace it to stand in for a full disk."""
+    return shutil.disk_usage(path).free
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank when it is true on every rank (one all-reduce, on the host: gloo)."""
+    flag = torch.tensor([float(ok)])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def no_space(e: BaseException) -> bool:
+    """ENOSPC (or EDQUOT), as an OSError or inside a message (DCP's CheckpointException, safetensors'
+    I/O error, torch's zip writer 'unexpected pos' when the disk filled under it)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e)
+    return any(w in text for w in ("No space left", "Disk quota exceeded", "unexpected pos", "os error 28"))
+
+
+def space_error(what: str, path: str, need: int, kept: str) -> OSError:
+    where = os.path.dirname(path.rstrip("/")) or "."
+    while not os.path.isdir(where):               # the partial files are gone by now
+        where = os.path.dirname(where) or "."
+    free = free_bytes(where)
+    return OSError(f"{what} {path} failed: no space left on device (it needs ~{need / GB:.3f} GB, "
+                   f"{free / GB:.3f} GB free); {kept}: free space (or lower --keep_checkpoints), "
+                   f"then run the same command")
+
+
 def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
     """A checkpoint after `step` steps (module docstring), on every rank. `roles`: (name, state, its
     checkpoint bracket) of each trained role, one resident at a time; `meta`: the run's figures for
-    meta.json (prompts_seen, data, world_size, config), step, roles and time added here."""
-    root, rank = os.path.join(out_dir, "checkpoints"), dist.get_rank()
+    meta.json (prompts_seen, data, world_size, config), step, roles, files and time added here.
+    Free space is checked first on every rank; a full disk (before or during) is one OSError line
+    naming the path, the bytes needed and free, with the partial files removed."""
+    root = os.path.join(out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp = os.path.join(root, f".tmp-{name}")   # never read by a resume until renamed
     t0 = time.perf_counter()
+    need, last = write_bytes(roles), newest(out_dir) or "no earlier checkpoint"
+    if not _agree(free_bytes(out_dir) >= need):   # checked before each write, on every rank
+        raise space_error("writing the checkpoint", tmp, need, f"nothing was written and {last} is kept")
+    kept = f"the partial {tmp} was removed and {last} is kept"
+    try:
+        _write(tmp, roles, {"step": step, **meta, "roles": [r[0] for r in roles]})
+        if dist.get_rank() == 0:
+            _publish(root, name, tmp, step, keep, t0)
+        dist.barrier()                            # no rank goes on, or exits, before it is complete
+    except BaseException as e:                    # a full disk on any rank: one line, no partial files
+        if isinstance(e, (KeyboardInterrupt, SystemExit)) or not (isinstance(e, OSError) or no_space(e)):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)    # any rank may: the folder is shared
+        if no_space(e):
+            raise space_error("writing the checkpoint", getattr(e, "filename", None) or tmp, need, kept) from None
+        raise
+
+
+def write_bytes(roles: list) -> int:
+    """One checkpoint's bytes, from the shapes: each role's params in fp32 and AdamW's two fp32
+    moments of what trains, plus DCP's .metadata, the RNG states and meta.json."""
+    n = sum(p.numel() * 4 + (8 * p.numel() if p.requires_grad else 0)
+            for _, state, _ in roles for p in state.model.parameters())
+    return int(n * 1.02) + 2**20
+
+
+def _write(tmp: str, roles: list, meta: dict):
+    """Every rank's files into `tmp`, then (rank 0) meta.json with their sizes and checksums."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)    # a save cut short by a kill
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
-    for role, state, state_in in roles:
+    for role, state, state_in in roles:           # one role resident at a time
         with state_in(state):
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
+                if no_space(e):
+                    raise OSError(errno.ENOSPC, _cause(e), os.path.join(tmp, role)) from None
                 raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
             del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
     offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
-    torch.save(rng_state(), os.path.join(tmp, "rng", f"rank{rank}.pt"))
+    rng = os.path.join(tmp, "rng", f"rank{rank}.pt")
+    try:
+        torch.save(rng_state(), rng)
+    except RuntimeError as e:                     # the zip writer's report of a full disk names no file
+        if no_space(e):
+            raise OSError(errno.ENOSPC, str(e), rng) from None
+        raise
     dist.barrier()                                # every rank's files are on disk
+    files = _record(tmp, rank, world)             # sizes and checksums: a resume verifies them
     if rank == 0:
-        _write_json(os.path.join(tmp, "meta.json"), {"step": step, **meta, "roles": [r[0] for r in roles],
-                                                     "time": datetime.datetime.now().isoformat(timespec="seconds")})
-        _publish(root, name, tmp, step, keep, t0)
-    dist.barrier()                                # no rank goes on, or exits, before it is complete
+        _write_json(os.path.join(tmp, "meta.json"), {
+            "files": files, **meta, "time": datetime.datetime.now().isoformat(timespec="seconds")})
 
 
 def _publish(root: str, name: str, tmp: str, step: int, keep: int, t0: float):
     """The written checkpoint renamed into place, then `latest` moved to it, older ones pruned."""
     target = os.path.join(root, name)
-    shutil.rmtree(target, ignore_errors=True)  # left by a run killed before `latest` reached it
+    _discard(target)                              # left by a run killed before `latest` reached it
     os.replace(tmp, target)
     with open(os.path.join(root, "latest.tmp"), "w") as f:
         f.write(name)
@@ -224,15 +332,32 @@ def _cause(e: CheckpointException) -> str:
 def _prune(root: str, step: int, keep: int):
     """Keep the newest `keep` checkpoints up to `step`; later ones are a killed run's leftovers."""
     steps = sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit())
-    for s in [s for s in steps if s > step] + [s for s in steps if s <= step][:-keep]:
+    for s in [s for s in steps if s > step]:
+        _discard(os.path.join(root, f"step_{s:06d}"))
+    for s in [s for s in steps if s <= step][:-keep]:
         shutil.rmtree(os.path.join(root, f"step_{s:06d}"), ignore_errors=True)
+
+
+def _discard(path: str):
+    """Remove a checkpoint dir this run replaces (a later step: a killed run's leftover, or a resume
+    from an older one); a damaged one that a resume passed over is set aside as <dir>.damaged
+    instead, for inspection (resume and pruning ignore that name)."""
+    if os.path.exists(os.path.join(path, "meta.json")) and damage(path):
+        aside = f"{path}.damaged"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        print(f"[checkpoint] set the damaged {path} aside as {aside} (remove it when inspected)", flush=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load(path: str, roles: list, config: dict, world: int) -> dict:
     """Load a checkpoint into freshly built roles (any world size: DCP reshards; `roles` as for
-    `save`); returns its meta.json (step, prompts_seen, ...). Prints how this run's `config` differs
-    from the checkpoint's."""
-    meta, rank = read_meta(path), dist.get_rank()
+    `save`) once its checksums check out (`intact`); returns its meta.json (step, prompts_seen, ...).
+    Prints how this run's `config` (asdict of the run's Config) differs from the checkpoint's."""
+    rank = dist.get_rank()
+    path = intact(path, config["out_dir"], config["resume"])
+    meta = read_meta(path)
     for role, state, state_in in roles:
         with state_in(state, loading=True):
             # on a fresh optimizer this makes AdamW's state (a step with zero grads and lr 0: the
@@ -240,7 +365,7 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role))
-            except CheckpointException as e:
+            except CheckpointException as e:   # verified intact (or written before checksums): the model differs
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
@@ -257,6 +382,25 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
     return meta
 
 
+def intact(path: str, out_dir: str, resume: str) -> str:
+    """`path` once its checksums check out (verified by all ranks, each its share); a damaged one
+    stops an explicit --resume with the file named, and with --resume=auto the next older intact
+    checkpoint of out_dir is tried instead, with a warning (the damaged one is left in place)."""
+    while True:
+        err = verify(path, dist.get_rank(), dist.get_world_size())
+        if err is None:
+            return path
+        older = newest(out_dir, below=read_meta(path)["step"]) if resume == "auto" else None
+        if older is None:
+            raise ValueError(f"{err}; " + ("no older intact checkpoint in " + os.path.join(out_dir, "checkpoints")
+                                           + ": start anew in another --out_dir" if resume == "auto"
+                                           else "pass an intact checkpoint, or --resume=auto"))
+        if dist.get_rank() == 0:
+            print(f"[resume] warning: {err}; falling back to {older} (the damaged one is left in place "
+                  f"for inspection)", flush=True)
+        path = older
+
+
 def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
@@ -264,53 +408,32 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def keep_metrics(out_dir: str, step: int, rank: int) -> str:
-    """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut
-    by a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if rank == 0 and step:
-        kept = []
-        if os.path.isfile(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["step"] < step:
-                            kept.append(line if line.endswith("\n") else line + "\n")
-                    except (json.JSONDecodeError, KeyError):
-                        pass
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-    return path
-
-
-def summary(metrics_path: str) -> list[str]:
-    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
-    n = sum(r["optimizer_steps"] for r in rows)
-    applied = n - sum(r["skipped_steps"] for r in rows)
-    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
-    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
-    failed = sum(r["reward/errors"] for r in rows)
-    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
-             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
-    if dw == 0:
-        lines.append("[warn] the weights never moved: this run trained nothing")
-    return lines
-
-
 def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None):
     """The Hugging Face policy (an actor.Actor) to out_dir/final, written aside and swapped in whole
-    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it."""
+    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it. A full
+    disk leaves no half-written final/ and keeps the newest checkpoint (the same command then writes
+    final/ from it)."""
     final, rank = os.path.join(out_dir, "final"), dist.get_rank()
     tmp, old = final + ".tmp", final + ".old"
+    need, last = final_bytes(policy, config["actor"]["save_merged"]), newest(out_dir)
+    kept = (f"{final} is untouched and " if os.path.isdir(final) else "") + \
+        (f"the checkpoint {last} is kept (the same command writes final/ from it)" if last
+         else "no checkpoint was written (--save_freq=0): the weights are lost")
+    if not _agree(free_bytes(out_dir) >= need):
+        raise space_error("writing the final policy", tmp, need, kept)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-    what = actor.save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
+    try:
+        what = actor.save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
+        if rank == 0:
+            _write_json(os.path.join(tmp, "run_config.json"), config)
+    except Exception as e:                    # never a half-written final/: it is swapped in only when whole
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if no_space(e):
+            raise space_error("writing the final policy", tmp, need, f"the partial {tmp} was removed, {kept}") from None
+        raise
     if rank == 0:
-        _write_json(os.path.join(tmp, "run_config.json"), config)
         shutil.rmtree(old, ignore_errors=True)
         if os.path.isdir(final):
             os.replace(final, old)
@@ -320,23 +443,11 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
     dist.barrier()
 
 
-# --------------------------------------------------------------------------- preemption
-_signals: list = []
-
-
-def _on_sigterm(signum, frame):
-    _signals.append(signum)                       # acted on at the end of the step
-
-
-def stop_on_sigterm():
-    """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL):
-    the current step finishes, a checkpoint is written, the run exits."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def stop_requested(device) -> bool:
-    """Did any rank get SIGTERM? One all-reduce per step, so every rank stops after the same step."""
-    flag = torch.tensor([float(bool(_signals))], device=device)
-    if dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+def final_bytes(policy, save_merged: bool) -> int:
+    """The final save's bytes: the policy's params in their own dtype (LoRA: the adapter, and the
+    merged model with save_merged)."""
+    params = list(policy.model.parameters())
+    if policy.lora is None:
+        return sum(p.numel() * p.element_size() for p in params)
+    n = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    return n + (sum(p.numel() * p.element_size() for p in params if not p.requires_grad) if save_merged else 0)

@@ -116,7 +116,7 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
         chats.append(msgs)
     if not prompts:
         raise ValueError(f"none of the {len(rows)} prompts fits max_prompt_length={max_prompt_length}; raise it")
-    if dropped:
+    if dropped and int(os.environ.get("RANK", 0)) == 0:   # every rank loads the data: said once
         print(f"[data] dropped {dropped} prompts longer than max_prompt_length={max_prompt_length}")
     return prompts, answers, chats
 
@@ -135,7 +135,10 @@ def load_reward(spec: str | None, data_path: str | None):
             import tiny
             return tiny.copy_reward
         return gsm8k_reward
-    module, _, name = spec.partition(":")
+    module, colon, name = spec.partition(":")
+    if not colon or not module or not name:
+        raise ValueError(f"--reward {spec}: give module:function (e.g. --reward={module or 'mymod'}:"
+                         f"{name or 'reward'}), the function called as f(response, answer) -> float")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:

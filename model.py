@@ -134,10 +134,26 @@ def init_distributed(timeout_s: float | None = None):
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait)
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait,
+                                    **restart_store(timeout_s))   # torchrun restarted us: a fresh store
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def restart_store(timeout_s: float | None) -> dict:
+    """init_process_group's store for a worker that torchrun restarted (--max-restarts, after a rank
+    died): the agent's store under a prefix of this attempt. Without it the new workers can read
+    the previous attempt's addresses from the store and gloo's (or NCCL's) connect is refused, or
+    waits (pytorch#167288). {} on a first attempt or outside torchrun: the usual env:// set-up."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s or 1800))
+    return {"store": dist.PrefixStore(f"/restart_{attempt}", store), "rank": int(os.environ["RANK"]),
+            "world_size": world}
 
 
 def build_mesh(device, world: int, fsdp_size: int):
@@ -228,19 +244,22 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_counts(mini: dict) -> tuple[float, float]:
-    """(valid tokens, sequences with a valid token) of a mini-batch over all ranks: the loss
-    denominators (the same rows `agg_loss` counts on its own)."""
+    """(valid tokens, rows) of a mini-batch over all ranks: the loss denominators. Rows are all of
+    them, an empty response (no valid token) included: verl's engine divides the seq-mean modes by
+    the global batch size (ppo_mini_batch_size x n), not by the rows that have a token, so an
+    empty row lowers the mean instead of being left out of it."""
     m = mini["response_mask"]
-    c = all_sum(torch.stack([m.sum(), (m.sum(-1) > 0).sum()]).double())
+    c = all_sum(torch.stack([m.sum(), torch.tensor(float(m.shape[0]), device=m.device)]).double())
     tokens, seqs = c.tolist()                   # one host sync per mini-batch
     return tokens, seqs
 
 
 def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
     """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
-    batch's own (sequences: only rows with a valid token, as verl counts them). The update passes
-    the mini-batch's global counts (over micro-batches and ranks) so that the gradient does not
-    depend on how the mini-batch is split."""
+    batch's own (sequences: only rows with a valid token, verl's `seq_mask` when it gets no global
+    batch size). The update passes the mini-batch's global counts (`global_counts`: over
+    micro-batches and ranks, every row for the seq-mean modes, as verl's engine divides by its
+    global batch size) so that the gradient does not depend on how the mini-batch is split."""
     mat = mat * mask
     if mode == "token-mean":
         return mat.sum() / (mask.sum() if tokens is None else tokens)

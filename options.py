@@ -24,6 +24,7 @@ import critic
 import ref
 import reward_model
 import rollout
+import tracker
 from actor import ActorConfig
 from critic import CriticConfig
 from ref import RefConfig
@@ -66,6 +67,9 @@ class Config:
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
+    logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
+                                           # (<out_dir>/wandb, offline unless WANDB_MODE) | none; auto: tensorboard
+                                           # when installed, else none (metrics.jsonl is always written)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -78,7 +82,7 @@ class Config:
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
           "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
           "plan_margin": "[0, 1)"}
-CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto")}
+CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto"), "logger": tracker.KINDS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 
@@ -162,6 +166,15 @@ def within(value, rule: str) -> bool:
         return (lo <= value if rule[0] == "[" else lo < value) and (value <= hi if rule[-1] == "]" else value < hi)
     op, bound = rule.split()
     return value >= float(bound) if op == ">=" else value > float(bound)
+
+
+def profile_warning(cfg: Config) -> str | None:
+    """--profile_steps naming steps this run never reaches (numbered from 0, up to --steps - 1)."""
+    late = sorted(s for s in profile_steps(cfg.profile_steps) if s >= cfg.steps)
+    if late:
+        return (f"[profile] warning: --profile_steps={cfg.profile_steps}: step(s) {', '.join(map(str, late))} "
+                f"never run (--steps={cfg.steps}: steps 0 to {cfg.steps - 1}), so nothing is traced for them")
+    return None
 
 
 def check(sections: dict):

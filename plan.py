@@ -1,12 +1,11 @@
-"""The memory planner: every stage's peak GPU memory per rank, predicted from the configs and the
-model's shapes before anything is built; the fastest set of flags that fits; what would fit when
-nothing does. It moves nothing and builds no model (shapes come from config.json).
+"""The memory planner: every stage's peak GPU memory per rank, at the allocator and at the device
+level, and the step's time, predicted from the configs and the model's shapes before anything is
+built. It moves nothing and builds no model (shapes come from config.json). Choosing the flags
+that fit, --offload=auto, the run's warnings and the command line are plan_fit.py's.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
-    python plan.py --model=random:qwen2.5-72b --nproc=8 --gpu_gb=141 --host_gb=560   # pinned RAM checked too
     python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
-    python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl
 
 How the prediction is made (per rank, bytes; each term named in the table it prints):
 - States: fp32 shards of the actor (and critic) are 4 B x params / shard-group size, their grads
@@ -25,23 +24,30 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
   in backward (the recomputed chunk plus its gradient).
 - vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given,
   CUDA graphs and workspaces that stay while it sleeps, and the CUDA context.
+- The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what
+  lies outside it.
 Calibrated against the H200 measurements kept in docs/plan_truth.json (test_plan.py checks it).
 """
 import functools
-import json
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 
 import model
 
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
-TFLOPS = 742e12 * 0.35       # bf16 matmul peak measured there x the share a training step reaches
+TFLOPS = 742e12 * 0.46       # bf16 matmul peak measured there x the share a training step reaches (fitted)
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
+# Device level (what mem_get_info shows), calibrated on the H200 runs in docs/ (52 stages):
+OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
+VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
+FORWARD_SLACK = int(0.8 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
+UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's allocated peak, as a share of it
+LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
+SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
+SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
 ALLOC_SLACK = 1.01           # allocations are rounded up to 512 B blocks and a few buffers go uncounted:
                              # measured peaks run 1-2 % above the sum of the terms (docs/plan_truth.json)
 
@@ -117,140 +123,325 @@ class Plan:
     vllm_device: dict                          # device-level bytes while vLLM generates (mem_get_info)
     pinned_host: int                           # bytes of pinned host mirrors per rank
     seconds: float                             # the step's exposed copy + compute estimate (for ranking)
+    device: dict = field(default_factory=dict)  # stage -> device-level bytes at its highest (mem_get_info)
 
     @property
     def peak(self) -> int:
         return max([s.total for s in self.stages] + [sum(self.vllm_device.values())])
 
+    @property
+    def device_peak(self) -> int:
+        return max(self.device.values(), default=0)
+
     def stage(self, name: str) -> Stage | None:
         return next((s for s in self.stages if s.name == name), None)
 
 
-def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
-    """Each stage's peak allocated bytes on one rank for `cfg` (a train_grpo.Config) on `world`
-    ranks, with prompts up to `prompt_len` tokens and every response at its full length."""
-    s = shapes(model_config(cfg.model))
-    a, r, ro = cfg.actor, cfg.ref, cfg.rollout
-    group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
-    c = 4 if a.param_dtype == "float32" else 2
-    P, T, R = s.params, prompt_len + ro.response_length, ro.response_length
-    shard = lambda n, b: math.ceil(n / group) * b  # noqa: E731  (bytes of a shard of n values, b bytes each)
-    samples = cfg.train_batch_size * ro.n // world                   # this rank's rollout
-    mini = a.ppo_mini_batch_size * ro.n // world
-    gae = cfg.algorithm.adv_estimator == "gae"
+@dataclass(frozen=True)
+class Sizes:
+    """What one rank's prediction derives from the options, the world and the prompts (per rank)."""
+    cfg: object                                # an options.Config
+    world: int
+    prompt_len: int
+    engine: str
 
-    # states: bytes on the GPU between stages, by group, unless its flag puts it on the host
-    k = s.layers if a.param_offload_layers < 0 else min(a.param_offload_layers, s.layers)
-    actor_p = shard(P, 4)
-    actor_off = shard(k * s.layer_params + (s.root_params if a.param_offload_layers < 0 else 0), 4)
-    groups = {"actor params": (actor_p, actor_off if a.param_offload else 0),
-              "actor Adam": (shard(P, 8), shard(P, 8) if a.optimizer_offload else 0)}
-    lora = a.lora_rank > 0                     # adapters train (fp32, Adam); the frozen base is in the
-    if lora:                                   # compute dtype; no ref model (the base is the reference)
+    @functools.cached_property
+    def shapes(self) -> Shapes:
+        return shapes(model_config(self.cfg.model))
+
+    @property
+    def group(self) -> int:                    # the ranks one shard group spans (fsdp_size)
+        return self.world if self.cfg.fsdp_size in (-1, self.world) else self.cfg.fsdp_size
+
+    @property
+    def c(self) -> int:                        # bytes of the compute dtype
+        return 4 if self.cfg.actor.param_dtype == "float32" else 2
+
+    @property
+    def R(self) -> int:                        # response tokens
+        return self.cfg.rollout.response_length
+
+    @property
+    def T(self) -> int:                        # tokens of a row: prompt + response
+        return self.prompt_len + self.R
+
+    @property
+    def samples(self) -> int:                  # this rank's rollout
+        return self.cfg.train_batch_size * self.cfg.rollout.n // self.world
+
+    @property
+    def mini(self) -> int:                     # this rank's samples per optimizer step
+        return self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // self.world
+
+    @property
+    def gae(self) -> bool:
+        return self.cfg.algorithm.adv_estimator == "gae"
+
+    @property
+    def separate(self) -> bool:                # PPO with its own critic model
+        return self.gae and self.cfg.critic.mode == "separate"
+
+    @property
+    def lora(self) -> bool:
+        return self.cfg.actor.lora_rank > 0
+
+    @property
+    def on_policy(self) -> bool:               # old log-probs are not recomputed (actor.on_policy's rule)
+        import actor
+        return actor.on_policy(self.cfg.actor, self.cfg.train_batch_size)
+
+    @property
+    def prefetch(self) -> bool:                # the actor's params come in during the ref stage
+        a = self.cfg.actor
+        return a.prefetch_update and a.param_offload and not self.gae
+
+    @property
+    def gather(self) -> int:                   # FSDP2: the layer computed, the next one, and the root
+        s = self.shapes
+        return self.c * (2 * s.layer_params + s.root_params)
+
+    def shard(self, n: int, nbytes: int) -> int:
+        """Bytes of one rank's shard of n values of `nbytes` each."""
+        return math.ceil(n / self.group) * nbytes
+
+    def tokens(self, micro: int, budget: int) -> int:
+        """Tokens in one micro-batch (`budget`: the token budget with use_dynamic_bsz)."""
+        if not self.cfg.actor.use_dynamic_bsz:
+            return min(micro, self.samples) * self.T
+        bins = math.ceil(self.mini * self.T / budget)   # the fewest bins that fit, balanced (packing.micro_batches)
+        return min(budget, math.ceil(self.mini / bins) * self.T)
+
+    def accumulating(self, micro: int, budget: int) -> bool:
+        """2+ micro-batches per optimizer step: the grads are already held when a micro-batch runs."""
+        a = self.cfg.actor
+        bins = math.ceil(self.mini / micro) if not a.use_dynamic_bsz else math.ceil(self.mini * self.T / budget)
+        return bins > 1
+
+    def head(self, n_tok: int, per_elt: int) -> int:
+        """One LM-head chunk of the response tokens among n_tok."""
+        n_resp = n_tok * self.R // self.T
+        chunk = min(self.cfg.actor.logits_chunk_tokens or n_resp, n_resp)
+        return chunk * self.shapes.vocab * per_elt + n_resp * self.shapes.hidden * self.c
+
+    def forward(self, n_tok: int) -> dict:
+        """A no-grad forward's transient: a layer's work or the LM head's chunk, whichever is larger."""
+        s = self.shapes
+        layer = n_tok * (self.c * (3 * s.ffn + 5 * s.hidden) + 8 * s.hidden)
+        return {"gathered layers + root": self.gather, "forward transient": max(layer, self.head(n_tok, 12))}
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The states by group: name -> (bytes on the GPU while in use, bytes its flag takes off between
+    uses); `host_only`: groups FSDP2's CPUOffloadPolicy keeps on the host (a layer at a time comes over)."""
+    sizes: dict
+    host_only: frozenset = frozenset()
+
+    def resident(self, *loaded) -> dict:
+        """What every group keeps on the GPU, with the groups in `loaded` in use."""
+        loaded = loaded + (("actor base",) if "actor params" in loaded else ())   # LoRA: they move together
+        loaded = tuple(g for g in loaded if g not in self.host_only)
+        held = {g: on - (0 if g in loaded else off) for g, (on, off) in self.sizes.items()}
+        return {"cuBLAS workspace": CUBLAS, **{g: b for g, b in held.items() if b}}
+
+    def on(self, name: str) -> int:
+        return self.sizes.get(name, (0, 0))[0]
+
+    def off(self, name: str) -> int:
+        return self.sizes.get(name, (0, 0))[1]
+
+    @property
+    def pinned(self) -> int:                   # pinned host mirrors (+ the host grads with CPUOffloadPolicy)
+        return sum(off for on, off in self.sizes.values()) + \
+            (self.on("actor params") if "actor params" in self.host_only else 0)
+
+
+def _actor_groups(z: Sizes) -> dict:
+    """The policy's params and Adam (full fine-tuning: fp32; LoRA: the adapters fp32, the frozen base
+    in the compute dtype); actor.param_offload_layers offloads only the first k layers' shards."""
+    a, s = z.cfg.actor, z.shapes
+    if z.lora:
         import lora
-        adapters = lora.lora_param_count(model_config(cfg.model), a.lora_rank, a.lora_target_modules)
-        actor_p = shard(adapters, 4)
-        groups = {"actor base": (shard(P, c), shard(P, c) if a.param_offload else 0),
-                  "actor params": (actor_p, actor_p if a.param_offload else 0),
-                  "actor Adam": (shard(adapters, 8), shard(adapters, 8) if a.optimizer_offload else 0)}
-    if a.use_kl_loss and not lora:
-        groups["ref params"] = (shard(P, c), shard(P, c) if r.param_offload else 0)
-    crit = shard(P - s.vocab * s.hidden * (0 if s.tied else 1), 4) if gae and cfg.critic.mode == "separate" else 0
-    if crit:
+        n = lora.lora_param_count(model_config(z.cfg.model), a.lora_rank, a.lora_target_modules)
+        base, adapters = z.shard(s.params, z.c), z.shard(n, 4)
+        return {"actor base": (base, base if a.param_offload else 0),
+                "actor params": (adapters, adapters if a.param_offload else 0),
+                "actor Adam": (z.shard(n, 8), z.shard(n, 8) if a.optimizer_offload else 0)}
+    k = s.layers if a.param_offload_layers < 0 else min(a.param_offload_layers, s.layers)
+    part = z.shard(k * s.layer_params + (s.root_params if a.param_offload_layers < 0 else 0), 4)
+    return {"actor params": (z.shard(s.params, 4), part if a.param_offload else 0),
+            "actor Adam": (z.shard(s.params, 8), z.shard(s.params, 8) if a.optimizer_offload else 0)}
+
+
+def state_groups(z: Sizes) -> Groups:
+    """Every role's states on this rank, and what each offload flag takes off the GPU between uses:
+    the same brackets the roles run."""
+    cfg, s = z.cfg, z.shapes
+    groups, host_only = _actor_groups(z), set()
+    ref_p = z.shard(s.params, z.c)
+    if cfg.actor.use_kl_loss and not z.lora:   # LoRA: the base is the reference, no ref model
+        groups["ref params"] = (ref_p, ref_p if cfg.ref.param_offload else 0)
+    if z.separate:                             # the critic: the trunk and a 1-output head, fp32 + Adam
+        crit = z.shard(s.params - s.vocab * s.hidden * (0 if s.tied else 1), 4)
         groups["critic params"] = (crit, crit if cfg.critic.param_offload else 0)
         groups["critic Adam"] = (2 * crit, 2 * crit if cfg.critic.optimizer_offload else 0)
     rm = getattr(cfg, "reward_model", None)
-    if rm is not None and rm.path:
+    if rm is not None and rm.path:             # a scorer: its trunk in the compute dtype
         rs = shapes(model_config(rm.path))
-        rm_p = shard(rs.params - rs.vocab * rs.hidden * (0 if rs.tied else 1), c)
+        rm_p = z.shard(rs.params - rs.vocab * rs.hidden * (0 if rs.tied else 1), z.c)
         groups["reward model"] = (rm_p, rm_p if rm.param_offload else 0)
-    host_only = set()                          # CPUOffloadPolicy: shards, grads and Adam live on the host; only
-    if a.offload_policy:                       # a layer at a time comes over (the gathered-layer term)
-        groups["actor params"], groups["actor Adam"] = (actor_p, actor_p), (shard(P, 8), shard(P, 8))
+    if cfg.actor.offload_policy:               # CPUOffloadPolicy: shards, grads and Adam live on the host
+        p = groups["actor params"][0]
+        groups["actor params"], groups["actor Adam"] = (p, p), (z.shard(s.params, 8), z.shard(s.params, 8))
         host_only |= {"actor params", "actor Adam"}
-    if a.use_kl_loss and r.offload_policy and "ref params" in groups:
-        groups["ref params"] = (shard(P, c), shard(P, c))
+    if cfg.ref.offload_policy and "ref params" in groups:
+        groups["ref params"] = (ref_p, ref_p)
         host_only.add("ref params")
+    return Groups(groups, frozenset(host_only))
 
-    def resident(*loaded):                     # what every group keeps on the GPU, plus the ones in use
-        loaded = loaded + (("actor base",) if "actor params" in loaded else ())   # LoRA: they move together
-        loaded = tuple(g for g in loaded if g not in host_only)
-        held = {g: on - (0 if g in loaded else off) for g, (on, off) in groups.items()}
-        return {"cuBLAS workspace": CUBLAS, **{g: b for g, b in held.items() if b}}
 
-    gather = c * (2 * s.layer_params + s.root_params)
+# --------------------------------------------------------------------------- the stages, in their order
+def _generate(z: Sizes, g: Groups) -> Stage:
+    """The actor's params are in for the weight sync: one bucket + one tensor in flight (vLLM); HF
+    generate gathers the whole model and keeps its own KV cache and logits."""
+    s, c = z.shapes, z.c
+    if z.engine == "vllm":                     # a bucket of layer tensors, or the embedding alone
+        sync = max(z.cfg.rollout.sync_bucket_mb * 2 ** 20 + s.hidden * s.ffn * c, s.vocab * s.hidden * c)
+        return Stage("generate", {**g.resident("actor params"), "sync bucket": sync})
+    kv = z.samples * z.T * 2 * s.layers * s.kv_dim * c
+    return Stage("generate", {**g.resident("actor params"), "gathered model": c * s.params, "KV cache": kv,
+                              "logits": z.samples * s.vocab * 4 * 2})
 
-    def tokens(micro, budget):                 # tokens in one micro-batch (budget: use_dynamic_bsz)
-        if not a.use_dynamic_bsz:
-            return min(micro, samples) * T
-        bins = math.ceil(mini * T / budget)    # the fewest bins that fit, balanced (packing.micro_batches)
-        return min(budget, math.ceil(mini / bins) * T)
 
-    def accumulating(micro, budget):          # 2+ micro-batches per optimizer step: grads already held
-        bins = math.ceil(mini / micro) if not a.use_dynamic_bsz else math.ceil(mini * T / budget)
-        return bins > 1
+def _reward(z: Sizes, g: Groups) -> Stage:
+    return Stage("reward", g.resident())       # on the CPU: what stays between stages
 
-    def head(n_tok, per_elt):                  # one LM-head chunk of response tokens
-        n_resp = n_tok * R // T
-        return min(a.logits_chunk_tokens or n_resp, n_resp) * s.vocab * per_elt + n_resp * s.hidden * c
 
-    def forward(n_tok):                        # a no-grad forward's transient: a layer's work or the head
-        layer = n_tok * (c * (3 * s.ffn + 5 * s.hidden) + 8 * s.hidden)
-        return {"gathered layers + root": gather, "forward transient": max(layer, head(n_tok, 12))}
+def _reward_model(z: Sizes, g: Groups) -> Stage | None:
+    rm = getattr(z.cfg, "reward_model", None)
+    if rm is None or not rm.path:
+        return None
+    rs, c = shapes(model_config(rm.path)), z.c
+    n = min(rm.micro_batch_size_per_gpu, z.samples) * z.T
+    return Stage("reward_model", {**g.resident("reward model"),
+                                  "gathered layers + root": c * (2 * rs.layer_params + rs.root_params),
+                                  "forward transient": n * (c * (3 * rs.ffn + 5 * rs.hidden) + 8 * rs.hidden)})
 
-    stages = []
-    # generate: the actor's params are in for the weight sync; one bucket + one fp32 tensor in flight
-    if engine == "vllm":                       # the sync: a bucket of layer tensors, or the embedding alone
-        sync = max(ro.sync_bucket_mb * 2 ** 20 + s.hidden * s.ffn * c, s.vocab * s.hidden * c)
-        stages.append(Stage("generate", {**resident("actor params"), "sync bucket": sync}))
-    else:                                      # HF generate: the whole model gathered, its KV cache
-        kv = samples * T * 2 * s.layers * s.kv_dim * c
-        stages.append(Stage("generate", {**resident("actor params"), "gathered model": c * P, "KV cache": kv,
-                                         "logits": samples * s.vocab * 4 * 2}))
-    stages.append(Stage("reward", resident()))
-    if rm is not None and rm.path:
-        n = min(rm.micro_batch_size_per_gpu, samples) * T
-        stages.append(Stage("reward_model", {**resident("reward model"), "gathered layers + root":
-                                             c * (2 * rs.layer_params + rs.root_params),
-                                             "forward transient": n * (c * (3 * rs.ffn + 5 * rs.hidden) + 8 * rs.hidden)}))
-    on_policy = a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size
-    stages.append(Stage("old_logp", resident() if on_policy else     # on-policy: skipped, the ledger still logs it
-                        {**resident("actor params"),
-                         **forward(tokens(a.log_prob_micro_batch_size_per_gpu, a.log_prob_max_token_len_per_gpu))}))
-    prefetch = a.prefetch_update and a.param_offload and not gae
-    if a.use_kl_loss:                          # LoRA: the actor's own forward, its adapter off
-        stages.append(Stage("ref_logp", {**resident("actor params" if lora else "ref params",
-                                                    *(["actor params"] if prefetch else [])),
-                                         **forward(tokens(r.log_prob_micro_batch_size_per_gpu, r.log_prob_max_token_len_per_gpu))}))
-    if gae:
-        cr = cfg.critic
-        stages.append(Stage("values", {**resident("critic params" if crit else "actor params"),
-                                       **forward(tokens(cr.forward_micro_batch_size_per_gpu, cr.forward_max_token_len_per_gpu)),
-                                       "features": 0 if crit else samples * R * s.hidden * c}))
-        if crit:
-            n = tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
-            held = resident("critic params", "critic Adam")
-            stages.append(Stage("critic_update", _update_peak(
-                held, {"critic grads": crit}, {**_activations(s, n, a.gradient_checkpointing, c),
-                                               "gathered layers + root": gather},
-                accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {})))
-    stages.append(Stage("advantage", resident(*(["actor params"] if prefetch else []))))
-    n = tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
-    grads = {"actor grads": 0 if a.offload_policy else actor_p}
-    held = resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
-    busy = {**_activations(s, n, a.gradient_checkpointing, c), "gathered layers + root": gather,
-            "LM head chunk (backward)": head(n, 20)}
-    stages.append(Stage("update", _update_peak(
-        held, grads, busy, accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
-        {**resident("actor params", "actor Adam"), **grads})))
 
-    kv_bytes = _kv_budget(cfg, world, T)
-    dev = {}
-    if engine == "vllm":                       # device-level while vLLM generates: the trainer's leftovers
-        dev = {"trainer (allocated)": sum(resident().values()), "vLLM weights": c * P // ro.tensor_parallel_size,
-               "vLLM KV cache": kv_bytes, "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
-    pinned = sum(off for on, off in groups.values()) + (actor_p if a.offload_policy else 0)   # + the host grads
-    return Plan(stages, dev, pinned, _seconds(cfg, s, world, samples, T, groups, engine))
+def _old_logp(z: Sizes, g: Groups) -> Stage:
+    a = z.cfg.actor
+    if z.on_policy:                            # skipped; the ledger still logs the stage
+        return Stage("old_logp", g.resident())
+    return Stage("old_logp", {**g.resident("actor params"),
+                              **z.forward(z.tokens(a.log_prob_micro_batch_size_per_gpu,
+                                                   a.log_prob_max_token_len_per_gpu))})
+
+
+def _ref_logp(z: Sizes, g: Groups) -> Stage | None:
+    r = z.cfg.ref
+    if not z.cfg.actor.use_kl_loss:
+        return None
+    loaded = ["actor params" if z.lora else "ref params"] + (["actor params"] if z.prefetch else [])
+    return Stage("ref_logp", {**g.resident(*loaded),   # LoRA: the actor's own forward, its adapter off
+                              **z.forward(z.tokens(r.log_prob_micro_batch_size_per_gpu,
+                                                   r.log_prob_max_token_len_per_gpu))})
+
+
+def _values(z: Sizes, g: Groups) -> Stage | None:
+    cr = z.cfg.critic
+    if not z.gae:
+        return None
+    features = 0 if z.separate else z.samples * z.R * z.shapes.hidden * z.c   # shared: kept for its update
+    return Stage("values", {**g.resident("critic params" if z.separate else "actor params"),
+                            **z.forward(z.tokens(cr.forward_micro_batch_size_per_gpu, cr.forward_max_token_len_per_gpu)),
+                            "features": features})
+
+
+def _advantage(z: Sizes, g: Groups) -> Stage:
+    return Stage("advantage", g.resident(*(["actor params"] if z.prefetch else [])))
+
+
+def _critic_update(z: Sizes, g: Groups) -> Stage | None:
+    cr = z.cfg.critic
+    if not z.separate:
+        return None
+    n = z.tokens(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu)
+    busy = {**_activations(z.shapes, n, cr.gradient_checkpointing, z.c), "gathered layers + root": z.gather}
+    return Stage("critic_update", _update_peak(
+        g.resident("critic params", "critic Adam"), {"critic grads": g.on("critic params")}, busy,
+        z.accumulating(cr.ppo_micro_batch_size_per_gpu, cr.ppo_max_token_len_per_gpu), {}))
+
+
+def _update(z: Sizes, g: Groups) -> Stage:
+    a = z.cfg.actor
+    n = z.tokens(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
+    grads = {"actor grads": 0 if a.offload_policy else g.on("actor params")}
+    held = g.resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
+    busy = {**_activations(z.shapes, n, a.gradient_checkpointing, z.c), "gathered layers + root": z.gather,
+            "LM head chunk (backward)": z.head(n, 20)}
+    return Stage("update", _update_peak(held, grads, busy,
+                                        z.accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
+                                        {**g.resident("actor params", "actor Adam"), **grads}))
+
+
+STAGE_PLANS = (_generate, _reward, _reward_model, _old_logp, _ref_logp, _values, _advantage, _critic_update, _update)
+
+
+def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
+    """Each stage's peak allocated bytes and device level on one rank for `cfg` on `world` ranks,
+    with prompts up to `prompt_len` tokens and every response at its full length."""
+    z = Sizes(cfg, world, prompt_len, engine)
+    g = state_groups(z)
+    stages = [st for plan_stage in STAGE_PLANS if (st := plan_stage(z, g)) is not None]
+    plan = Plan(stages, _vllm_awake(z, g), g.pinned, _seconds(z, g))
+    plan.device = _device_levels(plan, z, sum(g.resident().values()))
+    return plan
+
+
+def _vllm_awake(z: Sizes, g: Groups) -> dict:
+    """Device-level bytes while vLLM generates: the trainer's leftovers beside the engine."""
+    if z.engine != "vllm":
+        return {}
+    return {"trainer (allocated)": sum(g.resident().values()),
+            "vLLM weights": z.c * z.shapes.params // z.cfg.rollout.tensor_parallel_size,
+            "vLLM KV cache": _kv_budget(z), "vLLM graphs + buffers": VLLM_RESIDENT, "CUDA context": CUDA_CONTEXT}
+
+
+def _device_levels(plan: Plan, z: Sizes, between: int) -> dict:
+    """Each stage's device-level bytes at its highest (what mem_get_info shows; nvidia-smi too): the
+    allocator's reserve plus what lies outside it. The reserve only grows within a step: nothing
+    gives cached blocks back between the weight sync's empty_cache and the next step's, so a stage
+    holds the largest reserve of the stages before it as well as its own allocated peak plus the
+    cached blocks of its transients (FORWARD_SLACK, UPDATE_SLACK). The generate stage peaks either
+    at the weight sync (the trainer's actor params in, beside vLLM's woken weights) or while
+    vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
+    emptied: every stage sees the step's largest reserve (steady state from the second step).
+    `between`: what the trainer holds between stages."""
+    slack = LORA_UPDATE_SLACK if z.lora else UPDATE_SLACK
+    outside = OUTSIDE + (VLLM_OUTSIDE if z.engine == "vllm" else 0)
+    reserve = {}
+    carry = between + SLEEP_RESIDUE            # after generate's empty_cache: the live blocks' segments
+    for st in plan.stages:
+        if st.name == "generate":
+            reserve[st.name] = carry
+            continue
+        if st.name == "update" and "critic_update" in reserve:
+            own = st.total * (1 + SECOND_UPDATE_SLACK)
+        elif st.name in ("update", "critic_update"):
+            own = st.total * (1 + slack)
+        else:
+            own = st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
+        carry = max(carry, int(own))
+        reserve[st.name] = carry
+    if z.engine != "vllm":
+        top = max(max(reserve.values()), int(plan.stages[0].total * (1 + slack)))
+        return {name: outside + top for name in reserve}
+    merge = 4 * z.shapes.largest if z.lora else 0   # LoRA's sync merges W + BA in fp32: that block stays cached
+    vllm_weights = z.c * z.shapes.params // z.cfg.rollout.tensor_parallel_size + merge
+    sync = plan.stage("generate").total + vllm_weights + VLLM_OUTSIDE
+    out = {name: outside + r for name, r in reserve.items()}
+    out["generate"] = max(OUTSIDE + sync, sum(plan.vllm_device.values()) - CUDA_CONTEXT + OUTSIDE)
+    return out
 
 
 def _update_peak(held: dict, grads: dict, busy: dict, accumulating: bool, at_step: dict) -> dict:
@@ -273,405 +464,86 @@ def _activations(s: Shapes, n_tok: int, checkpointing: bool, c: int) -> dict:
     return {"activations": s.layers * n_tok * s.saved_per_token(c) + n_tok * (4 + c) * s.hidden}
 
 
-def _kv_budget(cfg, world: int, T: int) -> int:
+def _kv_budget(z: Sizes) -> int:
     """The KV bytes rollout.build gives vLLM on each GPU (an engine serves its tp ranks' sequences);
     0 when a share of the GPU sizes it instead."""
-    ro = cfg.rollout
+    ro = z.cfg.rollout
     if ro.gpu_memory_utilization > 0:
         return 0
     import rollout
-    return rollout.kv_cache_bytes(model_config(cfg.model), cfg.train_batch_size // world * ro.n * ro.tensor_parallel_size,
-                                  T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
+    return rollout.kv_cache_bytes(model_config(z.cfg.model), z.cfg.train_batch_size // z.world * ro.n * ro.tensor_parallel_size,
+                                  z.T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
 
 
-def _seconds(cfg, s: Shapes, world: int, samples: int, T: int, groups: dict, engine: str) -> float:
-    """A step's time, for ranking configurations: compute at a measured share of the GPU's bf16 rate
-    (update 3 passes, +1 with checkpointing; log-prob forwards 1 pass each) plus the copies that
-    cannot hide (bytes / pinned bandwidth), per the copy levers."""
-    a = cfg.actor
-    tokens = samples * T
-    passes = 3 + (1 if a.gradient_checkpointing else 0) + (1 if a.use_kl_loss else 0)
-    passes += 0 if (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.train_batch_size) else 1
-    compute = 2 * s.params * tokens * passes / TFLOPS
-    exposed = 0.0
-    p_off, a_off = groups["actor params"][1], groups["actor Adam"][1]
-    if a.offload_policy:                       # the optimizer steps on the CPU: 16.2 s for 1.54B params on
-        return compute + 10.5e-9 * s.params / max(world, 1) + 3 * groups["actor params"][0] / PINNED_GBPS  # one H200 host
-    exposed += p_off * (1 + (0.25 if a.prefetch_update else 1)) / PINNED_GBPS   # out at the sync, in for the update
-    exposed += a_off * (1 + (1 if a.optimizer_load_at_step else 0.5)) / PINNED_GBPS
-    exposed += sum(off for g, (on, off) in groups.items() if g not in ("actor params", "actor Adam")) / PINNED_GBPS
-    micro = max(1, samples // max(a.ppo_micro_batch_size_per_gpu, 1))
-    return compute + exposed + micro * s.layers * 1.5e-3
+DECODE_STEP = 3.5e-3          # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
+                              # scheduling; 64-128 sequences), fitted on the H200 rows of docs/plan_truth.json
+HBM = 4.0e12                  # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
+STAGE_FIXED = 0.2             # seconds each stage pays whatever its size (launches, syncs, the ledger)
+TP_ALLREDUCE = 15e-6          # a tensor-parallel engine's all-reduce, twice per layer per decoding step (latency-bound)
 
 
-# --------------------------------------------------------------------------- choosing flags
-SEARCH = {  # the flags the planner may turn, cheapest first
-    "actor.gradient_checkpointing": (False, True),
-    "ref.param_offload": (False, True),
-    "actor.param_offload": (False, True),
-    "actor.optimizer_offload": (False, True),
-    "actor.optimizer_load_at_step": (False, True),
-}
+def _seconds(z: Sizes, g: Groups) -> float:
+    """A step's time, for ranking configurations: generation, the stages' compute, the copies that
+    cannot hide, and a fixed cost per micro-batch and layer. Within 20 % of the measured step on the
+    H200 rows of docs/plan_truth.json (test_plan.py)."""
+    a = z.cfg.actor
+    micro = max(1, z.samples // max(a.ppo_micro_batch_size_per_gpu, 1))
+    return _generate_seconds(z) + _compute_seconds(z) + _copy_seconds(z, g) + micro * z.shapes.layers * 1.5e-3
 
 
-def budget(gpu_bytes: int, margin: float, engine: str) -> int:
-    """What PyTorch may allocate on one GPU: the GPU less `margin`, the CUDA context and (with vLLM)
-    what the sleeping engine keeps, divided by the allocator's slack."""
-    return int((gpu_bytes * (1 - margin) - CUDA_CONTEXT - (VLLM_RESIDENT if engine == "vllm" else 0)))
+def _generate_seconds(z: Sizes) -> float:
+    """One decoding step per response token, each reading this GPU's slice of the weights (and two
+    all-reduces per layer with a tensor-parallel engine)."""
+    s, tp = z.shapes, z.cfg.rollout.tensor_parallel_size
+    step = DECODE_STEP + 2 * s.params / tp / HBM + (2 * s.layers * TP_ALLREDUCE if tp > 1 else 0)
+    return z.R * step + STAGE_FIXED
 
 
-def candidates(cfg, world: int):
-    """Every combination of SEARCH, of halved micro-batch sizes and of vLLM tensor-parallel sizes
-    that divide the world, as copies of `cfg`."""
-    import copy
-    import itertools
-    a = cfg.actor
-
-    def halvings(m):
-        return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
-    tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
-    for values, micro, lp_micro, tp in itertools.product(itertools.product(*SEARCH.values()),
-                                                         halvings(a.ppo_micro_batch_size_per_gpu),
-                                                         halvings(a.log_prob_micro_batch_size_per_gpu), tps):
-        flags = dict(zip(SEARCH, values))
-        if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
-            continue
-        if flags["ref.param_offload"] and not cfg.actor.use_kl_loss:
-            continue
-        c = copy.deepcopy(cfg)
-        for key, v in flags.items():
-            section, name = key.split(".")
-            setattr(getattr(c, section), name, v)
-        c.rollout.tensor_parallel_size = tp     # vLLM's weights (and KV heads) split over tp GPUs
-        c.actor.ppo_micro_batch_size_per_gpu = micro
-        c.actor.log_prob_micro_batch_size_per_gpu = lp_micro
-        c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, lp_micro)
-        yield c
+def _compute_seconds(z: Sizes) -> float:
+    """The training passes at a measured share of the GPU's bf16 rate (an update 3 passes, LoRA's 2:
+    the frozen base's weight grads are never computed; +1 with checkpointing; each log-prob or value
+    forward 1; a separate critic's update 3 more, +1 with its checkpointing), a fixed cost per stage
+    that computes, and a reward model's forward."""
+    a, cr, s = z.cfg.actor, z.cfg.critic, z.shapes
+    passes = (2 if z.lora else 3) + (1 if a.gradient_checkpointing else 0) + (1 if a.use_kl_loss else 0)
+    passes += 0 if z.on_policy else 1
+    passes += (1 + 3 + (1 if cr.gradient_checkpointing else 0)) if z.separate else (1 if z.gae else 0)
+    tokens = z.samples * z.T
+    stages = 1 + (1 if a.use_kl_loss else 0) + (2 if z.separate else 1 if z.gae else 0) + (0 if z.on_policy else 1)
+    seconds = 2 * s.params * tokens * passes / TFLOPS + stages * STAGE_FIXED
+    rm = getattr(z.cfg, "reward_model", None)
+    if rm is not None and rm.path:             # the reward model's forward over every sequence
+        seconds += 2 * shapes(model_config(rm.path)).params * tokens / TFLOPS + STAGE_FIXED
+    return seconds
 
 
-def choose(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0):
-    """(the fastest configuration whose every stage fits, its Plan), or (None, None). `host_bytes`:
-    the pinned host memory one rank may use (0: not checked)."""
-    limit = budget(gpu_bytes, margin, engine)
-    best, key = None, None
-    for c in candidates(cfg, world):
-        p = predict(c, world, prompt_len, engine)
-        if host_bytes and p.pinned_host > 0.9 * host_bytes:
-            continue
-        if max(s.total for s in p.stages) <= limit and sum(p.vllm_device.values()) <= gpu_bytes * (1 - margin):
-            k = (round(p.seconds, 2), len(changes(cfg, c)))     # the fastest; of equals, the fewest changes
-            if best is None or k < key:
-                best, key = (c, p), k
-    return best or (None, None)
+def _copy_seconds(z: Sizes, g: Groups) -> float:
+    """The offload copies that do not hide behind compute, per the copy levers (bytes / pinned
+    bandwidth); with CPUOffloadPolicy, the optimizer's step on the CPU instead."""
+    a = z.cfg.actor
+    if a.offload_policy:                       # 16.2 s for 1.54B params on one H200 host
+        return 10.5e-9 * z.shapes.params / max(z.world, 1) + 3 * g.on("actor params") / PINNED_GBPS
+    exposed = g.off("actor params") * (1 + (0.25 if a.prefetch_update else 1))   # out at the sync, in for the update
+    exposed += g.off("actor Adam") * (1 + (1 if a.optimizer_load_at_step else 0.5))
+    exposed += sum(off for name, (on, off) in g.sizes.items() if name not in ("actor params", "actor Adam"))
+    return exposed / PINNED_GBPS
 
 
-def changes(before, after) -> list[str]:
-    """The options `after` sets differently from `before`, as command-line flags."""
-    out = []
-    for key in list(SEARCH) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
-                               "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size"]:
-        section, name = key.split(".")
-        v0, v1 = getattr(getattr(before, section), name), getattr(getattr(after, section), name)
-        if v0 != v1:
-            out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")
-    return out
-
-
-def what_would_fit(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str,
-                   host_bytes: int = 0) -> list[str]:
-    """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples,
-    shorter responses, FSDP2's CPU offload policy)."""
-    import copy
-    tries = []
-    for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
-        tries.append((f"{world * k} GPUs (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
-                      f"the samples per GPU)", world * k,
-                      lambda c, k=k: (setattr(c, "train_batch_size", c.train_batch_size * k),
-                                      setattr(c.actor, "ppo_mini_batch_size", c.actor.ppo_mini_batch_size * k))))
-    for k in (2, 4, 8):
-        tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", world,
-                      lambda c, k=k: setattr(c.rollout, "n", max(1, c.rollout.n // k))))
-        tries.append((f"rollout.response_length={max(1, cfg.rollout.response_length // k)}", world,
-                      lambda c, k=k: setattr(c.rollout, "response_length", max(1, c.rollout.response_length // k))))
-    if not cfg.actor.lora_rank:
-        tries.append(("actor.lora_rank=64 (train adapters only: no ref model, grads and Adam for the adapters)",
-                      world, lambda c: setattr(c.actor, "lora_rank", 64)))
-    tries.append(("actor.offload_policy=true (FSDP2 CPUOffloadPolicy: ~10x slower step)", world,
-                  lambda c: setattr(c.actor, "offload_policy", True)))
-    found, kinds = [], set()
-    for label, w, change in tries:
-        kind = label.split("=")[0] if "=" in label.split(" ")[0] else "GPUs"
-        if kind in kinds:
-            continue
-        c = copy.deepcopy(cfg)
-        change(c)
-        if (c.train_batch_size * c.rollout.n) % w or c.train_batch_size % w:
-            continue
-        if choose(c, w, prompt_len, gpu_bytes, margin, engine, host_bytes)[0] is not None:
-            found.append(label)
-            kinds.add(kind)
-    return found
-
-
-# --------------------------------------------------------------------------- reporting
+# --------------------------------------------------------------------------- the table
 def table(plan: Plan, gpu_bytes: int) -> str:
-    lines = [f"{'stage':<14}{'predicted GB':>13}   what is on the GPU at the stage's peak (GB)"]
+    lines = [f"{'stage':<14}{'predicted GB':>13}{'device GB':>10}   what is on the GPU at the stage's peak (GB)"]
     for st in plan.stages:
         terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v)
-        lines.append(f"{st.name:<14}{st.total / GB:>13.2f}   {terms}")
+        lines.append(f"{st.name:<14}{st.total / GB:>13.2f}{plan.device.get(st.name, 0) / GB:>10.2f}   {terms}")
     if plan.vllm_device:
         terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.vllm_device.items())
         lines.append(f"{'(vLLM awake)':<14}{sum(plan.vllm_device.values()) / GB:>13.2f}   device-level: {terms}")
-    lines.append(f"peak {plan.peak / GB:.2f} GB of {gpu_bytes / GB:.0f} GB; pinned host RAM per rank "
+    lines.append(f"peak {plan.peak / GB:.2f} GB allocated, {plan.device_peak / GB:.2f} GB device-level (the "
+                 f"allocator's reserve, CUDA contexts, vLLM) of {gpu_bytes / GB:.0f} GB; pinned host RAM per rank "
                  f"{plan.pinned_host / GB:.2f} GB; step estimate {plan.seconds:.1f} s")
     return "\n".join(lines)
 
 
-def report(cfg, world: int, prompt_len: int, gpu_bytes: int, margin: float, engine: str, host_bytes: int = 0) -> str:
-    """The table for `cfg`, then the fastest configuration that fits (or what would)."""
-    plan = predict(cfg, world, prompt_len, engine)
-    out = [f"[plan] {cfg.model or 'tiny'} on {world} x {gpu_bytes / GB:.0f} GB, {engine} rollout, "
-           f"prompt {prompt_len} + response {cfg.rollout.response_length} tokens"
-           + (f", {host_bytes / GB:.0f} GB of host RAM per rank:" if host_bytes else ":"), table(plan, gpu_bytes)]
-    best, best_plan = choose(cfg, world, prompt_len, gpu_bytes, margin, engine, host_bytes)
-    limit = budget(gpu_bytes, margin, engine)
-    if best is None:
-        fits = what_would_fit(cfg, world, prompt_len, gpu_bytes, margin, engine, host_bytes)
-        out.append(f"[plan] nothing fits under {limit / GB:.1f} GB per GPU ({margin:.0%} margin) with any "
-                   f"combination of offload flags, checkpointing and micro-batch sizes; what would: "
-                   + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
-    else:
-        flags = changes(cfg, best)
-        out.append(f"[plan] fastest that fits under {limit / GB:.1f} GB ({margin:.0%} margin): "
-                   + (" ".join(flags) if flags else "the configuration as given")
-                   + f" (peak {best_plan.peak / GB:.1f} GB, step ~{best_plan.seconds:.1f} s)")
-    return "\n".join(out)
-
-
-def templates() -> str:
-    """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on
-    1 x 80 GB, 8 x 80 GB and 8 x 141 GB GPUs."""
-    import options
-    rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU | pinned host GB/rank |", "|---|---|---|---|---|"]
-    for size in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"):
-        for world, gb in ((1, 80), (8, 80), (8, 141)):
-            cfg = options.parse_args([f"--model=random:{size}", f"--train_batch_size={8 * world}", "--rollout.n=8",
-                                      f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
-                                      "--actor.ppo_micro_batch_size_per_gpu=8"])
-            host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
-            best, p = choose(cfg, world, 512, gb * GB, 0.1, "vllm", host)
-            if best is None:
-                fits = what_would_fit(cfg, world, 512, gb * GB, 0.1, "vllm", host)
-                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - |")
-            else:
-                rows.append(f"| {size} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
-                            f"{p.peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
-    return "\n".join(rows)
-
-
-# --------------------------------------------------------------------------- during the run
-RELIEF = {  # the biggest term of a stage -> the change that removes or shrinks it
-    "actor Adam": "--actor.optimizer_offload=true",
-    "actor params": "--actor.param_offload=true",
-    "ref params": "--ref.param_offload=true",
-    "critic params": "--critic.param_offload=true",
-    "critic Adam": "--critic.optimizer_offload=true",
-    "reward model": "--reward_model.param_offload=true",
-    "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
-    "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
-    "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
-    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens",
-    "forward transient": "a smaller *.log_prob_micro_batch_size_per_gpu (or actor.logits_chunk_tokens)",
-    "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",
-    "sync bucket": "a smaller rollout.sync_bucket_mb",
-    "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)",
-    "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) or more GPUs",
-}
-
-
-def relief(st: Stage) -> str:
-    """The cheapest change for a stage: the one that removes its biggest term."""
-    name = max(st.terms, key=st.terms.get) if st.terms else ""
-    return f"{name} is its biggest term ({st.terms.get(name, 0) / GB:.1f} GB): {RELIEF.get(name, 'more GPUs')}"
-
-
-def watch(m: dict, seen: dict, p: Plan, gpu_bytes: int, host_bytes: int, every: int = 50) -> list[str]:
-    """This step's early warnings, one line each, each kind at most once per `every` steps: a stage
-    above 90 % of the GPU; allocator retries; a measured peak off the plan by more than 10 % and
-    0.25 GB; reserved memory growing while allocated does not; host RSS growing; pinned host memory
-    short."""
-    out = []
-
-    def warn(kind, text):
-        if m["step"] - seen.get(kind, -every) >= every:
-            seen[kind] = m["step"]
-            out.append("[memory] warning: " + text)
-
-    for st in p.stages:
-        peak = m.get(f"mem/{st.name}/peak_gb")
-        if peak is None:
-            continue
-        if peak * GB > 0.9 * gpu_bytes:
-            warn(f"high/{st.name}", f"{st.name} peaked at {peak:.1f} GB, over 90 % of the GPU's "
-                                    f"{gpu_bytes / GB:.0f} GB; {relief(st)}")
-        if m.get(f"mem/{st.name}/alloc_retries", 0) > 0:
-            warn(f"retries/{st.name}", f"{st.name}: the allocator freed its cache and retried "
-                                       f"{m[f'mem/{st.name}/alloc_retries']:.0f} times (it runs at the memory "
-                                       f"limit, and pays in time); {relief(st)}")
-        pred = st.total / GB                   # off by 10 %, and by more than the model's resolution
-        if m["step"] >= 1 and abs(peak - pred) > max(0.1 * pred, 0.25):   # (a 30 MB stage is no news)
-            warn(f"plan/{st.name}", f"{st.name} peaked at {peak:.2f} GB, the plan predicted {pred:.2f} GB "
-                                    f"({peak / pred - 1:+.0%}); plan.py's terms for it: "
-                                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v))
-    last = p.stages[-1].name                   # after the last stage: what stays between steps
-    alloc, reserved, rss = (m.get(f"mem/{last}/allocated_gb"), m.get(f"mem/{last}/reserved_gb"), m.get("host_rss_gb"))
-    if alloc is not None and m["step"] >= 3:   # after warm-up (Adam's state, the caches)
-        a0, r0, h0 = seen.setdefault("base", (alloc, reserved, rss))
-        if reserved - r0 > 0.05 * r0 + 0.5 and alloc - a0 < 0.1:
-            warn("reserved", f"reserved memory grew {r0:.1f} -> {reserved:.1f} GB since step 3 while allocated stayed "
-                             f"at {alloc:.1f} GB: fragmentation; it will end in an OOM that more memory would not need")
-        if rss is not None and rss - h0 > 0.05 * h0 + 0.5:
-            warn("rss", f"host RSS grew {h0:.1f} -> {rss:.1f} GB since step 3: host memory creeps "
-                        f"(pinned buffers re-made, or a reference kept per step)")
-    if host_bytes and p.pinned_host > 0.9 * host_bytes:
-        warn("pinned", f"the offloaded groups need {p.pinned_host / GB:.1f} GB of pinned host memory per rank, "
-                       f"over 90 % of the {host_bytes / GB:.0f} GB this process's share of the host has")
-    return out
-
-
-def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
-    """An OOM inside a stage, in one message: where, what the ledger saw resident before it, what
-    the plan predicted, and the change to make."""
-    held = {k.split("/")[1]: v for k, v in m.items() if k.startswith("mem/") and k.endswith("/allocated_gb")}
-    before = (f"{held[list(held)[-1]]:.1f} GB allocated after {list(held)[-1]}" if held
-              else "(no stage finished this step)")
-    st = p.stage(stage)
-    pred = f"the plan predicted {st.total / GB:.1f} GB for it; {relief(st)}" if st else "the plan has no such stage"
-    return (f"out of GPU memory in stage {stage} (a {device_gb:.0f} GB GPU): {before}; {pred}. "
-            f"Or let the planner choose: --offload=auto.")
-
-
-# --------------------------------------------------------------------------- the run's picture
-def plot(out_dir: str, path: str | None = None) -> str | None:
-    """<out_dir>/memory.png: each stage's measured peak over the steps, the device's used memory
-    and the plan's prediction (dashed). Needs matplotlib; without it, says so and returns None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[plan] matplotlib is not installed: no memory.png (pip install matplotlib)")
-        return None
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    if not rows:
-        return None
-    import offload
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    steps = [m["step"] for m in rows]
-    for i, st in enumerate(offload.STAGES):
-        key = f"mem/{st}/peak_gb"
-        if key not in rows[-1]:
-            continue
-        color = f"C{i % 10}"
-        ax.plot(steps, [m.get(key, float("nan")) for m in rows], color=color, label=st)
-        pred = rows[-1].get(f"plan/{st}/predicted_gb")
-        if pred is not None:
-            ax.axhline(pred, color=color, linestyle="--", linewidth=0.8)
-    used = [max((v for k, v in m.items() if k.endswith("_device_gb") or k.endswith("/device_used_gb")), default=0)
-            for m in rows]
-    ax.plot(steps, used, color="black", linewidth=1.5, label="device used (mem_get_info)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("GB")
-    ax.set_title("peak allocated per stage (solid), the plan's prediction (dashed)")
-    ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    path = path or os.path.join(out_dir, "memory.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm",
-           "host_gb": 0.0, "nproc_per_node": 0}       # host_gb: RAM per node (0: pinned memory not checked)
-    rest = []
-    for arg in argv:
-        key, _, value = arg[2:].partition("=")
-        if arg == "--templates":
-            print(templates())
-            return
-        if key == "plot":
-            print(plot(value) or "no picture")
-            return
-        if key in own:
-            own[key] = type(own[key])(value)
-        else:
-            rest.append(arg)
-    import options
-    try:
-        cfg = options.parse_args(rest)
-        prompt_len = own["prompt_len"] or _prompt_len(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    per_node = own["nproc_per_node"] or min(own["nproc"], 8)
-    print(report(cfg, own["nproc"], prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
-                 int(own["host_gb"] * GB / per_node)))
-
-
-def _prompt_len(cfg) -> int:
-    """The longest prompt the run will see: read from --data (tokenized), the copy task's otherwise."""
-    import data
-    tok = data.load_tokenizer(cfg.model)
-    prompts = data.load_data(cfg.data, tok, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)[0]
-    return max(map(len, prompts))
-
-
-
-# --------------------------------------------------------------------------- the run's glue
-# What train_grpo.py asks of the planner while it runs: the device's size, --offload=auto's choice,
-# the prediction beside each stage's measurement, and the warnings that compare the two.
-def gpu_capacity(device) -> int:
-    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
-    import torch
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
-
-
-def host_bytes_per_rank() -> int:
-    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-
-
-def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
-    """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config."""
-    say = print if rank == 0 else (lambda *a, **k: None)
-    if device.type != "cuda":
-        say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
-        return cfg
-    host, gpu = host_bytes_per_rank(), gpu_capacity(device)
-    best, p = choose(cfg, world, prompt_len, gpu, cfg.plan_margin, engine_kind, host)
-    if best is None:
-        fits = what_would_fit(cfg, world, prompt_len, gpu, cfg.plan_margin, engine_kind, host)
-        raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
-                         f"micro-batch sizes that fits {gpu / GB:.0f} GB per GPU; what would: "
-                         + ("; ".join(fits) if fits else "a bigger GPU"))
-    say(f"[plan] --offload=auto chose: {' '.join(changes(cfg, best)) or 'the flags as given'} "
-        f"(predicted peak {p.peak / GB:.1f} GB, step ~{p.seconds:.1f} s)")
-    return best
-
-
-def record(p: Plan | None, name: str, metrics: dict):
-    """The plan's prediction for stage `name`, beside the ledger's measurement in the step's metrics."""
-    predicted = p.stage(name) if p else None
-    if predicted is not None:
-        metrics[f"plan/{name}/predicted_gb"] = predicted.total / GB
-
-
-def step_warnings(m: dict, seen: dict, p: Plan, device) -> list[str]:
-    """On a GPU: this step's early warnings (`watch`: near the limit, retries, off the plan, creep)."""
-    return watch(m, seen, p, gpu_capacity(device), host_bytes_per_rank()) if device.type == "cuda" else []
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":   # the command line (choosing flags, the table, templates) is plan_fit.py's
+    import plan_fit
+    plan_fit.main()

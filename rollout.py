@@ -453,6 +453,9 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
+    # the stage's device-level high point: the sync (actor params beside vLLM's weights) or generation
+    metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
+                                            and k.endswith("_device_gb"))
     return vllm_batch(engine, [(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
 
 

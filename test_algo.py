@@ -179,15 +179,40 @@ def test_non_finite_grad_norm_skips_the_step(dist_env, capsys):
 
 # --------------------------------------------------------------------------- reported statistics
 def test_sequence_modes_count_only_rows_with_a_valid_token(dist_env):
-    """agg_loss without counts, and global_counts, count a sequence only when it has a valid token
-    (verl's seq_mask): an all-padding row does not dilute the seq-mean modes."""
+    """agg_loss without counts counts a sequence only when it has a valid token (verl's seq_mask);
+    global_counts, the update's denominators, count every row (verl's engine: the global batch
+    size), the all-padding one included."""
     mat = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])   # row 3: no valid token
     assert agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
     assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx((3 + 4) / 2)
     assert agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx((1.5 + 4) / 2)
     _, world, _ = dist_env
-    assert global_counts({"response_mask": mask}) == (3.0 * world, 2.0 * world)
+    assert global_counts({"response_mask": mask}) == (3.0 * world, 3.0 * world)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-sum", "seq-mean-token-mean"])
+def test_seq_mean_divides_by_the_global_batch_rows_as_verls_engine(dist_env, mode):
+    """A mini-batch of 12 rows, one of them an empty response: the update's seq-mean loss (agg_loss
+    with global_counts) and its gradient equal verl's engine formula, the per-sequence losses
+    summed and divided by the global batch size (12 rows per rank, the empty one included), not by
+    the 11 rows with a token (which gave 12/11 of verl's gradient)."""
+    _, world, _ = dist_env
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(12, 6, generator=g) > 0.3).float()
+    mask[:, 0] = 1
+    mask[4] = 0                                                    # the empty response
+    mat = torch.randn(12, 6, generator=g, requires_grad=True)
+    loss = agg_loss(mat, mask, mode, *global_counts({"response_mask": mask}))
+    (grad,) = torch.autograd.grad(loss, mat)
+    ref = mat.detach().clone().requires_grad_(True)
+    per_seq = (ref * mask).sum(-1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    verl = per_seq.sum() / (12 * world)                            # global_batch_size = mini-batch x n, all ranks
+    (want,) = torch.autograd.grad(verl, ref)
+    assert loss.item() == pytest.approx(verl.item(), rel=1e-6)
+    assert torch.allclose(grad, want, rtol=1e-6, atol=0)
 
 
 def test_policy_stats_are_token_means():

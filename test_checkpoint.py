@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import checkpoint
+import rundir
 import train_grpo
 import options
 from test_train import HERE, metrics, run
@@ -229,14 +230,14 @@ def _fake_checkpoint(out, step, fingerprint, seed=0):
 
 
 def test_out_dir_policy(tmp_path):
-    """checkpoint.plan, which main runs before any model: an empty or new out_dir, or one of a run
+    """rundir.plan, which main runs before any model: an empty or new out_dir, or one of a run
     that failed before its first step, starts fresh; an unfinished run resumes (auto), and a
     checkpoint path resumes into an empty out_dir; a finished run, metrics without a checkpoint,
     --resume=never on a used dir, a checkpoint from another out_dir into a used one, other data or
     seed, other roles (GRPO -> PPO), a file as out_dir or as final/, an unwritable out_dir are each
     refused with a line that says what to pass instead."""
     def plan(out, *extra, fp="abc"):
-        return checkpoint.plan(options.parse_args([f"--out_dir={out}", "--steps=10", *extra]), fp)
+        return rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=10", *extra]), fp)
 
     assert plan(tmp_path / "new") is None and os.path.isdir(tmp_path / "new")
     run_dir = tmp_path / "run"

@@ -12,6 +12,8 @@ bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_m
 loads and frees the actor's params around the weight sync): this file orders the stages and keeps
 the ledger (offload.stage); options.py holds the options, each role's `describe` its set-up lines.
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
+Every metric of every step also goes to TensorBoard (`tensorboard --logdir <out_dir>/tensorboard`; or
+wandb, or none: --logger, tracker.py); a GPU run ends with <out_dir>/memory.png (tracker.picture).
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -36,7 +38,7 @@ classic colocated OOM); the weights go to vLLM one bounded bucket at a time, nev
 Around the steps (main): every check that needs no model runs first, on every rank (`preflight`:
 options, batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line,
 `error: ...`, said once, by rank 0. A checkpoint every --save_freq steps, after the last step and
-on SIGTERM; the same command resumes a stopped run (checkpoint.py).
+on SIGTERM or Ctrl-C; the same command resumes a stopped run (checkpoint.py, rundir.py).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
@@ -61,9 +63,12 @@ import data as data_io
 import offload
 import options
 import plan
+import plan_fit
 import ref
 import reward_model
 import rollout
+import rundir
+import tracker
 from model import all_sum, build_mesh, check_model, init_distributed
 from options import Config
 
@@ -100,7 +105,7 @@ def preflight(cfg: Config):
     """Every check that needs no process group and no model, run on every rank before either
     exists, so that a mistake costs seconds: the batch arithmetic and each role's combinations, the
     model directory (config, weights, a decoder layout this code shards), the data and the reward,
-    then the out_dir policy (`checkpoint.plan`). Returns ((prompt ids, answers, chats), the
+    then the out_dir policy (`rundir.plan`). Returns ((prompt ids, answers, chats), the
     checkpoint to resume or None)."""
     options.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     check_model(cfg.model)
@@ -110,7 +115,8 @@ def preflight(cfg: Config):
     tokenizer = data_io.load_tokenizer(cfg.model)
     data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
     data_io.load_reward(cfg.reward, cfg.data)
-    return data, checkpoint.plan(cfg, data_io.fingerprint(*data[:2]))
+    tracker.resolve(cfg.logger)            # a logger asked for but not installed: one line, now
+    return data, rundir.plan(cfg, data_io.fingerprint(*data[:2]))
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
@@ -126,7 +132,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     prompt_len = max(map(len, prompts))
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
-        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
+        cfg = plan_fit.plan_auto(cfg, world, prompt_len, kind, device, rank)
     offload.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -143,7 +149,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
                 ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
     if rank == 0:
         print("\n".join(report(t)), flush=True)
-        print(plan.table(t.plan, plan.gpu_capacity(device)), flush=True)
+        print(plan.table(t.plan, plan_fit.gpu_capacity(device)), flush=True)
     return t
 
 
@@ -170,9 +176,11 @@ def report(t: Trainer) -> list[str]:
     auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
-    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM, to "
+    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM or Ctrl-C, to "
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
+    lines.append(rundir.disk_report(cfg, trained(t), t.actor))   # raises when the disk cannot hold the run
+    lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
     lines += rollout.describe(t.engine)
     if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
                                       if isinstance(s, offload.Stash)):
@@ -252,8 +260,8 @@ def ledger(t: Trainer, m: dict, name: str):
         with offload.stage(name, m, t.device, t.engine.pool_bytes):
             yield
     except torch.OutOfMemoryError as e:
-        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, plan.gpu_capacity(t.device) / plan.GB)) from e
-    plan.record(t.plan, name, m)
+        raise StageOutOfMemory(plan_fit.explain_oom(name, t.plan, m, plan_fit.gpu_capacity(t.device) / plan.GB)) from e
+    plan_fit.record(t.plan, name, m)
 
 
 def train_step(t: Trainer, step: int) -> dict:
@@ -329,10 +337,11 @@ def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
 # --------------------------------------------------------------------------- main
 def train(t: Trainer, start: int) -> bool:
     """Steps start .. cfg.steps - 1, one metrics line each, a checkpoint every save_freq steps and
-    after the last. Returns False when a SIGTERM stopped it (after the step and its checkpoint)."""
+    after the last. Returns False when a SIGTERM or Ctrl-C stopped it (after the step and its checkpoint)."""
     cfg = t.cfg
-    metrics_path = checkpoint.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
-    checkpoint.stop_on_sigterm()
+    metrics_path = rundir.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
+    rundir.stop_on_sigterm()
+    log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
     t_start, seen = time.time(), {}
     for step in range(start, cfg.steps):
         with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
@@ -340,8 +349,9 @@ def train(t: Trainer, start: int) -> bool:
         if t.rank == 0:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
+            log.log(m, step)               # the same line to TensorBoard / wandb
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
-            for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+            for line in plan_fit.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
@@ -349,11 +359,13 @@ def train(t: Trainer, start: int) -> bool:
                 print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
                       f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
                       f"in reward/equal_groups_frac and at the end", flush=True)
-        stop = checkpoint.stop_requested(t.device)   # a SIGTERM on any rank: all stop after this step
+        stop = rundir.stop_requested(t.device)   # a SIGTERM or Ctrl-C on any rank: all stop after this step
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
             save(t, step + 1)
         if stop and step + 1 < cfg.steps:
+            log.close()
             return False
+    log.close()
     return True
 
 
@@ -397,12 +409,15 @@ def fail(message: str, rank: int, code: int = 2):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
-        print(options.usage(options.sections(Config())))
+        if int(os.environ.get("RANK", 0)) == 0:   # once under torchrun
+            print(options.usage(options.sections(Config())))
         return
     rank, timeout = int(os.environ.get("RANK", 0)), None
     try:
         cfg = options.parse_args(argv)
         timeout = cfg.dist_timeout_s
+        rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
+        rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
         data, start = preflight(cfg)
         t = setup(cfg, data=data)
         if t.rank == 0:
@@ -411,16 +426,15 @@ def main(argv=None):
             with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
                 json.dump(resolved, f, indent=1)
         finished = train(t, resume(t, start) if start else 0)
-        if not finished:                   # SIGTERM: checkpointed; the same command resumes
+        if not finished:                   # SIGTERM or Ctrl-C: checkpointed; the same command resumes
+            line, code = rundir.stop_line(cfg)
             if t.rank == 0:
-                print("[preempt] SIGTERM: stopped " + (f"after a checkpoint in {cfg.out_dir}/checkpoints; the same "
-                                                      f"command resumes there" if cfg.save_freq
-                                                      else "without a checkpoint (--save_freq=0)"), flush=True)
-            sys.exit(143)
+                print(line, flush=True)
+            sys.exit(code)
         if t.rank == 0:
-            print("\n".join(checkpoint.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
+            print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
             if t.device.type == "cuda":
-                plan.plot(cfg.out_dir)     # <out_dir>/memory.png: the peaks per stage over the steps, and the plan
+                tracker.picture_at_end(cfg.out_dir)   # <out_dir>/memory.png (plan.py --plot draws it too)
         if cfg.save:
             checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
@@ -455,6 +469,6 @@ if __name__ == "__main__":
     try:
         main()
         exit_code = 0
-    except SystemExit as e:                # fail()'s one line (1, 2) or a preemption's 143
+    except SystemExit as e:                # fail()'s one line (1, 2), a preemption's 143 or Ctrl-C's 130
         exit_code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     leave(exit_code)

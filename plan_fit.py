@@ -1,0 +1,371 @@
+"""The planner's second half: fitting the plan (plan.py: what each stage holds) to a GPU. The
+fastest set of offload flags, checkpointing, micro-batch sizes and vLLM tensor-parallel size that
+fits (`choose`), what would fit when nothing does, `--offload=auto`, the warnings that compare the
+plan with each step's measurement, an OOM explained in one line, and the command line. It moves
+nothing and builds no model.
+
+    python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
+        --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
+    python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
+    python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl (tracker.picture)
+"""
+import copy
+import itertools
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from plan import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, Stage, predict, table
+
+
+# --------------------------------------------------------------------------- choosing flags
+SEARCH = {  # the flags the planner may turn, cheapest first
+    "actor.gradient_checkpointing": (False, True),
+    "ref.param_offload": (False, True),
+    "actor.param_offload": (False, True),
+    "actor.optimizer_offload": (False, True),
+    "actor.optimizer_load_at_step": (False, True),
+    "critic.param_offload": (False, True),     # PPO with a separate critic only
+    "critic.optimizer_offload": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a plan must fit: `world` ranks, prompts up to `prompt_len` tokens, `gpu_bytes` per GPU
+    of which `margin` stays free at the device level, the rollout `engine`, and the pinned host
+    memory one rank may use (`host_bytes`; 0: not checked)."""
+    world: int
+    prompt_len: int
+    gpu_bytes: int
+    margin: float = 0.1
+    engine: str = "vllm"
+    host_bytes: int = 0
+
+    @property
+    def budget(self) -> int:
+        """What PyTorch may allocate on one GPU: the GPU less the margin, the CUDA context and (with
+        vLLM) what the sleeping engine keeps."""
+        return int(self.gpu_bytes * (1 - self.margin) - CUDA_CONTEXT - (VLLM_RESIDENT if self.engine == "vllm" else 0))
+
+    def fits(self, p: Plan) -> bool:
+        """Every stage under the allocator budget, the device level keeps the margin, the pinned
+        host mirrors fit the host."""
+        if self.host_bytes and p.pinned_host > 0.9 * self.host_bytes:
+            return False
+        return max(s.total for s in p.stages) <= self.budget and p.device_peak <= self.gpu_bytes * (1 - self.margin)
+
+
+def candidates(cfg, world: int):
+    """Every combination of SEARCH, of halved micro-batch sizes and of vLLM tensor-parallel sizes
+    that divide the world, as copies of `cfg`."""
+    a = cfg.actor
+
+    def halvings(m):
+        return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
+    tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
+    for values, micro, lp_micro, tp in itertools.product(itertools.product(*SEARCH.values()),
+                                                         halvings(a.ppo_micro_batch_size_per_gpu),
+                                                         halvings(a.log_prob_micro_batch_size_per_gpu), tps):
+        flags = dict(zip(SEARCH, values))
+        if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
+            continue
+        if flags["ref.param_offload"] and not cfg.actor.use_kl_loss:
+            continue
+        separate = cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate"
+        if not separate and (flags["critic.param_offload"] or flags["critic.optimizer_offload"]):
+            continue
+        c = copy.deepcopy(cfg)
+        for key, v in flags.items():
+            section, name = key.split(".")
+            setattr(getattr(c, section), name, v)
+        c.rollout.tensor_parallel_size = tp     # vLLM's weights (and KV heads) split over tp GPUs
+        c.actor.ppo_micro_batch_size_per_gpu = micro
+        c.actor.log_prob_micro_batch_size_per_gpu = lp_micro
+        c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, lp_micro)
+        yield c
+
+
+def choose(cfg, t: Target, least_memory: bool = False):
+    """(the fastest configuration that fits `t`, its Plan), or (None, None); of equals, the fewest
+    changes. `least_memory`: the one with the lowest device level instead."""
+    best, key = None, None
+    for c in candidates(cfg, t.world):
+        p = predict(c, t.world, t.prompt_len, t.engine)
+        if t.fits(p):
+            k = (round(p.seconds, 2), len(changes(cfg, c)))
+            k = (p.device_peak,) + k if least_memory else k
+            if best is None or k < key:
+                best, key = (c, p), k
+    return best or (None, None)
+
+
+def changes(before, after) -> list[str]:
+    """The options `after` sets differently from `before`, as command-line flags."""
+    out = []
+    for key in list(SEARCH) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
+                               "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size"]:
+        section, name = key.split(".")
+        v0, v1 = getattr(getattr(before, section), name), getattr(getattr(after, section), name)
+        if v0 != v1:
+            out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")
+    return out
+
+
+def what_would_fit(cfg, t: Target) -> list[str]:
+    """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples,
+    shorter responses, FSDP2's CPU offload policy)."""
+    tries = []
+    for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
+        tries.append((f"{t.world * k} GPUs (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
+                      f"the samples per GPU)", t.world * k,
+                      lambda c, k=k: (setattr(c, "train_batch_size", c.train_batch_size * k),
+                                      setattr(c.actor, "ppo_mini_batch_size", c.actor.ppo_mini_batch_size * k))))
+    for k in (2, 4, 8):
+        tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", t.world,
+                      lambda c, k=k: setattr(c.rollout, "n", max(1, c.rollout.n // k))))
+        tries.append((f"rollout.response_length={max(1, cfg.rollout.response_length // k)}", t.world,
+                      lambda c, k=k: setattr(c.rollout, "response_length", max(1, c.rollout.response_length // k))))
+    if not cfg.actor.lora_rank:
+        tries.append(("actor.lora_rank=64 (train adapters only: no ref model, grads and Adam for the adapters)",
+                      t.world, lambda c: setattr(c.actor, "lora_rank", 64)))
+    tries.append(("actor.offload_policy=true (FSDP2 CPUOffloadPolicy: ~10x slower step)", t.world,
+                  lambda c: setattr(c.actor, "offload_policy", True)))
+    found, kinds = [], set()
+    for label, w, change in tries:
+        kind = label.split("=")[0] if "=" in label.split(" ")[0] else "GPUs"
+        if kind in kinds:
+            continue
+        c = copy.deepcopy(cfg)
+        change(c)
+        if (c.train_batch_size * c.rollout.n) % w or c.train_batch_size % w:
+            continue
+        if choose(c, replace(t, world=w))[0] is not None:
+            found.append(label)
+            kinds.add(kind)
+    return found
+
+
+# --------------------------------------------------------------------------- reporting
+def report(cfg, t: Target) -> str:
+    """The table for `cfg`, then the fastest configuration that fits (or what would)."""
+    plan = predict(cfg, t.world, t.prompt_len, t.engine)
+    out = [f"[plan] {cfg.model or 'tiny'} on {t.world} x {t.gpu_bytes / GB:.0f} GB, {t.engine} rollout, "
+           f"prompt {t.prompt_len} + response {cfg.rollout.response_length} tokens"
+           + (f", {t.host_bytes / GB:.0f} GB of host RAM per rank:" if t.host_bytes else ":"), table(plan, t.gpu_bytes)]
+    best, best_plan = choose(cfg, t)
+    if best is None:
+        fits = what_would_fit(cfg, t)
+        out.append(f"[plan] nothing fits under {t.budget / GB:.1f} GB per GPU ({t.margin:.0%} margin) with any "
+                   f"combination of offload flags, checkpointing and micro-batch sizes; what would: "
+                   + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
+    else:
+        flags = changes(cfg, best)
+        out.append(f"[plan] fastest that fits under {t.budget / GB:.1f} GB ({t.margin:.0%} margin): "
+                   + (" ".join(flags) if flags else "the configuration as given")
+                   + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
+                   f"step ~{best_plan.seconds:.1f} s)")
+    return "\n".join(out)
+
+
+def templates() -> str:
+    """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on
+    1 x 80 GB, 8 x 80 GB and 8 x 141 GB GPUs."""
+    import options
+    rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU allocated | device level GB/GPU "
+            "| pinned host GB/rank |", "|---|---|---|---|---|---|"]
+    for size in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"):
+        for world, gb in ((1, 80), (8, 80), (8, 141)):
+            cfg = options.parse_args([f"--model=random:{size}", f"--train_batch_size={8 * world}", "--rollout.n=8",
+                                      f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
+                                      "--actor.ppo_micro_batch_size_per_gpu=8"])
+            host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
+            target = Target(world, 512, gb * GB, 0.1, "vllm", host)
+            best, p = choose(cfg, target)
+            if best is None:
+                fits = what_would_fit(cfg, target)
+                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} "
+                            f"| - | - | - |")
+            else:
+                rows.append(f"| {size} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
+                            f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- during the run
+RELIEF = {  # the biggest term of a stage -> the change that removes or shrinks it
+    "actor Adam": "--actor.optimizer_offload=true",
+    "actor params": "--actor.param_offload=true",
+    "ref params": "--ref.param_offload=true",
+    "critic params": "--critic.param_offload=true",
+    "critic Adam": "--critic.optimizer_offload=true",
+    "reward model": "--reward_model.param_offload=true",
+    "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
+    "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
+    "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
+    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens",
+    "forward transient": "a smaller *.log_prob_micro_batch_size_per_gpu (or actor.logits_chunk_tokens)",
+    "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",
+    "sync bucket": "a smaller rollout.sync_bucket_mb",
+    "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)",
+    "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) or more GPUs",
+}
+
+
+def relief(st: Stage) -> str:
+    """The cheapest change for a stage: the one that removes its biggest term."""
+    name = max(st.terms, key=st.terms.get) if st.terms else ""
+    return f"{name} is its biggest term ({st.terms.get(name, 0) / GB:.1f} GB): {RELIEF.get(name, 'more GPUs')}"
+
+
+def watch(m: dict, seen: dict, p: Plan, gpu_bytes: int, host_bytes: int, every: int = 50) -> list[str]:
+    """This step's early warnings, one line each, each kind at most once per `every` steps: a stage
+    above 90 % of the GPU; allocator retries; a measured peak off the plan by more than 10 % and
+    0.25 GB; reserved memory growing while allocated does not; host RSS growing; pinned host memory
+    short."""
+    out = []
+
+    def warn(kind, text):
+        if m["step"] - seen.get(kind, -every) >= every:
+            seen[kind] = m["step"]
+            out.append("[memory] warning: " + text)
+
+    for st in p.stages:
+        peak = m.get(f"mem/{st.name}/peak_gb")
+        if peak is None:
+            continue
+        if peak * GB > 0.9 * gpu_bytes:
+            warn(f"high/{st.name}", f"{st.name} peaked at {peak:.1f} GB, over 90 % of the GPU's "
+                                    f"{gpu_bytes / GB:.0f} GB; {relief(st)}")
+        if m.get(f"mem/{st.name}/alloc_retries", 0) > 0:
+            warn(f"retries/{st.name}", f"{st.name}: the allocator freed its cache and retried "
+                                       f"{m[f'mem/{st.name}/alloc_retries']:.0f} times (it runs at the memory "
+                                       f"limit, and pays in time); {relief(st)}")
+        pred = st.total / GB                   # off by 10 %, and by more than the model's resolution
+        if m["step"] >= 1 and abs(peak - pred) > max(0.1 * pred, 0.25):   # (a 30 MB stage is no news)
+            warn(f"plan/{st.name}", f"{st.name} peaked at {peak:.2f} GB, the plan predicted {pred:.2f} GB "
+                                    f"({peak / pred - 1:+.0%}); plan.py's terms for it: "
+                                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v))
+    last = p.stages[-1].name                   # after the last stage: what stays between steps
+    alloc, reserved, rss = (m.get(f"mem/{last}/allocated_gb"), m.get(f"mem/{last}/reserved_gb"), m.get("host_rss_gb"))
+    if alloc is not None and m["step"] >= 3:   # after warm-up (Adam's state, the caches)
+        a0, r0, h0 = seen.setdefault("base", (alloc, reserved, rss))
+        if reserved - r0 > 0.05 * r0 + 0.5 and alloc - a0 < 0.1:
+            warn("reserved", f"reserved memory grew {r0:.1f} -> {reserved:.1f} GB since step 3 while allocated stayed "
+                             f"at {alloc:.1f} GB: fragmentation; it will end in an OOM that more memory would not need")
+        if rss is not None and rss - h0 > 0.05 * h0 + 0.5:
+            warn("rss", f"host RSS grew {h0:.1f} -> {rss:.1f} GB since step 3: host memory creeps "
+                        f"(pinned buffers re-made, or a reference kept per step)")
+    if host_bytes and p.pinned_host > 0.9 * host_bytes:
+        warn("pinned", f"the offloaded groups need {p.pinned_host / GB:.1f} GB of pinned host memory per rank, "
+                       f"over 90 % of the {host_bytes / GB:.0f} GB this process's share of the host has")
+    return out
+
+
+def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
+    """An OOM inside a stage, in one message: where, what the ledger saw resident before it, what
+    the plan predicted, and the change to make."""
+    held = {k.split("/")[1]: v for k, v in m.items() if k.startswith("mem/") and k.endswith("/allocated_gb")}
+    before = (f"{held[list(held)[-1]]:.1f} GB allocated after {list(held)[-1]}" if held
+              else "(no stage finished this step)")
+    st = p.stage(stage)
+    pred = f"the plan predicted {st.total / GB:.1f} GB for it; {relief(st)}" if st else "the plan has no such stage"
+    return (f"out of GPU memory in stage {stage} (a {device_gb:.0f} GB GPU): {before}; {pred}. "
+            f"Or let the planner choose: --offload=auto.")
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm",
+           "host_gb": 0.0, "nproc_per_node": 0}       # host_gb: RAM per node (0: pinned memory not checked)
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # issue 28: the picture is tracker.py's
+        import tracker
+        sys.exit(tracker.plot_command(argv))
+    rest = []
+    for arg in argv:
+        key, _, value = arg[2:].partition("=")
+        if arg == "--templates":
+            print(templates())
+            return
+        if key in own:
+            own[key] = type(own[key])(value)
+        else:
+            rest.append(arg)
+    import options
+    try:
+        cfg = options.parse_args(rest)
+        prompt_len = own["prompt_len"] or _prompt_len(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    per_node = own["nproc_per_node"] or min(own["nproc"], 8)
+    print(report(cfg, Target(own["nproc"], prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
+                             int(own["host_gb"] * GB / per_node))))
+
+
+def _prompt_len(cfg) -> int:
+    """The longest prompt the run will see: read from --data (tokenized), the copy task's otherwise."""
+    import data
+    tok = data.load_tokenizer(cfg.model)
+    prompts = data.load_data(cfg.data, tok, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)[0]
+    return max(map(len, prompts))
+
+
+# --------------------------------------------------------------------------- the run's glue
+# What train_grpo.py asks of the planner while it runs: the device's size, --offload=auto's choice,
+# the prediction beside each stage's measurement, and the warnings that compare the two.
+def gpu_capacity(device) -> int:
+    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
+    import torch
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
+
+
+def host_bytes_per_rank() -> int:
+    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+
+
+def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
+    """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config.
+    When nothing keeps plan_margin free at the device level, the one that needs the least device
+    memory, said in one line; when nothing fits at all, a ValueError naming what would."""
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if device.type != "cuda":
+        say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
+        return cfg
+    target = Target(world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host_bytes_per_rank())
+    best, p = choose(cfg, target)
+    if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
+        best, p = choose(cfg, replace(target, margin=0.0), least_memory=True)
+        if best is not None:
+            say(f"[plan] --offload=auto: nothing keeps {cfg.plan_margin:.0%} of the GPU free at the device level; "
+                f"taking the configuration that needs the least (the allocator may have to free its cache and "
+                f"retry near the top; more GPUs or LoRA would leave headroom)")
+    if best is None:
+        fits = what_would_fit(cfg, target)
+        raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
+                         f"micro-batch sizes that fits {target.gpu_bytes / GB:.0f} GB per GPU; what would: "
+                         + ("; ".join(fits) if fits else "a bigger GPU"))
+    say(f"[plan] --offload=auto chose: {' '.join(changes(cfg, best)) or 'the flags as given'} "
+        f"(predicted peak {p.peak / GB:.1f} GB allocated, {p.device_peak / GB:.1f} GB device-level, "
+        f"step ~{p.seconds:.1f} s)")
+    return best
+
+
+def record(p: Plan | None, name: str, metrics: dict):
+    """The plan's prediction for stage `name`, beside the ledger's measurement in the step's metrics:
+    the allocator's peak (vs mem/<stage>/peak_gb) and the device level (vs mem/<stage>/device_used_gb;
+    generate: vs rollout/device_peak_gb)."""
+    predicted = p.stage(name) if p else None
+    if predicted is not None:
+        metrics[f"plan/{name}/predicted_gb"] = predicted.total / GB
+        metrics[f"plan/{name}/device_gb"] = p.device.get(name, 0) / GB
+
+
+def step_warnings(m: dict, seen: dict, p: Plan, device) -> list[str]:
+    """On a GPU: this step's early warnings (`watch`: near the limit, retries, off the plan, creep)."""
+    return watch(m, seen, p, gpu_capacity(device), host_bytes_per_rank()) if device.type == "cuda" else []
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""What a run keeps in its out_dir, around the checkpoints themselves (checkpoint.py): the out_dir
+policy, one run per out_dir, the disk it will need, metrics.jsonl with each step once, the end-of-run
+lines, and how a run stops on a preemption or Ctrl-C.
+
+    python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
+    python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
+    python -m pytest test_reliability.py test_checkpoint.py -q
+
+- The out_dir policy (`plan`, checked before any model is built): an out_dir with an unfinished
+  run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run that
+  left no checkpoint, is refused with a line that says what to pass instead. Nothing of an earlier
+  run is overwritten except by resuming it. A run's own checkpoint resumes in place.
+- One run per out_dir (`lock_out_dir`): global rank 0 holds an flock on out_dir/.run.lock for the
+  run's life; a second run stops at once naming the holder (pid, host, since when).
+- Disk (`disk_report`): what the run writes (checkpoints x keep + final, from the shapes) against
+  what is free, said at start; a run that cannot fit is refused.
+- Stopping: SIGTERM (a preemption) and a first Ctrl-C finish the step, checkpoint and exit with one
+  line; a second Ctrl-C stops at once.
+"""
+import datetime
+import fcntl
+import errno
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import actor
+import checkpoint
+
+GB = 2**30
+LOCK = ".run.lock"
+_held: dict = {}                               # realpath of a locked out_dir -> its open lock file
+
+
+# --------------------------------------------------------------------------- one run per out_dir
+def lock_out_dir(out: str, rank: int):
+    """Make `out` this run's: an exclusive flock on out/.run.lock, held until the process ends (the
+    kernel drops it when the process dies, kill -9 included, so a killed run never leaves a stale
+    lock and torchrun's restarted workers take it again). Taken before anything else is written.
+    One run is one lock holder: only the global rank 0 (RANK) locks; every other rank, on this node
+    or another that shares the folder, does not, so the nodes of one run never lock each other out.
+    On NFS, Linux implements flock with byte-range locks that every client sees; a filesystem
+    without locks (e.g. Lustre mounted without -o flock) gets a warning and no lock.
+    Raises ValueError naming the holder (pid, host, since when) when another run holds it."""
+    if rank != 0 or os.path.realpath(out) in _held:
+        return
+    _check_writable(out)
+    path = os.path.join(out, LOCK)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
+                  f"stops a second run from using --out_dir={out} at the same time", flush=True)
+            f.close()
+            return
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        try:
+            h = json.loads(holder)
+            who = f"pid {h['pid']} on host {h['host']} since {h['since']}"
+        except (ValueError, KeyError, TypeError):   # the holder is between its lock and its write
+            who = "a process that is just starting"
+        raise ValueError(f"--out_dir={out} is in use by another run ({who}; lock {path}): wait for it "
+                         f"to end or stop it, or pass another --out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                        "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
+    f.flush()
+    _held[os.path.realpath(out)] = f            # kept open (never closed): the lock lives as long as the process
+
+
+
+# --------------------------------------------------------------------------- the out_dir policy
+def _check_writable(out: str):
+    """out_dir exists (made here) and a file can be created in it, before anything else runs."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out_dir={out} is a file; pass a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--out_dir={out} is not a writable directory ({e.strerror}); pass another") from None
+
+
+def plan(cfg, data_fingerprint: str) -> str | None:
+    """Where this run starts, decided before the process group and the models: the checkpoint to
+    resume from, or None for a fresh start. Raises (one line, what to pass instead) for an
+    out_dir that would have to be overwritten."""
+    out = cfg.out_dir
+    _check_writable(out)
+    final = os.path.join(out, "final")
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
+    latest = checkpoint.newest(out)
+    # what an earlier run leaves (a run that failed before its first step leaves none of these)
+    earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
+               and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
+    if cfg.resume == "never" and earlier:
+        raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) and --resume=never "
+                         f"starts only in an empty one: pass another --out_dir, or remove {out}")
+    if cfg.resume == "never":
+        return None
+    if cfg.resume == "auto":
+        path = latest
+        if path is None and earlier:
+            raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
+                             f"to resume from: pass another --out_dir, or remove {out}")
+        if path is None:
+            return None
+    else:
+        path = checkpoint.checkpoint_dir(cfg.resume)
+        if path is None:
+            raise ValueError(f"--resume={cfg.resume}: no complete checkpoint there (a step_N directory "
+                             f"with meta.json, or an out_dir with checkpoints/latest)")
+        err = checkpoint.damage(path, checksums=False)
+        if err:
+            raise ValueError(f"--resume={cfg.resume}: {err}; pass an intact checkpoint (another "
+                             f"checkpoints/step_N), or an out_dir (its newest intact one is used)")
+        # a checkpoint of this out_dir's own run resumes in place (from an older step too)
+        own = os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(out, "checkpoints"))
+        if earlier and not own and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
+            raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
+                             f"{cfg.resume} into an empty --out_dir")
+    _check_resumable(cfg, path, latest, data_fingerprint)
+    return path
+
+
+def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
+    """The checkpoint at `path` has steps left to train (or a final save to redo), the roles this run
+    trains, and this data."""
+    meta, out, final = checkpoint.read_meta(path), cfg.out_dir, os.path.join(cfg.out_dir, "final")
+    if meta["step"] >= cfg.steps and cfg.resume != "auto":
+        raise ValueError(f"--resume={cfg.resume} is at step {meta['step']}, not before --steps={cfg.steps}: "
+                         f"nothing to train; pass --steps=N with N > {meta['step']}")
+    # a run whose final save failed (a full disk): the same command writes final/ from its last checkpoint
+    export = (meta["step"] == cfg.steps and cfg.save and meta["config"].get("save") is True
+              and not os.path.exists(final) and path == latest)
+    if meta["step"] >= cfg.steps and not export:
+        saved = f", the policy in {final}" if os.path.isdir(final) else ""
+        raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
+                         f"further pass --steps=N with N > {meta['step']} (it resumes there); to start "
+                         f"a new run pass another --out_dir, or remove {out}")
+    roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
+    if meta.get("roles", roles) != roles:
+        raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
+                         f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
+    if meta["data"] != data_fingerprint or meta["config"]["seed"] != cfg.seed:
+        raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
+                         f"changed): its position would mean nothing; resume with the same ones, or "
+                         f"start a new run in another --out_dir")
+    if export:
+        checkpoint.say_once(f"[resume] {path} is at --steps={cfg.steps} but {final} was never written (a final save that "
+             f"failed): writing it from the checkpoint")
+
+
+# --------------------------------------------------------------------------- disk space
+def disk_report(cfg, roles: list, policy) -> str:
+    """The set-up report's line on disk space: what the run will write into out_dir at most (the
+    newest keep_checkpoints, one more while a new one is written, and final/) against what is
+    free. Raises OSError (one line, what to change) when it cannot fit."""
+    ckpt, final = checkpoint.write_bytes(roles), checkpoint.final_bytes(policy, cfg.actor.save_merged)
+    saves = len({s for s in range(1, cfg.steps + 1) if s % cfg.save_freq == 0} | {cfg.steps}) if cfg.save_freq else 0
+    n = min(cfg.keep_checkpoints + 1, saves)
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    kept = sum(os.path.getsize(os.path.join(d, f)) for n_ in checkpoint.step_dirs(root)
+               for d, _, fs in os.walk(os.path.join(root, n_)) for f in fs)   # replaced as new ones come
+    need = max(n * ckpt + (final if cfg.save else 0) - kept, 0)
+    free = checkpoint.free_bytes(cfg.out_dir)
+    what = (f"{n} checkpoint(s) of ~{ckpt / GB:.3f} GB" if n else "no checkpoints") + \
+        (f" + final/ ~{final / GB:.3f} GB" if cfg.save else "")
+    if need > free:
+        raise OSError(f"{cfg.out_dir} has {free / GB:.3f} GB free but this run writes ~{need / GB:.3f} GB there "
+                      f"({what}): free space, pass an --out_dir on a larger disk, or lower --keep_checkpoints "
+                      f"(or --save_freq=0, --save=false)")
+    return f"[disk] writes up to ~{need / GB:.3f} GB to {cfg.out_dir} ({what}); {free / GB:.3f} GB free"
+
+
+# --------------------------------------------------------------------------- metrics.jsonl and the end of a run
+def keep_metrics(out_dir: str, step: int, rank: int) -> str:
+    """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut
+    by a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if rank == 0 and step:
+        kept = []
+        if os.path.isfile(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] < step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (json.JSONDecodeError, KeyError):
+                        pass
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+    return path
+
+
+def summary(metrics_path: str) -> list[str]:
+    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    n = sum(r["optimizer_steps"] for r in rows)
+    applied = n - sum(r["skipped_steps"] for r in rows)
+    dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
+    equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
+    failed = sum(r["reward/errors"] for r in rows)
+    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
+             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    if dw == 0:
+        lines.append("[warn] the weights never moved: this run trained nothing")
+    return lines
+
+
+
+# --------------------------------------------------------------------------- preemption, Ctrl-C
+_signals: list = []
+NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
+
+
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def _on_stop(signum, frame):
+    """Noted, and acted on at the end of the step; a second SIGINT ends the process at once (no
+    checkpoint, no traceback: os._exit skips the unwinding that would print one per rank)."""
+    if signum == signal.SIGINT and signal.SIGINT in _signals:
+        if _rank0():
+            print("[interrupt] second Ctrl-C: stopped at once, without a checkpoint; the same command resumes "
+                  "from the last one", file=sys.stderr, flush=True)
+        os._exit(130)
+    if signum == signal.SIGINT and signal.SIGINT not in _signals and _rank0():
+        print("[interrupt] Ctrl-C: finishing this step, then a checkpoint (Ctrl-C again stops at once)", flush=True)
+    _signals.append(signum)
+
+
+def exit_on_sigint():
+    """Before the first step (options, models, engine): Ctrl-C ends the run at once with one line
+    instead of a KeyboardInterrupt traceback from every rank; nothing is lost yet."""
+    def stop(signum, frame):
+        if _rank0():
+            print("[interrupt] Ctrl-C during set-up: stopped (nothing to save yet)", file=sys.stderr, flush=True)
+        os._exit(130)
+    signal.signal(signal.SIGINT, stop)
+
+
+def stop_on_sigterm():
+    """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
+    SIGINT (Ctrl-C; torchrun forwards that too, so each worker handles it): the current step
+    finishes, a checkpoint is written, the run exits; a second SIGINT stops at once."""
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
+
+
+def stop_line(cfg) -> tuple[str, int]:
+    """The stopped run's one line (how to resume) and its exit code: 130 for Ctrl-C, 143 for SIGTERM
+    (the signal this rank got; a rank that got none was stopped by another's: SIGTERM)."""
+    sig = _signals[0] if _signals else signal.SIGTERM
+    line = f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped " + (
+        f"after a checkpoint in {cfg.out_dir}/checkpoints; the same command resumes there" if cfg.save_freq
+        else "without a checkpoint (--save_freq=0)")
+    return line, 130 if sig == signal.SIGINT else 143
+
+
+def stop_requested(device) -> bool:
+    """Did any rank get SIGTERM or SIGINT? One all-reduce per step, so every rank stops after the same step."""
+    flag = torch.tensor([float(bool(_signals))], device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

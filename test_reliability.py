@@ -1,0 +1,326 @@
+"""Reliability on the CPU, second round (issue 24): one run per out_dir, a full disk and a damaged
+checkpoint lose nothing, Ctrl-C is a clean stop, torchrun's restarts resume by themselves, and the
+seq-mean loss denominators are verl's.
+
+    python -m pytest test_reliability.py -q      # launches 1- and 2-process gloo runs itself
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import checkpoint
+import options
+import rundir
+from dataclasses import asdict
+from test_checkpoint import OFFLOAD, SMALL, launch, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
+from test_train import HERE, metrics, run
+
+
+def _errors(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("error:")]
+
+
+# --------------------------------------------------------------------------- 1. one run per out_dir
+HOLD = ("import sys, time, checkpoint; rundir.lock_out_dir(sys.argv[1], 0); print('held', flush=True); "
+        "time.sleep(600)")
+
+
+def _holder(out):
+    """Another process that holds out's lock (as a running rank 0 does) until it is killed."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_second_run_on_one_out_dir_stops_at_once_naming_the_holder(tmp_path):
+    """While another process holds out_dir's lock, a run there stops before it writes anything with
+    one line naming the holder's pid, host and start; other ranks (rank != 0) never lock, so the
+    ranks and nodes of one run do not lock each other out; kill -9 of the holder frees the out_dir
+    (the kernel drops the flock) and the run goes ahead."""
+    out = tmp_path / "run"
+    holder = _holder(out)
+    try:
+        r = run([f"--out_dir={out}", "--steps=1", "--save=false"] + SMALL)
+        assert r.returncode == 2 and r.stdout == "", r.stderr[-3000:]
+        line = r.stderr.strip().splitlines()
+        assert len(line) == 1 and line[0].startswith(f"error: --out_dir={out} is in use by another run (pid "
+                                                     f"{holder.pid} on host {socket.gethostname()} since "), line
+        assert sorted(os.listdir(out)) == [rundir.LOCK]        # nothing written
+        with pytest.raises(ValueError, match=f"pid {holder.pid}"):
+            rundir.lock_out_dir(str(out), 0)
+        rundir.lock_out_dir(str(out), 1)                       # another rank of a run: no lock taken
+    finally:
+        holder.kill()
+        holder.wait()
+    r = run([f"--out_dir={out}", "--steps=1", "--save=false"] + SMALL)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(open(out / rundir.LOCK).read())["host"] == socket.gethostname()
+
+
+# --------------------------------------------------------------------------- 3, 4. damaged checkpoints, lost `latest`
+CKPT = ["--save_freq=1", "--keep_checkpoints=3", "--save=false"] + SMALL
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """A 3-step run with a checkpoint after every step (step 1, 2, 3 kept): copied by each test."""
+    out = str(tmp_path_factory.mktemp("three") / "run")
+    r = run([f"--out_dir={out}", "--steps=3"] + CKPT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _copy(three, tmp_path) -> str:
+    import shutil
+    out = str(tmp_path / "run")
+    shutil.copytree(three, out)
+    os.remove(os.path.join(out, rundir.LOCK))
+    return out
+
+
+def _step(out, n):
+    return os.path.join(out, "checkpoints", f"step_{n:06d}")
+
+
+def _truncate(path, keep=None):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2 if keep is None else keep)
+
+
+def _plan(out, *extra):
+    """rundir.plan for the embedded task (what main's pre-flight runs) with --steps=4."""
+    import data as data_io
+    import train_grpo
+    fp = data_io.fingerprint(*data_io.load_data(None, data_io.load_tokenizer(None))[:2])
+    return rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4", *extra]), fp)
+
+
+def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, three):
+    """The newest checkpoint's actor/__0_0.distcp truncated and the one before it with one byte
+    flipped (same size: only its checksum tells): --resume=auto passes over step 3 in the
+    pre-flight (sizes), finds step 2's checksum wrong when it loads, names both files in a
+    warning, resumes from step 1, and the finished run's metrics equal the uninterrupted run's;
+    no traceback. The damaged step 3 is set aside as step_000003.damaged when the run replaces it."""
+    out = _copy(three, tmp_path)
+    _truncate(os.path.join(_step(out, 3), "actor", "__0_0.distcp"))
+    name = os.path.join(_step(out, 2), "actor", "__0_0.distcp")
+    with open(name, "r+b") as f:
+        f.seek(os.path.getsize(name) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    r = run([f"--out_dir={out}", "--steps=4"] + CKPT)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"[resume] warning: {_step(out, 3)}/actor/__0_0.distcp is damaged (" in r.stdout, r.stdout[-3000:]
+    assert f"[resume] warning: {name} is damaged (its checksum differs" in r.stdout
+    assert f"falling back to {_step(out, 1)}" in r.stdout and "step_000001: step 1" in r.stdout
+    assert numbers(metrics(out))[:3] == numbers(metrics(three)) and [m["step"] for m in metrics(out)] == [0, 1, 2, 3]
+    assert os.path.isdir(_step(out, 3) + ".damaged")
+
+
+def test_damaged_metadata_or_meta_json_is_passed_over_or_one_line(tmp_path, three):
+    """A truncated DCP .metadata or meta.json of the newest checkpoint: --resume=auto's pre-flight
+    passes over it with a warning naming the file (no DCP traceback) and picks the one before; the
+    same checkpoint given as --resume=<dir> stops with one line naming the damaged file."""
+    out = _copy(three, tmp_path)
+    _truncate(os.path.join(_step(out, 3), "actor", ".metadata"))
+    assert _plan(out) == _step(out, 2)
+    _truncate(os.path.join(_step(out, 2), "meta.json"))
+    assert _plan(out) == _step(out, 1)
+    with pytest.raises(ValueError, match=r"step_000002/meta.json is damaged \(not valid JSON"):
+        _plan(tmp_path / "other", f"--resume={_step(out, 2)}")
+    r = run([f"--out_dir={tmp_path / 'other2'}", "--steps=4", f"--resume={_step(out, 3)}"] + CKPT)
+    was = checkpoint.read_meta(_step(out, 3))["files"]["actor/.metadata"]["size"]
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --resume={_step(out, 3)}: {_step(out, 3)}/actor/.metadata is damaged "
+        f"({was // 2} bytes, meta.json records {was}: truncated?); pass an intact "
+        f"checkpoint (another checkpoints/step_N), or an out_dir (its newest intact one is used)"], r.stderr[-3000:]
+
+
+def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
+    """checkpoints/latest deleted, or naming a checkpoint that is gone: the resume finds the newest
+    complete one (step 3) with a warning; --resume=<this out_dir's own step_2> resumes in place
+    instead of being refused as another run's."""
+    out = _copy(three, tmp_path)
+    pointer = os.path.join(out, "checkpoints", "latest")
+    os.remove(pointer)
+    assert _plan(out) == _step(out, 3)
+    with open(pointer, "w") as f:
+        f.write("step_000009")
+    assert _plan(out) == _step(out, 3)
+    assert _plan(out, f"--resume={_step(out, 2)}") == _step(out, 2)
+    with pytest.raises(ValueError, match="holds another run"):     # another out_dir's checkpoint still is refused
+        _plan(out, f"--resume={_step(three, 2)}")
+
+
+# --------------------------------------------------------------------------- 2. a full disk
+def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumable(tmp_path, dist_env, monkeypatch):
+    """In this process (1 rank): the start check refuses an out_dir with too little space in one
+    line; a checkpoint write whose disk fills (torch's zip writer's 'unexpected pos', as in the
+    issue) is one OSError naming the path, the bytes needed and free, and leaves no .tmp-* behind;
+    the check before a write refuses without writing; a final save whose disk fills (safetensors'
+    I/O error) leaves no final/ and no final.tmp, and the same command then writes final/ from the
+    newest checkpoint (in a subprocess, the disk freed)."""
+    import safetensors.torch
+    import torch
+    import train_grpo
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=1", "--save_freq=1"] + SMALL
+    cfg = options.parse_args(args)
+    data, _ = train_grpo.preflight(cfg)
+    t = train_grpo.setup(cfg, data=data)
+    step0 = train_grpo.train_step(t, 0)
+    assert any(line.startswith(f"[disk] writes up to ~0.0") and "GB free" in line for line in train_grpo.report(t))
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "free_bytes", lambda path: 10 * 2**20)
+        with pytest.raises(OSError, match=rf"{out} has 0.010 GB free but this run writes ~0.0\d\d GB there "
+                                          r"\(1 checkpoint\(s\) of ~0.03\d GB \+ final/ ~0.01\d GB\): free space"):
+            rundir.disk_report(t.cfg, train_grpo.trained(t), t.actor)
+        with pytest.raises(OSError, match=r"writing the checkpoint .*/.tmp-step_000001 failed: no space left on "
+                                          r"device \(it needs ~0.03\d GB, 0.010 GB free\); nothing was written"):
+            train_grpo.save(t, 1)
+    real_save = torch.save
+
+    def full(obj, f, *a, **k):                  # DCP's files are written; then the disk is full
+        real_save(obj, f, *a, **k)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", full)
+        with pytest.raises(OSError) as e:
+            train_grpo.save(t, 1)
+    tmp = os.path.join(out, "checkpoints", ".tmp-step_000001")
+    assert str(e.value).startswith(f"writing the checkpoint {tmp}/actor failed: no space left on device (it needs "
+                                   f"~0.03"), str(e.value)     # DCP's own torch.save (its .metadata) hit it
+    assert "the partial" in str(e.value) and "no earlier checkpoint is kept" in str(e.value)
+    assert os.listdir(os.path.join(out, "checkpoints")) == []
+    train_grpo.save(t, 1)                          # the disk freed: complete
+    assert checkpoint.newest(out) == _step(out, 1)
+    (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps(step0) + "\n")
+
+    class SafetensorError(Exception):
+        pass
+
+    def full_final(sd, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+    with monkeypatch.context() as m:
+        m.setattr(safetensors.torch, "save_file", full_final)
+        with pytest.raises(OSError, match=rf"writing the final policy {out}/final.tmp failed: no space left on "
+                                          rf"device \(it needs ~0.01\d GB, [\d.]+ GB free\); the partial .* "
+                                          rf"removed, the checkpoint {_step(out, 1)} is kept \(the same command "
+                                          rf"writes final/ from it\)"):
+            checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model)
+    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]      # no final/, no final.tmp
+    r = run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "was never written (a final save that failed): writing it" in r.stdout
+    assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- 5. Ctrl-C
+def _start(args, log, nproc=0):
+    """train_grpo.py in the background (plain python, or torchrun with nproc ranks), output to `log`."""
+    if nproc:
+        return launch(args, nproc, log)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen([sys.executable, os.path.join(HERE, "train_grpo.py")] + args, env=env, cwd=HERE,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
+    """The first SIGINT (to the process, or to torchrun, which forwards it to each worker) finishes
+    the step, writes a checkpoint at it (none was due: save_freq=100) and exits 130 with one line
+    saying how to resume; no KeyboardInterrupt or traceback from any rank. Then, resumed, two
+    SIGINTs in a row (plain python) stop at once without a checkpoint, again without a traceback."""
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=200", "--save_freq=100", "--save=false"] + SMALL
+    with open(tmp_path / "int.log", "w") as log:
+        proc = _start(args, log, nproc)
+        wait_for_lines(out, 2, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    text = open(tmp_path / "int.log").read()
+    done = len(metrics(out))
+    assert f"[preempt] SIGINT (Ctrl-C): stopped after a checkpoint in {out}/checkpoints; the same command resumes " \
+           f"there" in text and 2 <= done < 200, text[-3000:]
+    assert "KeyboardInterrupt" not in text and "Traceback" not in text.split("[preempt]")[0], text[-3000:]
+    if not nproc:
+        assert proc.returncode == 130
+    assert checkpoint.read_meta(checkpoint.checkpoint_dir(out))["step"] == done
+    if nproc:
+        return
+    with open(tmp_path / "int2.log", "w") as log:
+        proc = _start(args, log)
+        wait_for_lines(out, done + 1, proc)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=30)
+    text = open(tmp_path / "int2.log").read()
+    assert proc.returncode == 130 and "[interrupt] second Ctrl-C: stopped at once" in text, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert checkpoint.read_meta(checkpoint.checkpoint_dir(out))["step"] == done   # no new checkpoint
+
+
+# --------------------------------------------------------------------------- 7. small ones
+def test_reward_without_a_colon_says_module_function():
+    import data as data_io
+    with pytest.raises(ValueError, match=r"--reward mymod: give module:function \(e.g. --reward=mymod:reward\)"):
+        data_io.load_reward("mymod", None)
+
+
+def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(tmp_path):
+    """2 ranks under torchrun: --profile_steps=99 with --steps=1 warns at start (once), a prompt
+    longer than max_prompt_length is dropped and said once (rank 0), and --help prints once."""
+    rows = [{"prompt": f"what is {i} plus {i}", "answer": str(2 * i)} for i in range(8)]
+    rows.append({"prompt": " ".join(["word"] * 200), "answer": "0"})
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = run([f"--out_dir={tmp_path / 'o'}", "--steps=1", "--save=false", f"--data={path}", "--max_prompt_length=64",
+             "--profile_steps=99", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2"], nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("[data] dropped 1 prompts longer than max_prompt_length=64") == 1, r.stdout[-3000:]
+    assert r.stdout.count("[profile] warning: --profile_steps=99: step(s) 99 never run (--steps=1") == 1
+    r = run(["--help"], nproc=2)
+    assert r.returncode == 0 and r.stdout.count("--keep_checkpoints") == 1, r.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------- 8. torchrun's restarts
+def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterrupted):
+    """torchrun --max-restarts=2, 2 ranks: kill -9 rank 1 inside step 4 (the last checkpoint at step
+    2). torchrun stops the other worker and starts both again with the same command line; they
+    resume from the checkpoint by themselves (--resume=auto; the killed job's rank 0 released the
+    out_dir lock when it died, the new rank 0 takes it) and the finished run's metrics equal an
+    uninterrupted run's, each step once."""
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
+           os.path.join(HERE, "train_grpo.py")] + args
+    with open(tmp_path / "restart.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for_lines(out, 3, proc)
+            first = workers(proc)
+            os.kill(first[1], signal.SIGKILL)
+            proc.wait(timeout=240)
+        finally:
+            if proc.poll() is None:               # stuck: its workers first (they are in sessions of their own)
+                for pid in list(workers(proc).values()) + [proc.pid]:
+                    os.kill(pid, signal.SIGKILL)
+    text = open(tmp_path / "restart.log").read()
+    assert proc.returncode == 0, text[-4000:]
+    assert "[resume]" in text and "step_000002: step 2" in text, text[-4000:]
+    resumed = metrics(out)
+    assert [m["step"] for m in resumed] == list(range(6))
+    assert numbers(resumed) == numbers(uninterrupted)
