@@ -134,7 +134,7 @@ def test_logger_none_writes_nothing(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=1", "--save_freq=0", "--logger=none"] + SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(out)) == ["metrics.jsonl", "run_config.json"]
+    assert sorted(os.listdir(out)) == [".run.lock", "metrics.jsonl", "run_config.json"]   # the lock: rundir.py
     assert "[logger]" not in r.stdout
 
 
