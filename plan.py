@@ -36,7 +36,7 @@ import model
 
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
-TFLOPS = 742e12 * 0.46       # bf16 matmul peak measured there x the share a training step reaches (fitted)
+TFLOPS = 742e12 * 0.51       # bf16 matmul peak measured there x the share a training step reaches (fitted)
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
@@ -475,10 +475,11 @@ def _kv_budget(z: Sizes) -> int:
                                   z.T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
 
 
-DECODE_STEP = 3.5e-3          # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
+DECODE_STEP = 2.5e-3          # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
                               # scheduling; 64-128 sequences), fitted on the H200 rows of docs/plan_truth.json
 HBM = 4.0e12                  # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
 STAGE_FIXED = 0.2             # seconds each stage pays whatever its size (launches, syncs, the ledger)
+MICRO_LAYER = 4.5e-3          # seconds per micro-batch and layer of an update (launches, FSDP2's gathers)
 TP_ALLREDUCE = 15e-6          # a tensor-parallel engine's all-reduce, twice per layer per decoding step (latency-bound)
 
 
@@ -486,9 +487,10 @@ def _seconds(z: Sizes, g: Groups) -> float:
     """A step's time, for ranking configurations: generation, the stages' compute, the copies that
     cannot hide, and a fixed cost per micro-batch and layer. Within 20 % of the measured step on the
     H200 rows of docs/plan_truth.json (test_plan.py)."""
-    a = z.cfg.actor
-    micro = max(1, z.samples // max(a.ppo_micro_batch_size_per_gpu, 1))
-    return _generate_seconds(z) + _compute_seconds(z) + _copy_seconds(z, g) + micro * z.shapes.layers * 1.5e-3
+    a, cr = z.cfg.actor, z.cfg.critic
+    micro = max(1, z.samples // max(a.ppo_micro_batch_size_per_gpu, 1))     # forward + backward passes
+    micro += max(1, z.samples // max(cr.ppo_micro_batch_size_per_gpu, 1)) if z.separate else 0
+    return _generate_seconds(z) + _compute_seconds(z) + _copy_seconds(z, g) + micro * z.shapes.layers * MICRO_LAYER
 
 
 def _generate_seconds(z: Sizes) -> float:
