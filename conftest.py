@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import actor
-from model import init_distributed, make_layout
+from model import make_layout
+from launch import init_distributed
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,6 @@ packing.py, never another role: copying ref.py brings these three along, not act
 on the host (random sizes straight on the GPU: seconds instead of minutes at 7B); `shard` then
 leaves each rank its FSDP2 shard on its device.
 """
-import datetime
 import math
 import os
 
@@ -119,43 +118,6 @@ def load_model(path: str | None, seed: int = 0, head: str = "causal") -> torch.n
 
 
 # --------------------------------------------------------------------------- FSDP2 and AdamW
-def init_distributed(timeout_s: float | None = None):
-    """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
-    On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
-    CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
-    with "No backend type associated with device type cpu"). CPU runs: gloo alone.
-    `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
-    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
-        if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait,
-                                    **restart_store(timeout_s))   # torchrun restarted us: a fresh store
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def restart_store(timeout_s: float | None) -> dict:
-    """init_process_group's store for a worker that torchrun restarted (--max-restarts, after a rank
-    died): the agent's store under a prefix of this attempt. Without it the new workers can read
-    the previous attempt's addresses from the store and gloo's (or NCCL's) connect is refused, or
-    waits (pytorch#167288). {} on a first attempt or outside torchrun: the usual env:// set-up."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=datetime.timedelta(seconds=timeout_s or 1800))
-    return {"store": dist.PrefixStore(f"/restart_{attempt}", store), "rank": int(os.environ["RANK"]),
-            "world_size": world}
-
-
 def build_mesh(device, world: int, fsdp_size: int):
     """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding."""
     if fsdp_size in (-1, world):

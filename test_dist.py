@@ -18,9 +18,10 @@ import pytest
 import actor
 import offload
 import rollout
-import train_grpo
+import launch
 import weights
-from model import build_mesh, build_optimizer, compute_log_probs, init_distributed, load_model, shard
+from model import build_mesh, build_optimizer, compute_log_probs, load_model, shard
+from launch import init_distributed
 from conftest import launches, layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,7 +44,7 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     fraction = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
         torch.save({"params": params, "stats": stats, "shard_fraction": fraction}, out_path)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _rollout_collectives(out_path: str):
@@ -68,7 +69,7 @@ def _rollout_collectives(out_path: str):
             for s, p in zip(synced, params)]
     if rank == 0:
         torch.save({"requests": seen, "sync_equal": same}, out_path)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):

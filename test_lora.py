@@ -17,10 +17,11 @@ import actor
 import offload
 import rollout
 import tiny
-import train_grpo
+import launch
 import weights
 import lora
-from model import build_mesh, compute_log_probs, forward, init_distributed, load_model, shard
+from model import build_mesh, compute_log_probs, forward, load_model, shard
+from launch import init_distributed
 from conftest import launches, layout, tiny_batch
 from test_train import metrics, run
 
@@ -145,7 +146,7 @@ def _one_lora_update(out_path: str):
     if rank == 0:
         torch.save({"params": params, "stats": stats, "trains": [k for k, p in a.model.named_parameters()
                                                                  if p.requires_grad]}, out_path)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _launch(nproc: int, out_path: str):

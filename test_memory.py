@@ -557,7 +557,6 @@ def test_a_checkpoint_leaves_host_memory_where_it_was(env):
     tensor through pinned host memory that the caching host allocator would otherwise keep: 11.4 GB
     in a 200-step run before checkpoint.save released it), and the second save adds nothing."""
     import shutil
-    import checkpoint
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     out = "/tmp/ckpt_host_rss_test"                  # one folder for every rank (tmp_path differs per rank)
     if rank == 0:

@@ -14,8 +14,9 @@ import torch
 
 import actor
 import packing
-import train_grpo
-from model import build_mesh, compute_log_probs, init_distributed, load_model, make_layout, shard
+import launch
+from model import build_mesh, compute_log_probs, load_model, make_layout, shard
+from launch import init_distributed
 from conftest import launches, layout, tiny_batch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -149,7 +150,7 @@ def _update_with_lengths(out_path: str, dynamic: bool):
     torch.distributed.all_gather(gathered, torch.tensor([bins]))
     if rank == 0:
         torch.save({"params": params, "stats": stats, "bins": [int(c) for c in gathered]}, out_path)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 @launches

@@ -97,7 +97,6 @@ def _truncate(path, keep=None):
 def _plan(out, *extra):
     """rundir.plan for the embedded task (what main's pre-flight runs) with --steps=4."""
     import data as data_io
-    import train_grpo
     fp = data_io.fingerprint(*data_io.load_data(None, data_io.load_tokenizer(None))[:2])
     return rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4", *extra]), fp)
 

@@ -16,8 +16,9 @@ import options
 import reward_model
 import rollout
 import tiny
-import train_grpo
-from model import build_mesh, init_distributed
+import launch
+from model import build_mesh
+from launch import init_distributed
 from conftest import launches, tiny_batch
 from test_train import metrics, run
 
@@ -239,7 +240,7 @@ def _score_my_half(path: str, out_path: str):
     scores = reward_model.compute_scores(rm, {k: v[rank * n:(rank + 1) * n] for k, v in full.items()})
     whole = 4 * sum(p.numel() for p in rm.model.parameters())         # fp32 bytes of the full model
     torch.save({"scores": scores, "shard_fraction": rm.params.nbytes / whole}, f"{out_path}.rank{rank}")
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -158,7 +158,6 @@ def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(ckpt, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(ckpt, local_files_only=True)
     assert type(model).__name__ == "Qwen2ForCausalLM" and tok("12=")["input_ids"] == [3, 4, 12]
-    import actor
     fresh = load_model(None, seed=0)
     moved = max((a - b).abs().max().item() for a, b in zip(model.state_dict().values(),
                                                             fresh.state_dict().values()))
@@ -216,7 +215,6 @@ def test_parquet_and_gsm8k_reward(tmp_path):
 
 
 def test_config_overrides_are_typed():
-    import train_grpo
     cfg = options.parse_args(["--actor.lr=1e-6", "--ref.param_offload", "true", "--model=none",
                                  "--rollout.n=4"])
     assert cfg.actor.lr == 1e-6 and cfg.ref.param_offload is True and cfg.model is None

@@ -9,6 +9,7 @@ the real bracket and weight sync) and saves what each rank got; the test compare
 The model is conftest's ~430M-parameter Qwen2 (random weights): 16 heads, 4 KV heads, so each
 GPU of the TP=2 engine holds half of both.
 """
+import launch
 import dataclasses
 import importlib.util
 import os
@@ -17,7 +18,8 @@ import sys
 
 import pytest
 import torch
-from model import build_mesh, compute_log_probs, init_distributed, shard
+from model import build_mesh, compute_log_probs, shard
+from launch import init_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [
@@ -34,7 +36,6 @@ def _generate(out_dir: str, tp: int):
     and one sampled bracket on this rank's 8 prompts; save what this rank got."""
     import actor
     import rollout
-    import train_grpo
     from conftest import layout, mid_model
     rank, world, device = init_distributed()
     model = shard(mid_model(), build_mesh(device, world, -1), device)
@@ -62,7 +63,7 @@ def _generate(out_dir: str, tp: int):
                 "generate_device_gb": m["rollout/generate_device_gb"], "sync_s": m["rollout/sync_s"],
                 "logp_diff_mean": (diff.sum() / mask.sum()).item(), "logp_diff_max": diff.max().item()},
                os.path.join(out_dir, f"tp{tp}.rank{rank}.pt"))
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def _run(out_dir: str, tp: int) -> list[dict]:

@@ -60,6 +60,7 @@ import actor
 import checkpoint
 import critic
 import data as data_io
+import launch
 import offload
 import options
 import plan
@@ -69,7 +70,8 @@ import reward_model
 import rollout
 import rundir
 import tracker
-from model import all_sum, build_mesh, check_model, init_distributed
+from launch import init_distributed
+from model import all_sum, build_mesh, check_model
 from options import Config
 
 
@@ -450,25 +452,10 @@ def main(argv=None):
     dist.destroy_process_group()
 
 
-def leave(code: int = 0):
-    """End this worker process once everything it writes is written: on success every rank waits for
-    the others and the process groups are destroyed; then the process exits with `code` without the
-    interpreter's teardown. Why not a plain return: DTensor's sharding caches keep the DeviceMesh (and
-    its gloo group's threads) alive after destroy_process_group; torn down at interpreter exit while a
-    peer closes its sockets, they can abort a finished run (SIGABRT, once in a 2-rank CPU CI run).
-    os._exit skips the teardown; the OS takes back memory, sockets and GPU contexts."""
-    if code == 0 and dist.is_initialized():
-        dist.barrier()                     # no rank tears gloo down while another still talks
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     try:
         main()
         exit_code = 0
     except SystemExit as e:                # fail()'s one line (1, 2), a preemption's 143 or Ctrl-C's 130
         exit_code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
-    leave(exit_code)
+    launch.leave(exit_code)

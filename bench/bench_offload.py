@@ -18,6 +18,7 @@ bandwidth of every offload copy. Ratios are against the "none" (PPO: "ppo_none")
 of the same run. `--levers` adds the copy levers one by one: pageable vs pinned, new vs
 persistent buffers, a synchronize per copy vs per bracket, and where the Adam state comes in.
 """
+import launch
 import argparse
 import gc
 import json
@@ -35,7 +36,8 @@ import offload
 import options
 import rollout
 import train_grpo
-from model import hf_config, init_distributed
+from model import hf_config
+from launch import init_distributed
 
 STAGES = offload.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
@@ -308,7 +310,7 @@ def main():
             json.dump(res, f, indent=1)
         if args.plot:
             plot(res, args.plot)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 def peak(m: dict) -> float:

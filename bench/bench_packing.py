@@ -13,6 +13,7 @@ the trainer runs) for `steps` steps; reported: medians after the first step of e
 and peak allocated, and the update's time per real token. The question each row answers: does
 the update cost what the real tokens cost (packed time ~ real/padded x padded time)?
 """
+import launch
 import argparse
 import json
 import os
@@ -107,7 +108,7 @@ def main():
     if t.rank == 0:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Both engines run in this one process on the same prompts and the same FSDP2 acto
 are ratios measured side by side. Bracket overhead = everything in the bracket but `generate`
 (empty_cache, load/offload params, wake weights, sync, wake KV, sleep) over the generate time.
 """
+import launch
 import argparse
 import json
 import os
@@ -19,8 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import offload
 import rollout
-import train_grpo
-from model import build_mesh, init_distributed, load_model, shard
+from model import build_mesh, load_model, shard
+from launch import init_distributed
 
 PHASES = ("empty_cache", "load_params", "wake_weights", "sync", "offload_params", "wake_kv", "sleep")
 
@@ -92,7 +93,7 @@ def main():
         print(json.dumps(res, indent=1))
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    train_grpo.leave()                   # barrier, destroy, exit without the interpreter's teardown
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
 if __name__ == "__main__":
