@@ -40,7 +40,7 @@ TFLOPS = 742e12 * 0.51       # bf16 matmul peak measured there x the share a tra
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
-# Device level (what mem_get_info shows), calibrated on the H200 runs in docs/ (52 stages):
+# Device level (what mem_get_info shows), calibrated on the H200 runs of docs/plan_truth.json:
 OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
 VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
 FORWARD_SLACK = int(0.8 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
@@ -48,8 +48,7 @@ UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's alloc
 LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
 SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
-ALLOC_SLACK = 1.01           # allocations are rounded up to 512 B blocks and a few buffers go uncounted:
-                             # measured peaks run 1-2 % above the sum of the terms (docs/plan_truth.json)
+ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 
 
 # --------------------------------------------------------------------------- shapes

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 import offload
+import tensor_parallel
 import weights
 from model import head_dim, is_dir
 
@@ -127,8 +128,8 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
     if per_node % tp:
         raise ValueError(f"rollout.tensor_parallel_size={tp} does not divide the {per_node} ranks of a node: "
                          f"an engine would span nodes (its all-reduces run every decoded token)")
-    group = tp_group(tp)
-    seed = gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
+    group = tensor_parallel.tp_group(tp)
+    seed = tensor_parallel.gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
     max_num_seqs *= tp                     # the engine serves the sequences of all its ranks at once
     dtype = dtype if cfg.dtype == "auto" else cfg.dtype
     nbytes = torch.finfo(getattr(torch, dtype)).bits // 8
@@ -151,44 +152,6 @@ def describe(engine: Engine) -> list[str]:
     return ["[rollout] vLLM engine" + (f" (tensor parallel over {tp} ranks)" if tp > 1 else "")
             + f" built in {engine.build_s:.1f} s; {kv}; asleep it keeps {engine.asleep_device_gb:.2f} GB "
             f"on the GPU (CUDA graphs and buffers that sleep cannot free)"]
-
-
-def tp_group(tp: int):
-    """The gloo group of the ranks that share this rank's engine: [g*tp, (g+1)*tp), how vLLM lays out
-    its tensor-parallel groups (TP innermost). Gloo because what it carries is a few pickled id
-    lists, host to host. Collective: every rank calls it. None for tp == 1 (an engine per rank)."""
-    if tp == 1:
-        return None
-    world = dist.get_world_size()
-    group, _ = dist.new_subgroups_by_enumeration([list(range(r, r + tp)) for r in range(0, world, tp)],
-                                                 backend="gloo")
-    return group
-
-
-def gather(group, obj) -> tuple[list, int]:
-    """`obj` from every rank of the engine's group, in rank order, and this rank's place in it
-    ([obj], 0 when the engine is this rank's alone)."""
-    if group is None:
-        return [obj], 0
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out, dist.get_rank(group)
-
-
-def requests(parts: list, n: int, greedy: bool) -> tuple[list, list, list]:
-    """What one engine is asked, the same on each of its ranks: `parts` = (prompts, seed) of each
-    rank in rank order. Each prompt n times: as n requests of one sample when greedy (vLLM samples
-    greedily only with n=1), else one request of n. Request i of a rank is seeded from that rank's
-    seed alone (seed * 10007 + i * n): its samples do not depend on which ranks share the engine.
-    Returns the prompt ids, seed and owner (index in `parts`) of each request."""
-    copies = n if greedy else 1
-    reqs, seeds, owners = [], [], []
-    for k, (prompts, seed) in enumerate(parts):
-        mine = [p for p in prompts for _ in range(copies)]
-        reqs += mine
-        seeds += [seed * 10007 + i * n for i in range(len(mine))]
-        owners += [k] * len(mine)
-    return reqs, seeds, owners
 
 
 def kv_cache_bytes(config, seqs: int, max_model_len: int, dtype_bytes: int, tp: int, margin: float) -> int:
@@ -422,8 +385,8 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     from vllm import SamplingParams
     llm, cfg = engine.llm, engine.cfg
     greedy = cfg.temperature == 0
-    parts, me = gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
-    reqs, seeds, owners = requests(parts, cfg.n, greedy)
+    parts, me = tensor_parallel.gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
+    reqs, seeds, owners = tensor_parallel.requests(parts, cfg.n, greedy)
 
     with _phase("empty_cache", metrics):
         torch.cuda.empty_cache()

@@ -18,6 +18,7 @@ import pytest
 import actor
 import offload
 import rollout
+import tensor_parallel
 import launch
 import weights
 from model import build_mesh, build_optimizer, compute_log_probs, load_model, shard
@@ -54,10 +55,10 @@ def _rollout_collectives(out_path: str):
     (uneven over 4 ranks), in bf16 against gathering in fp32 and casting after."""
     from torch.distributed.fsdp import fully_shard
     rank, world, device = init_distributed()
-    group = rollout.tp_group(2)
+    group = tensor_parallel.tp_group(2)
     prompts = [[rank, i] for i in range(rank + 1)]
-    parts, me = rollout.gather(group, (prompts, 100 + rank))
-    mine = (me, parts, rollout.requests(parts, 3, greedy=True), rollout.requests(parts, 3, greedy=False))
+    parts, me = tensor_parallel.gather(group, (prompts, 100 + rank))
+    mine = (me, parts, tensor_parallel.requests(parts, 3, greedy=True), tensor_parallel.requests(parts, 3, greedy=False))
     seen = [None] * world
     torch.distributed.all_gather_object(seen, mine)
     mesh = build_mesh(device, world, -1)
@@ -168,7 +169,7 @@ def test_tensor_parallel_ranks_send_one_engine_the_same_requests(rollout_collect
         assert me == rank % 2 and (parts, greedy, sampled) == seen[2 * engine][1:]   # one pool per engine
         assert [p for p, _ in parts] == [[[r, i] for i in range(r + 1)] for r in (2 * engine, 2 * engine + 1)]
         for is_greedy, (reqs, seeds, owners) in ((True, greedy), (False, sampled)):
-            alone, alone_seeds, _ = rollout.requests([parts[me]], 3, greedy=is_greedy)
+            alone, alone_seeds, _ = tensor_parallel.requests([parts[me]], 3, greedy=is_greedy)
             assert len(alone) == (rank + 1) * (3 if is_greedy else 1)
             assert [q for q, k in zip(reqs, owners) if k == me] == alone
             assert [s for s, k in zip(seeds, owners) if k == me] == alone_seeds

@@ -35,9 +35,8 @@ Why this order: vLLM's KV cache is the largest block, so it is woken last, once 
 shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
 classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
 (a live state_dict() result keeps GPU shards alive after an offload).
-Around the steps (main): every check that needs no model runs first, on every rank (`preflight`:
-options, batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line,
-`error: ...`, said once, by rank 0. A checkpoint every --save_freq steps, after the last step and
+Around the steps (main): every check that needs no model runs first, on every rank (`preflight`: options,
+batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line, `error: ...`, said once. A checkpoint every --save_freq steps, after the last step and
 on SIGTERM or Ctrl-C; the same command resumes a stopped run (checkpoint.py, rundir.py).
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
