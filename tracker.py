@@ -203,21 +203,10 @@ def _drawn(values) -> bool:
     return any(not math.isnan(v) for v in values)
 
 
-def picture(run_dir: str, path: str | None = None) -> str:
-    """<run_dir>/memory.png (or `path`) from its metrics.jsonl; returns where it went. Raises one line
-    (ValueError) for a folder that is not a run, or without matplotlib."""
-    rows = rows_of(run_dir)
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.lines import Line2D
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise ValueError("matplotlib is not installed: no memory.png (pip install -r requirements.txt)") from None
-    memory, copies = series(rows)
-    steps = [r.get("step", i) for i, r in enumerate(rows)]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+def _top_panel(top, steps: list, memory: dict, run_dir: str):
+    """Memory per stage over the steps: one colour per stage, one line style per figure (measured
+    peak, device use, the plan's prediction and device-level figure); the styles in the legend."""
+    from matplotlib.lines import Line2D
     styles = {"peak": ("-", 1.6), "device": (":", 1.4), "predicted": ("--", 1.0), "plan_device": ("-.", 1.0)}
     names = {"peak": "allocator peak (measured)", "device": "device used (mem_get_info)",
              "predicted": "plan: predicted peak", "plan_device": "plan: device-level"}
@@ -232,6 +221,12 @@ def picture(run_dir: str, path: str | None = None) -> str:
     top.legend(handles=handles, fontsize=7, ncol=4, loc="best")
     top.set_ylabel("GB per GPU")
     top.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: memory per stage")
+
+
+def _bottom_panel(bottom, steps: list, copies: dict):
+    """Every offload copy over the steps: GB/s solid on the left axis, GB moved dashed on the right
+    (or a line saying the run had none); integer steps on the shared x axis."""
+    from matplotlib.ticker import MaxNLocator
     if copies:
         right = bottom.twinx()
         for i, (name, c) in enumerate(copies.items()):
@@ -248,6 +243,23 @@ def picture(run_dir: str, path: str | None = None) -> str:
         bottom.set_yticks([])
     bottom.set_xlabel("step")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def picture(run_dir: str, path: str | None = None) -> str:
+    """<run_dir>/memory.png (or `path`) from its metrics.jsonl; returns where it went. Raises one line
+    (ValueError) for a folder that is not a run, or without matplotlib."""
+    rows = rows_of(run_dir)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("matplotlib is not installed: no memory.png (pip install -r requirements.txt)") from None
+    memory, copies = series(rows)
+    steps = [r.get("step", i) for i, r in enumerate(rows)]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    _top_panel(top, steps, memory, run_dir)
+    _bottom_panel(bottom, steps, copies)
     fig.tight_layout()
     path = path or os.path.join(run_dir, "memory.png")
     fig.savefig(path, dpi=100)

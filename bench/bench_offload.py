@@ -18,7 +18,6 @@ bandwidth of every offload copy. Ratios are against the "none" (PPO: "ppo_none")
 of the same run. `--levers` adds the copy levers one by one: pageable vs pinned, new vs
 persistent buffers, a synchronize per copy vs per bracket, and where the Adam state comes in.
 """
-import launch
 import argparse
 import gc
 import json
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
 
 import actor
+import launch
 import offload
 import options
 import rollout
@@ -245,7 +245,8 @@ def zero_reward(response: str, answer: str) -> float:
     return float(len(response) % 2)                     # any score: only memory and time matter here
 
 
-def main():
+def parse_args():
+    """The benchmark's options, and the rest (they go to train_grpo's options)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen2.5-1.5b")
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -260,24 +261,67 @@ def main():
     ap.add_argument("--levers", action="store_true", help="also time the copy levers one by one")
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--plot", default="")
-    args, extra = ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
+    return ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
 
+
+def build_engine(args, extra, hf, rank, world, device):
+    """The one rollout engine every configuration shares, sized for this rank's share of the batch."""
+    rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 tensor_parallel_size=options.parse_args(extra).rollout.tensor_parallel_size)
+    return rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
+                         max_model_len=args.prompt_len + args.response_len,
+                         max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank,
+                         pad_id=0, eos_id=1, rank=rank)    # the tiny tokenizer's: random models use it
+
+
+def bench_data(args, vocab: int):
+    """64 prompts of `prompt_len` random tokens (fixed seed) with answers, as train_grpo.setup takes them."""
+    g = torch.Generator().manual_seed(0)
+    return ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist()
+             for _ in range(64)], ["0"] * 64, None)
+
+
+def write_results(res: dict, path: str):
+    """The whole table so far, as JSON (rank 0 calls it)."""
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def print_row(name: str, m: dict, seconds: float):
+    """One configuration's line: its times, peaks, allocations and bandwidths."""
+    line = {k: round(v, 4) for k, v in m.items() if isinstance(v, float) and
+            (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k or "alloc" in k)}
+    print(f"[{name}] {seconds:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",
+          flush=True)
+
+
+def add_costs(configs: dict):
+    """Every row's step-time cost and peak saving against its base row (both must have run)."""
+    for name, m in configs.items():
+        # each against its own base: PPO against PPO, the reward model's offload against the reward model's run
+        base = configs.get("ppo_none" if name.startswith("ppo") else "rm" if name.startswith("rm_") else "none", {})
+        if name.startswith("lora") and not base.get("ok"):   # 7B: full fine-tuning's base row is "ref"
+            base = configs.get("ref", {})
+        if m.get("ok") and base.get("ok"):
+            m["step_time_cost_pct"] = 100 * (m["time/step"] / base["time/step"] - 1)
+            # vLLM's sampling phase is the same work under every flag but varies run to run by
+            # +-30 % at these sizes: the cost without it is the steadier figure
+            ex = lambda x: x["time/step"] - x.get("rollout/generate_s", 0)  # noqa: E731
+            m["step_ex_sampling_cost_pct"] = 100 * (ex(m) / ex(base) - 1)
+            m["peak_saved_gb"] = peak(base) - peak(m)
+
+
+def main():
+    args, extra = parse_args()
     rank, world, device = init_distributed()
     cuda = device.type == "cuda"
     res = {"model": args.model, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
            "torch": torch.__version__, "args": vars(args), "bandwidth": copy_bandwidth() if cuda else {},
            "configs": {}}
     hf = hf_config(args.model)
-    rcfg = rollout.RolloutConfig(n=args.n, response_length=args.response_len, engine=args.engine,
-                                 gpu_memory_utilization=args.gpu_memory_utilization,
-                                 tensor_parallel_size=options.parse_args(extra).rollout.tensor_parallel_size)
-    engine = rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
-                           max_model_len=args.prompt_len + args.response_len,
-                           max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank,
-                           pad_id=0, eos_id=1, rank=rank)    # the tiny tokenizer's: random models use it
-    g = torch.Generator().manual_seed(0)
-    data = ([torch.randint(2, hf.vocab_size - 1, (args.prompt_len,), generator=g).tolist()
-             for _ in range(64)], ["0"] * 64, None)
+    engine = build_engine(args, extra, hf, rank, world, device)
+    data = bench_data(args, hf.vocab_size)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)
         if rank == 0:
@@ -287,27 +331,11 @@ def main():
         m = run_config(name, args, extra, engine, data, hf.num_hidden_layers)
         res["configs"][name] = m
         if rank == 0:
-            with open(args.out, "w") as f:           # after every configuration: a cut-off run keeps its rows
-                json.dump(res, f, indent=1)
-            line = {k: round(v, 4) for k, v in m.items() if isinstance(v, float) and
-                    (k.startswith("time/") or k.endswith("peak_gb") or "gbps" in k or "alloc" in k)}
-            print(f"[{name}] {time.perf_counter() - t0:.0f}s ok={m['ok']} {m.get('error', '')} {json.dumps(line)}",
-                  flush=True)
-    for name, m in res["configs"].items():
-        # each against its own base: PPO against PPO, the reward model's offload against the reward model's run
-        base = res["configs"].get("ppo_none" if name.startswith("ppo") else "rm" if name.startswith("rm_") else "none", {})
-        if name.startswith("lora") and not base.get("ok"):   # 7B: full fine-tuning's base row is "ref"
-            base = res["configs"].get("ref", {})
-        if m.get("ok") and base.get("ok"):
-            m["step_time_cost_pct"] = 100 * (m["time/step"] / base["time/step"] - 1)
-            # vLLM's sampling phase is the same work under every flag but varies run to run by
-            # +-30 % at these sizes: the cost without it is the steadier figure
-            ex = lambda x: x["time/step"] - x.get("rollout/generate_s", 0)  # noqa: E731
-            m["step_ex_sampling_cost_pct"] = 100 * (ex(m) / ex(base) - 1)
-            m["peak_saved_gb"] = peak(base) - peak(m)
+            write_results(res, args.out)           # after every configuration: a cut-off run keeps its rows
+            print_row(name, m, time.perf_counter() - t0)
+    add_costs(res["configs"])
     if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_results(res, args.out)
         if args.plot:
             plot(res, args.plot)
     launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
