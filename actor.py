@@ -45,6 +45,7 @@ import torch.distributed as dist
 import offload
 import lora
 import packing
+import ulysses
 import weights
 from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, compute_log_probs, forward,
                    global_counts, load_model, make_layout, shard, split)
@@ -98,6 +99,9 @@ class ActorConfig:
     use_dynamic_bsz: bool = False          # micro-batches filled to a token budget instead of a sample count
     ppo_max_token_len_per_gpu: int = 16384     # with use_dynamic_bsz: tokens per update micro-batch
     log_prob_max_token_len_per_gpu: int = 32768  # with use_dynamic_bsz: tokens per old-log-prob forward
+    ulysses_sequence_parallel_size: int = 1    # k ranks split each packed row (ulysses.py): activations and the
+                                           # LM head's tokens per rank / k, two all-to-alls per layer; the
+                                           # data-parallel size is world / k (ref and critic use the same k)
 
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -108,7 +112,7 @@ RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_ba
           "clip_ratio_low": "[0, 1)", "clip_ratio_high": ">= 0", "clip_ratio_c": "> 1", "entropy_coeff": "any",
           "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1", "logits_chunk_tokens": ">= 0",
           "ppo_max_token_len_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1", "lora_rank": ">= 0",
-          "lora_alpha": "> 0"}
+          "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1"}
 CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES,
            "param_dtype": ("bfloat16", "float16", "float32")}
 
@@ -118,6 +122,8 @@ def check(cfg: ActorConfig, world: int):
     if cfg.offload_policy and (cfg.param_offload or cfg.optimizer_offload):
         raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
                          "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+    if cfg.ulysses_sequence_parallel_size > 1 and not cfg.remove_padding:
+        raise ValueError("actor.ulysses_sequence_parallel_size splits packed rows: keep actor.remove_padding=true")
 
 
 # --------------------------------------------------------------------------- math
@@ -251,6 +257,8 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
                                          else "on a side stream during the forward/backward"))
     if timing:
         lines.append("[offload] timing: " + "; ".join(timing))
+    if c.ulysses_sequence_parallel_size > 1:
+        lines.append(ulysses.describe(c.ulysses_sequence_parallel_size, a.model.config))
     if c.offload_policy:
         lines.append("[offload] actor.offload_policy: FSDP2 CPUOffloadPolicy, params, grads and Adam on pinned "
                      "host, copied per layer at all-gather; the optimizer steps on the CPU")
@@ -331,7 +339,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
-            counts = global_counts(mini)
+            counts = global_counts(mini, layout.sp)
             optimizer.zero_grad(set_to_none=True)
             for rows in packing.micro_batches(mini, layout):
                 mb = packing.take(mini, rows)
@@ -342,6 +350,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                     mismatch.append((logp, mb))
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
+    sums = sums / layout.sp if layout.sp > 1 else sums   # a Ulysses group's k ranks summed the same rows
     return update_stats(model, before, sums, norms, mismatch, moved)
 
 

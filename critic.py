@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 import actor
 import offload
 import packing
+import ulysses
 from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, is_dir,
                    load_model, make_layout, shard, split)
 
@@ -88,14 +89,16 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return adv * mask, (adv + values) * mask
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sp: int = 1) -> torch.Tensor:
     """(x - mean) / std over the valid tokens of ALL ranks (unbiased variance), zero on padding.
     Two passes in float64, the mean first, then the squared deviations from it: one pass of
-    E[x^2] - mean^2 in fp32 loses every digit of the variance when |mean| >> std."""
+    E[x^2] - mean^2 in fp32 loses every digit of the variance when |mean| >> std. `sp`: the k ranks
+    of a Ulysses group hold the same rows, so each sum counts them once (divided by k)."""
     xd, md = x.double(), mask.double()
     s = all_sum(torch.stack([(xd * md).sum(), md.sum()]))
+    s = s / sp if sp > 1 else s
     mean = s[0] / s[1]
-    var = all_sum(((xd - mean).square() * md).sum()) / (s[1] - 1).clamp(min=1)
+    var = all_sum(((xd - mean).square() * md).sum()) / sp / (s[1] - 1).clamp(min=1)
     return ((xd - mean) * torch.rsqrt(var + eps)).float() * mask
 
 
@@ -106,7 +109,7 @@ def advantages(c: "Critic", batch: dict, scores: torch.Tensor) -> torch.Tensor:
     last = (mask.sum(-1) - 1).clamp(min=0).long()
     rewards = torch.zeros_like(batch["values"]).scatter_(1, last[:, None], scores[:, None])
     adv, batch["returns"] = gae(rewards, batch["values"], mask, c.cfg.gamma, c.cfg.lam)
-    return whiten(adv, mask)
+    return whiten(adv, mask, sp=c.update_layout.sp)
 
 
 def value_loss(v, old_v, returns, mask, cfg: CriticConfig, tokens=None, seqs=None):
@@ -184,11 +187,11 @@ def describe(c: Critic) -> list[str]:
 
 
 # --------------------------------------------------------------------------- values
-def _features(actor_model, mb: dict, packed: bool) -> torch.Tensor:
+def _features(actor_model, mb: dict, layout: packing.Layout) -> torch.Tensor:
     """The actor's final normed hidden states at the positions that predict each response token
     (B, R, H), zero on padding, from a forward whose logits are cut to one position (no vocab-sized
-    tensor)."""
-    kw, at, p = packing.model_inputs(mb, packed)
+    tensor); with Ulysses each rank's own tokens', gathered (no graph: the head trains on them detached)."""
+    kw, at, p = packing.model_inputs(mb, layout.pack, layout.sp)
     got = []
     hook = actor_model.model.norm.register_forward_hook(lambda m, i, o: got.append(o))
     try:
@@ -196,19 +199,19 @@ def _features(actor_model, mb: dict, packed: bool) -> torch.Tensor:
     finally:
         hook.remove()
     B, R = mb["responses"].shape
-    h = got[0].reshape(-1, got[0].shape[-1]).index_select(0, at)             # (N, H)
+    h = ulysses.gather(got[0].reshape(-1, got[0].shape[-1]).index_select(0, at), p)   # (N, H)
     feats = h.new_zeros(B * R, h.shape[-1]).index_copy(0, packing.to_device(p["dst"], h.device), h)
     return feats.view(B, R, -1)
 
 
-def _values(model, mb: dict, cfg: CriticConfig, packed: bool, features=None) -> torch.Tensor:
+def _values(model, mb: dict, cfg: CriticConfig, layout: packing.Layout, features=None) -> torch.Tensor:
     """(B, R) values of the states before each response token, fp32, zero on padding."""
     if cfg.mode == "shared":
         return model(features.float())[..., 0] * mb["response_mask"]
-    kw, at, p = packing.model_inputs(mb, packed)
+    kw, at, p = packing.model_inputs(mb, layout.pack, layout.sp)
     out = model(**kw, use_cache=False).logits                  # (B or 1, T, 1): one number per position
     B, R = mb["responses"].shape
-    v = out.reshape(-1).index_select(0, at).float()            # (N,)
+    v = ulysses.gather(out.reshape(-1).index_select(0, at).float(), p)   # (N,): this rank's, then the group's
     return torch.zeros(B * R, dtype=torch.float32, device=v.device).index_put(
         (packing.to_device(p["dst"], v.device),), v).view(B, R)
 
@@ -233,8 +236,8 @@ def values(model, batch: dict, cfg: CriticConfig, layout: packing.Layout, actor_
     feats = None
     for rows in packing.micro_batches(batch, layout):
         mb = packing.take(batch, rows)
-        f = _features(actor_model, mb, layout.pack) if cfg.mode == "shared" else None
-        v = _values(model, mb, cfg, layout.pack, f)
+        f = _features(actor_model, mb, layout) if cfg.mode == "shared" else None
+        v = _values(model, mb, cfg, layout, f)
         if rows.numel():
             vals[rows.to(vals.device)] = v
             if f is not None:
@@ -263,24 +266,28 @@ def update_critic(c: Critic, batch: dict, mini_size: int, epochs: int) -> dict:
     model, optimizer, cfg, layout = c.model, c.optimizer, c.cfg, c.update_layout
     device = batch["responses"].device
     world = dist.get_world_size() if dist.is_initialized() else 1
+    # FSDP averages over the world. The separate critic's ranks of a Ulysses group each compute their
+    # tokens' share (their sum is the group's gradient); the shared head sees the gathered features
+    # whole on each of the k ranks, so its loss counts 1/k per rank
+    scale = world / layout.sp if cfg.mode == "shared" and layout.sp > 1 else world
     batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     sums, norms, moved = torch.zeros(2, device=device, dtype=torch.float64), [], {}
     model.train()
     for _ in range(epochs):
         for mini in split(batch, mini_size):
-            tokens, seqs = global_counts(mini)
+            tokens, seqs = global_counts(mini, layout.sp)
             optimizer.zero_grad(set_to_none=True)
             for rows in packing.micro_batches(mini, layout):
                 mb = packing.take(mini, rows)
                 m = mb["response_mask"].float()
-                v = _values(model, mb, cfg, layout.pack, mb.get("features"))
+                v = _values(model, mb, cfg, layout, mb.get("features"))
                 loss, clipped = value_loss(v, mb["values"], mb["returns"], m, cfg, tokens, seqs)
-                (loss * world).backward()
+                (loss * scale).backward()
                 with torch.no_grad():      # vf_clipfrac: a token mean over all ranks, whatever the loss mode
                     sums += torch.stack([loss, (clipped * m).sum() / tokens]).double()
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, c.adam, moved, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
-    sums = all_sum(sums) / len(norms)
+    sums = all_sum(sums / layout.sp if layout.sp > 1 else sums) / len(norms)   # a group's k ranks: the same rows
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
             "critic/grad_norm": sum(norms) / len(norms), **moved}
 

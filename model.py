@@ -165,9 +165,11 @@ def build_optimizer(model, cfg) -> torch.optim.Optimizer:
 # --------------------------------------------------------------------------- forward
 def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
     """How a role splits and runs its batch: `micro` samples, or `max_tokens` with use_dynamic_bsz.
-    `cfg`: the actor's config, whose packing settings every role that runs this architecture shares."""
+    `cfg`: the actor's config, whose packing and sequence-parallel settings every role that runs
+    this architecture shares."""
     return packing.Layout(micro=micro, max_tokens=max_tokens if cfg.use_dynamic_bsz else 0,
-                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens)
+                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens,
+                          sp=cfg.ulysses_sequence_parallel_size)
 
 
 def split(batch: dict, size: int):
@@ -205,13 +207,15 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def global_counts(mini: dict) -> tuple[float, float]:
+def global_counts(mini: dict, sp: int = 1) -> tuple[float, float]:
     """(valid tokens, rows) of a mini-batch over all ranks: the loss denominators. Rows are all of
     them, an empty response (no valid token) included: verl's engine divides the seq-mean modes by
     the global batch size (ppo_mini_batch_size x n), not by the rows that have a token, so an
-    empty row lowers the mean instead of being left out of it."""
+    empty row lowers the mean instead of being left out of it. `sp`: the k ranks of a Ulysses group
+    hold the same rows; each sample counts once (exact: integer counts divided by k)."""
     m = mini["response_mask"]
     c = all_sum(torch.stack([m.sum(), torch.tensor(float(m.shape[0]), device=m.device)]).double())
+    c = c / sp if sp > 1 else c
     tokens, seqs = c.tolist()                   # one host sync per mini-batch
     return tokens, seqs
 

@@ -25,8 +25,10 @@ import ref
 import reward_model
 import rollout
 import tracker
+import ulysses
 from actor import ActorConfig
 from critic import CriticConfig
+from model import hf_config
 from ref import RefConfig
 from reward_model import RewardModelConfig
 from rollout import RolloutConfig
@@ -117,21 +119,26 @@ def parse_args(argv: list[str]) -> Config:
 
 def check_sizes(cfg: Config, world: int) -> int:
     """The checks that need the world size (the batch arithmetic, each role's combinations), once,
-    up front; returns the mini-batch size per rank (samples)."""
-    a, n = cfg.actor, cfg.rollout.n
+    up front; returns the mini-batch size per rank (samples). With Ulysses (k =
+    actor.ulysses_sequence_parallel_size) the k ranks of a group hold the same samples: the batch
+    splits over world / k data-parallel groups, and each rank generates 1/world of the prompts."""
+    a, n, k = cfg.actor, cfg.rollout.n, cfg.actor.ulysses_sequence_parallel_size
+    ulysses.check(k, world, hf_config(cfg.model) if k > 1 and world % k == 0 else None)
+    dp, per = world // k, (f"data-parallel size {world // k} (world {world} / "
+                           f"actor.ulysses_sequence_parallel_size {k})" if k > 1 else f"world size {world}")
     if cfg.train_batch_size % world:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} is not divisible by the "
-                         f"world size {world}; make it a multiple of {world}")
+                         f"world size {world} (each rank generates its share); make it a multiple of {world}")
     if cfg.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
-    if (a.ppo_mini_batch_size * n) % world:
+    if (a.ppo_mini_batch_size * n) % dp:
         raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
-                         f"samples do not split over {world} ranks; change either")
-    mini = a.ppo_mini_batch_size * n // world
+                         f"samples do not split over the {per}; change either")
+    mini = a.ppo_mini_batch_size * n // dp
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
         raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
-                         f"does not divide the {mini} samples per rank of a mini-batch")
+                         f"does not divide the {mini} samples per rank of a mini-batch ({per})")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     actor.check(cfg.actor, world)          # the rules that combine a role's options

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import ulysses
+
 ATTENTION = "packed_sdpa"      # the attention implementation the roles' models are switched to
 
 
@@ -36,18 +38,23 @@ class Layout:
     max_tokens: int            # token budget per micro-batch (prompt + response); 0: fixed `micro`
     pack: bool                 # remove padding (one packed row per micro-batch)
     chunk: int                 # response tokens per LM-head chunk; 0: all at once
+    sp: int = 1                # Ulysses sequence-parallel size: each rank runs 1/sp of a packed row
 
 
 # --------------------------------------------------------------------------- attention
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """SDPA, except for a packed row (`cu_seq_lens_q` given): then each sequence attends only to
-    its own earlier tokens. query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D)."""
-    cu = kwargs.get("cu_seq_lens_q")
+    its own earlier tokens. query (1, Hq, T, D), key/value (1, Hkv, T, D) -> (1, T, Hq, D).
+    With a Ulysses group (`ulysses`: T is this rank's T/k tokens) q, k, v first trade tokens for
+    heads (all-to-all: (T, H/k, D), the whole row), and the output trades back."""
+    cu, group = kwargs.get("cu_seq_lens_q"), kwargs.get("ulysses")
     if cu is None:                 # padded batches (HF generate, pack off): transformers' SDPA path
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))      # (T, H, D)
+    if group is not None:          # k x the tokens, 1/k of the heads: the same bytes per rank
+        q, k, v = (ulysses.to_heads(x, group) for x in (q, k, v))
     L = int(kwargs["max_length_q"])    # a host int (packing knows it): no device sync per layer
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # FlashAttention-2's varlen kernel as built into PyTorch (autograd included); GQA natively
@@ -61,6 +68,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         padded = [x[index].transpose(1, 2) for x in (q, k, v)]               # (n, H, L, D)
         out = F.scaled_dot_product_attention(*padded, attn_mask=mask, scale=scaling, enable_gqa=True)
         out = out.transpose(1, 2)[valid]                                      # (T, H, D), packed order
+    if group is not None:
+        out = ulysses.to_tokens(out, group)                                   # (T/k, H, D)
     return out[None], None
 
 
@@ -113,18 +122,24 @@ def pack(mb: dict) -> dict:
             "position_ids": within, "at": cu[:-1][rows] + p[rows] - 1 + j, "dst": rows * R + j, "j": j, "rows": rows}
 
 
-def model_inputs(mb: dict, packed: bool) -> tuple[dict, torch.Tensor, dict]:
+def model_inputs(mb: dict, packed: bool, sp: int = 1) -> tuple[dict, torch.Tensor, dict]:
     """The model's forward arguments (the micro-batch packed into one row, or its padded rows as
     they are), `at` (N,): the flat positions of the output that predict the response tokens, and
-    the packing's host-side indices. `mb` needs "lengths" (host_lengths)."""
+    the packing's host-side indices. `mb` needs "lengths" (host_lengths). sp > 1 (packed only):
+    this rank's 1/sp of the row (ulysses.plan); `at` then covers this rank's response tokens, and
+    `ulysses.gather(x, p)` joins what the head computes on them."""
     dev = mb["input_ids"].device
     p = pack(mb)
+    if packed and sp > 1:
+        p = ulysses.plan(p, ulysses.group(sp))
     if packed:
         ids = mb["input_ids"].reshape(-1).index_select(0, to_device(p["src"], dev))[None]    # (1, T)
         cu = to_device(p["cu"], dev)
         kw = dict(input_ids=ids, position_ids=to_device(p["position_ids"], dev)[None],
                   attention_mask=torch.ones_like(ids),   # no padding: SDPA's mask builder returns no mask
                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=p["max_len"], max_length_k=p["max_len"])
+        if "group" in p:           # attention's all-to-alls (the kwarg reaches `_attention`)
+            kw["ulysses"] = p["group"]
         return kw, to_device(p["at"], dev), p
     W, R = mb["input_ids"].shape[1], mb["responses"].shape[1]
     kw = {k: mb[k] for k in ("input_ids", "attention_mask", "position_ids")}
@@ -184,16 +199,16 @@ def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entro
     mb = host_lengths(mb)
     B, R = mb["responses"].shape
     dev = mb["responses"].device
-    kw, at, p = model_inputs(mb, layout.pack)
+    kw, at, p = model_inputs(mb, layout.pack, layout.sp)
     dst = to_device(p["dst"], dev)
-    targets = mb["responses"].reshape(-1).index_select(0, dst)            # (N,)
+    targets = ulysses.own(mb["responses"].reshape(-1).index_select(0, dst), p)   # (N,), or this rank's
     if layout.pack:                        # the head sees exactly the N positions (logits_to_keep)
         keep, pick = at, torch.arange(at.numel(), device=dev)
     else:                                  # the head sees each row's last R+1 positions
         keep, pick = R + 1, to_device(p["rows"] * (R + 1) + p["j"], dev)
     with _head_computes_logprobs(model, pick, targets, temperature, layout.chunk, entropy_grad):
         out = model(**kw, logits_to_keep=keep, use_cache=False).logits     # (N, 2)
-    out = out[:targets.numel()]            # an empty micro-batch ran one empty chunk
+    out = ulysses.gather(out[:targets.numel()], p)   # an empty micro-batch ran one empty chunk; (N, 2)
     zeros = torch.zeros(B * R, dtype=torch.float32, device=dev)
     return zeros.index_put((dst,), out[:, 0]).view(B, R), zeros.index_put((dst,), out[:, 1]).view(B, R)
 

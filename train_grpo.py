@@ -69,6 +69,7 @@ import reward_model
 import rollout
 import rundir
 import tracker
+import ulysses
 from launch import init_distributed
 from model import all_sum, build_mesh, check_model
 from options import Config
@@ -97,8 +98,7 @@ class Trainer:
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
     plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
-    data_offset: int = 0                   # prompts walked before step 0's position (a resume that
-                                           # changed train_batch_size keeps its place in the data)
+    data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
 
 
@@ -188,8 +188,7 @@ def report(t: Trainer) -> list[str]:
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
     lines += actor.describe(t.actor, ppo=t.critic is not None)
     lines += ref.describe(t.ref) if t.ref is not None else ref.ignored(cfg.ref, cfg.actor)
-    lines += reward_model.describe(t.reward_model) if t.reward_model is not None else \
-        reward_model.ignored(cfg.reward_model)
+    lines += reward_model.describe(t.reward_model) if t.reward_model else reward_model.ignored(cfg.reward_model)
     return lines + (critic.describe(t.critic) if t.critic is not None else [])
 
 
@@ -271,10 +270,11 @@ def train_step(t: Trainer, step: int) -> dict:
     cfg, m, t0 = t.cfg, {"step": step}, time.perf_counter()
     stage = lambda name: ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
-    idx = batch_indices(t, step)
+    idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
     with stage("generate"):                # the actor's offloaded params come in for the sync only
-        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in idx],
+        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
                                  cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
+        batch = ulysses.gather_batch(batch, sp)   # Ulysses: the group's k shares on each of its ranks
     m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     with stage("reward"):                  # CPU: decode and score each response
         scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
@@ -319,10 +319,11 @@ def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimiz
 
 def batch_indices(t: Trainer, step: int) -> list[int]:
     """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
-    earlier steps (and a resume's data_offset) walked."""
-    local_bs = t.cfg.train_batch_size // t.world
+    earlier steps (and a resume's data_offset) walked; one slice per data-parallel group (Ulysses)."""
+    g = ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
+    local_bs = t.cfg.train_batch_size // g.dp_size
     start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
-    return [t.order[(start + t.rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
+    return [t.order[(start + g.dp_rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
 
 
 def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -388,11 +389,10 @@ def resume(t: Trainer, path: str) -> int:
 
 
 def fail(message: str, rank: int, code: int = 2):
-    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first
-    waits 5 s, since the same error on rank 0 ends the job sooner (torchrun then stops this rank
-    before it repeats it), and speaks only if that did not happen (an error of its own). Under
-    torchrun the speaking rank also writes the line to its error file, so that torchrun's closing
-    summary shows it as the "Root Cause" rather than a traceback."""
+    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first waits 5 s, since the
+    same error on rank 0 ends the job sooner (torchrun then stops this rank before it repeats it), and speaks
+    only if that did not happen (an error of its own). Under torchrun the speaking rank also writes the line to
+    its error file, so that torchrun's closing summary shows it as the "Root Cause" rather than a traceback."""
     if rank > 0:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's stop ends the wait (no checkpoint now)
         time.sleep(5)

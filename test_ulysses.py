@@ -1,0 +1,196 @@
+"""Ulysses sequence parallelism changes no number (CPU, gloo, fp32).
+
+    python -m pytest -q test_ulysses.py      # launches 2- and 4-process gloo runs itself
+
+On one packed batch with ragged prompt and response lengths (padding removed), the k ranks of a
+group running 1/k of each packed row give the log-probs, entropies and gradients of k = 1; an
+update dealt per data-parallel group (world / k groups) gives k = 1's parameters and stats; the
+critic's values and its update too (separate and shared). A k that does not divide the world or
+the heads is one line before anything is built; the planner's token terms divide by k.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import actor
+import critic
+import launch
+import options
+import packing
+import plan
+import ulysses
+from launch import init_distributed
+from model import build_mesh, forward, load_model, make_layout, shard
+from conftest import launches, tiny_batch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _policy(kv_heads: int):
+    """The tiny Qwen2 (4 heads, 2 KV heads), or the same with 4 KV heads (k = 4 divides both)."""
+    if kv_heads == 2:
+        return load_model(None, seed=0)
+    import tiny
+    from transformers import Qwen2ForCausalLM
+    config = tiny.tiny_config()
+    config.num_key_value_heads = kv_heads
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).float()
+
+
+def _mine(batch: dict, g: ulysses.Group) -> dict:
+    """The data-parallel group's rows: every rank of a group holds the same ones."""
+    n = next(iter(batch.values())).shape[0] // g.dp_size
+    return {k: v[g.dp_rank * n:(g.dp_rank + 1) * n] for k, v in batch.items()}
+
+
+def _grads(model):
+    return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
+
+
+def _params(model):
+    return torch.cat([p.detach().full_tensor().flatten() for p in model.parameters()])
+
+
+def _policy_figures(k: int, kv_heads: int, mesh, device) -> dict:
+    """Log-probs, entropies and the gradient of one forward/backward over the whole batch (every
+    rank the same rows), then two SGD steps of actor.update_policy dealt per group."""
+    cfg = actor.ActorConfig(ulysses_sequence_parallel_size=k, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01,
+                            kl_loss_coef=0.1, ppo_epochs=2, logits_chunk_tokens=3)
+    model = shard(_policy(kv_heads), mesh, device, param_dtype="float32")
+    batch = tiny_batch(16, 6, device, seed=1)
+    lp, ent = forward(model, batch, 0.7, make_layout(cfg, 16, 0), "grad")
+    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
+    ((lp * w).sum() + 0.1 * ent.sum()).backward()
+    # FSDP averages over the world: with k ranks per group each holding its tokens' share, the
+    # world's mean is the group's gradient / k (at k = 1 every rank's copy is the whole gradient)
+    out = {"lp": lp.detach(), "ent": ent.detach(), "grad": _grads(model) * k}
+    model.zero_grad(set_to_none=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)   # Adam would magnify rounding where a grad is ~0
+    batch["old_log_probs"] = batch["old_log_probs"] * 0.0 + lp.detach() + 0.05 * batch["response_mask"]
+    mine = _mine(batch, ulysses.group(k))
+    out["stats"] = actor.update_policy(model, opt, mine, cfg, mini_size=mine["responses"].shape[0], temperature=0.7)
+    out["params"] = _params(model)
+    return out
+
+
+def _critic_figures(k: int, mode: str, mesh, device) -> dict:
+    """Values of the whole batch, then one critic update (SGD) dealt per group."""
+    act_cfg = actor.ActorConfig(ulysses_sequence_parallel_size=k, logits_chunk_tokens=3)
+    act = shard(load_model(None, seed=0), mesh, device, param_dtype="float32")
+    c = critic.build(critic.CriticConfig(mode=mode, ppo_micro_batch_size_per_gpu=2), model_path=None, mesh=mesh,
+                     device=device, actor_cfg=act_cfg, actor_model=act)
+    batch = tiny_batch(8, 5, device, seed=6)
+    batch["values"], feats = critic.values(c.model, batch, c.cfg, c.forward_layout, act)
+    if feats is not None:
+        batch["features"] = feats
+    batch["returns"] = torch.rand(8, 5, generator=torch.Generator().manual_seed(6)).to(device)
+    mine = _mine(batch, ulysses.group(k))
+    c.optimizer = torch.optim.SGD(c.model.parameters(), lr=0.1)
+    stats = critic.update_critic(c, mine, mine["responses"].shape[0], 1)
+    return {"values": batch["values"], "stats": stats, "params": _params(c.model)}
+
+
+def _run(out_path: str):
+    """Under torchrun (2 or 4 ranks): every k that divides the world (and the model's heads)."""
+    rank, world, device = init_distributed()
+    mesh = build_mesh(device, world, -1)
+    kv = 2 if world == 2 else 4
+    ks = [k for k in (1, 2, 4) if world % k == 0 and kv % k == 0]
+    out = {"policy": {k: _policy_figures(k, kv, mesh, device) for k in ks},
+           "critic": {(k, mode): _critic_figures(k, mode, mesh, device) for k in (1, 2) for mode in ("separate", "shared")}}
+    if rank == 0:
+        torch.save(out, out_path)
+    launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
+
+
+def _launch(nproc: int, out_path: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                        os.path.join(HERE, "test_ulysses.py"), out_path], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return torch.load(out_path)
+
+
+def _close(a, b, what):
+    assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), f"{what}: max |diff| {(a - b).abs().max():.3g}"
+
+
+def _same_stats(a: dict, b: dict, keys, what):
+    for key in keys:
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{what}: {key}"
+
+
+@launches
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_sequence_parallel_equals_one_rank_per_sequence(tmp_path, nproc):
+    """2 ranks (k = 2, the tiny model's 4 heads / 2 KV heads) and 4 ranks (k = 2 and 4, 4 KV heads):
+    log-probs and entropies (chunked LM head, temperature 0.7) and their gradients equal k = 1
+    within fp32 rounding; two SGD steps dealt per data-parallel group give k = 1's parameters and
+    losses; the critic's values and its update (separate and shared) too."""
+    out = _launch(nproc, str(tmp_path / "out.pt"))
+    one = out["policy"][1]
+    assert one["grad"].abs().max() > 0 and len(out["policy"]) == (2 if nproc == 2 else 3)
+    for k, got in out["policy"].items():
+        for key in ("lp", "ent", "grad", "params"):
+            _close(got[key], one[key], f"k={k} {key}")
+        _same_stats(got["stats"], one["stats"], ("pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac"), f"k={k}")
+    for mode in ("separate", "shared"):
+        base, got = out["critic"][(1, mode)], out["critic"][(2, mode)]
+        for key in ("values", "params"):
+            _close(got[key], base[key], f"critic {mode} {key}")
+        _same_stats(got["stats"], base["stats"], ("critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm"), mode)
+
+
+@pytest.mark.parametrize("k, world, message", [
+    (3, 4, "does not divide the world size 4"),
+    (4, 4, "does not divide the model's 4 attention heads and 2 KV heads"),
+])
+def test_bad_k_is_one_line(k, world, message):
+    cfg = options.parse_args([f"--actor.ulysses_sequence_parallel_size={k}"])
+    with pytest.raises(ValueError, match=message) as e:
+        options.check_sizes(cfg, world)
+    assert "\n" not in str(e.value) and "--actor.ulysses_sequence_parallel_size" in str(e.value)
+
+
+def test_batch_checks_name_the_data_parallel_size():
+    """k = 2 on 4 ranks: 2 data-parallel groups; a mini-batch of 3 x 1 samples does not split over them."""
+    cfg = options.parse_args(["--actor.ulysses_sequence_parallel_size=2", "--actor.ppo_mini_batch_size=3",
+                              "--train_batch_size=12", "--rollout.n=1"])
+    with pytest.raises(ValueError, match=r"data-parallel size 2 \(world 4 / actor.ulysses_sequence_parallel_size 2\)"):
+        options.check_sizes(cfg, 4)
+    ok = options.parse_args(["--actor.ulysses_sequence_parallel_size=2"])
+    assert options.check_sizes(ok, 4) == 2 * options.check_sizes(options.parse_args([]), 4)   # per rank: x k
+
+
+def test_padded_rows_are_refused_with_sequence_parallelism():
+    cfg = options.parse_args(["--actor.ulysses_sequence_parallel_size=2", "--actor.remove_padding=false"])
+    with pytest.raises(ValueError, match="remove_padding=true"):
+        options.check_sizes(cfg, 2)
+
+
+def test_plan_token_terms_halve_at_k2():
+    """The planner at k = 2 on 2 GPUs: each GPU's activations, logits and attention terms of every
+    forward stage are half of k = 1's (the same prompts per GPU: the batch is dealt per group)."""
+    base = options.parse_args(["--model=random:qwen2.5-1.5b", "--rollout.response_length=4096",
+                               "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2"])
+    split = options.parse_args(["--model=random:qwen2.5-1.5b", "--rollout.response_length=4096",
+                                "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2",
+                                "--actor.ulysses_sequence_parallel_size=2"])
+    one, two = plan.Sizes(base, 2, 64), plan.Sizes(split, 2, 64)
+    assert two.samples_per_rank == 2 * one.samples_per_rank          # a group holds its ranks' samples
+    assert two.tokens(8) == pytest.approx(one.tokens(8) / 2 * 1, rel=0.01)
+    p1, p2 = plan.predict(base, 2, 64, "hf"), plan.predict(split, 2, 64, "hf")
+    for term in plan.TOKEN_TERMS:
+        a, b = p1.stages["update"].get(term), p2.stages["update"].get(term)
+        if a:
+            assert b == pytest.approx(a, rel=0.02), term                 # per GPU: 2 x samples / 2 tokens each
+    assert any(p1.stages["update"].get(t) for t in plan.TOKEN_TERMS)
+
+
+if __name__ == "__main__":
+    _run(sys.argv[1])
