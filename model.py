@@ -167,9 +167,9 @@ def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
     """How a role splits and runs its batch: `micro` samples, or `max_tokens` with use_dynamic_bsz.
     `cfg`: the actor's config, whose packing and sequence-parallel settings every role that runs
     this architecture shares."""
-    return packing.Layout(micro=micro, max_tokens=max_tokens if cfg.use_dynamic_bsz else 0,
-                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens,
-                          sp=cfg.ulysses_sequence_parallel_size)
+    k = cfg.ulysses_sequence_parallel_size     # a budget is per GPU (as verl's): a group of k runs k x it
+    return packing.Layout(micro=micro, max_tokens=max_tokens * k if cfg.use_dynamic_bsz else 0,
+                          pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens, sp=k)
 
 
 def split(batch: dict, size: int):

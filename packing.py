@@ -226,8 +226,9 @@ def micro_batches(batch: dict, layout: Layout) -> list[torch.Tensor]:
     # what a row costs: its real tokens when packed, the padded width otherwise
     lengths = host_lengths(batch)["lengths"][:, 0].tolist() if layout.pack else [batch["input_ids"].shape[1]] * n
     if max(lengths) > layout.max_tokens:
-        raise ValueError(f"a sample has {max(lengths)} tokens, more than the token budget "
-                         f"{layout.max_tokens}; raise the *_max_token_len_per_gpu option to at least that")
+        per = f" / {layout.sp} (a sequence-parallel group runs {layout.sp} x the budget)" if layout.sp > 1 else ""
+        raise ValueError(f"a sample has {max(lengths)} tokens, more than the token budget {layout.max_tokens}; "
+                         f"raise the *_max_token_len_per_gpu option to at least that{per}")
     bins = max(1, math.ceil(sum(lengths) / layout.max_tokens))
     while True:                               # the fewest balanced bins that all fit the budget
         groups = _balance(lengths, bins)

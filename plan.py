@@ -1,31 +1,28 @@
-"""The memory planner: every stage's peak GPU memory per rank, at the allocator and at the device
-level, and the step's time, predicted from the configs and the model's shapes before anything is
-built. It moves nothing and builds no model (shapes come from config.json). Choosing the flags
-that fit, --offload=auto, the run's warnings and the command line are plan_fit.py's.
+"""The memory planner: every stage's peak GPU memory per rank (allocator and device level) and the step's time,
+predicted from the configs and the model's shapes (config.json) before anything is built; it moves nothing and builds
+no model. Choosing the flags that fit, --offload=auto, the run's warnings and the command line are plan_fit.py's.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
     python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
 
 How the prediction is made (per rank, bytes; each term named in the table it prints):
-- States: fp32 shards of the actor (and critic) are 4 B x params / shard-group size, their grads
-  the same during the update, Adam's two moments 8 B x params / group; the frozen reference and
-  reward model hold bf16 shards (2 B). An offload flag takes its group out of every stage but the
-  ones that use it (the same brackets actor.py, ref.py and critic.py run).
-- FSDP2 gathers: during a forward the layer being computed and the next one are gathered in the
-  compute dtype (2 x layer), and the root (embeddings, final norm, LM head) for the whole pass.
-- Activations kept for backward, per token per decoder layer in bf16: 20 H + 4 kv_dim + 8 ffn
-  + 4 heads + 8 bytes (two RMSNorms keep an fp32 copy of their input; q, k, v, the attention output
-  and its log-sum-exp; the MLP's gate, up, activation and product), counted from the tensors
-  autograd saves in the HF Qwen2 layer. With gradient checkpointing only each layer's input
-  (H x 2 bytes) stays, and one layer's set is rebuilt in backward.
-- The LM head (packing.py): one chunk of (tokens, vocab) at a time, about 12 B per element in a
-  forward (fp32 logits, the exp inside logsumexp, softmax and its product with the logits) and 20
-  in backward (the recomputed chunk plus its gradient).
-- vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given,
-  CUDA graphs and workspaces that stay while it sleeps, and the CUDA context.
-- The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what
-  lies outside it.
+- States: fp32 shards of the actor (and critic) are 4 B x params / shard-group size, their grads the same during the
+  update, Adam's two moments 8 B x params / group; the frozen reference and reward model hold bf16 shards (2 B). An
+  offload flag takes its group out of every stage but the ones that use it (the brackets the roles run).
+- FSDP2 gathers: during a forward the layer being computed and the next one are gathered in the compute dtype (2 x
+  layer), and the root (embeddings, final norm, LM head) for the whole pass.
+- Activations kept for backward, per token per decoder layer in bf16: 20 H + 4 kv_dim + 8 ffn + 4 heads + 8 bytes
+  (two RMSNorms keep an fp32 copy of their input; q, k, v, the attention output and its log-sum-exp; the MLP's gate,
+  up, activation and product), counted from the tensors autograd saves in the HF Qwen2 layer. With gradient
+  checkpointing only each layer's input (H x 2 bytes) stays, and one layer's set is rebuilt in backward.
+- The LM head (packing.py): one chunk of (tokens, vocab) at a time, about 12 B per element in a forward (fp32 logits,
+  logsumexp's exp, softmax and its product with the logits) and 20 in backward (the recomputed chunk + its gradient).
+- Ulysses (actor.ulysses_sequence_parallel_size=k): a rank holds its group's samples and runs 1/k of each micro-batch's
+  tokens, so its activations, LM-head tokens and attention terms divide by k; states do not.
+- vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given, CUDA graphs and
+  workspaces that stay while it sleeps, and the CUDA context.
+- The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what lies outside it.
 Calibrated against the H200 measurements kept in docs/plan_truth.json (test_plan.py checks it).
 """
 import functools
@@ -165,12 +162,16 @@ class Sizes:
         return self.prompt_len + self.R
 
     @property
-    def samples(self) -> int:                  # this rank's rollout
-        return self.cfg.train_batch_size * self.cfg.rollout.n // self.world
+    def sp(self) -> int:                       # Ulysses: the ranks that split each micro-batch's tokens
+        return self.cfg.actor.ulysses_sequence_parallel_size
+
+    @property
+    def samples(self) -> int:                  # this rank's rows (a Ulysses group's k ranks hold the same)
+        return self.cfg.train_batch_size * self.cfg.rollout.n // (self.world // self.sp)
 
     @property
     def mini(self) -> int:                     # this rank's samples per optimizer step
-        return self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // self.world
+        return self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // (self.world // self.sp)
 
     @property
     def gae(self) -> bool:
@@ -204,17 +205,16 @@ class Sizes:
         return math.ceil(n / self.group) * nbytes
 
     def tokens(self, micro: int, budget: int) -> int:
-        """Tokens in one micro-batch (`budget`: the token budget with use_dynamic_bsz)."""
+        """This GPU's tokens of one micro-batch (`budget`: per GPU, with use_dynamic_bsz): 1/sp of it."""
         if not self.cfg.actor.use_dynamic_bsz:
-            return min(micro, self.samples) * self.T
-        bins = math.ceil(self.mini * self.T / budget)   # the fewest bins that fit, balanced (packing.micro_batches)
-        return min(budget, math.ceil(self.mini / bins) * self.T)
+            return min(micro, self.samples) * self.T // self.sp
+        bins = math.ceil(self.mini * self.T / (budget * self.sp))   # the fewest that fit (packing.micro_batches)
+        return min(budget * self.sp, math.ceil(self.mini / bins) * self.T) // self.sp
 
     def accumulating(self, micro: int, budget: int) -> bool:
         """2+ micro-batches per optimizer step: the grads are already held when a micro-batch runs."""
-        a = self.cfg.actor
-        bins = math.ceil(self.mini / micro) if not a.use_dynamic_bsz else math.ceil(self.mini * self.T / budget)
-        return bins > 1
+        dynamic = self.cfg.actor.use_dynamic_bsz   # a token budget is per GPU: a group's micro-batch holds sp x it
+        return (math.ceil(self.mini * self.T / budget / self.sp) if dynamic else math.ceil(self.mini / micro)) > 1
 
     def head(self, n_tok: int, per_elt: int) -> int:
         """One LM-head chunk of the response tokens among n_tok."""
@@ -307,9 +307,9 @@ def _generate(z: Sizes, g: Groups) -> Stage:
     if z.engine == "vllm":                     # a bucket of layer tensors, or the embedding alone
         sync = max(z.cfg.rollout.sync_bucket_mb * 2 ** 20 + s.hidden * s.ffn * c, s.vocab * s.hidden * c)
         return Stage("generate", {**g.resident("actor params"), "sync bucket": sync})
-    kv = z.samples * z.T * 2 * s.layers * s.kv_dim * c
+    kv = z.samples // z.sp * z.T * 2 * s.layers * s.kv_dim * c     # a rank generates 1/sp of its group's
     return Stage("generate", {**g.resident("actor params"), "gathered model": c * s.params, "KV cache": kv,
-                              "logits": z.samples * s.vocab * 4 * 2})
+                              "logits": z.samples // z.sp * s.vocab * 4 * 2})
 
 
 def _reward(z: Sizes, g: Groups) -> Stage:
@@ -509,7 +509,7 @@ def _compute_seconds(z: Sizes) -> float:
     passes = (2 if z.lora else 3) + (1 if a.gradient_checkpointing else 0) + (1 if a.use_kl_loss else 0)
     passes += 0 if z.on_policy else 1
     passes += (1 + 3 + (1 if cr.gradient_checkpointing else 0)) if z.separate else (1 if z.gae else 0)
-    tokens = z.samples * z.T
+    tokens = z.samples * z.T // z.sp       # Ulysses: a rank computes 1/sp of its group's tokens (all-to-alls not timed)
     stages = 1 + (1 if a.use_kl_loss else 0) + (2 if z.separate else 1 if z.gae else 0) + (0 if z.on_policy else 1)
     seconds = 2 * s.params * tokens * passes / TFLOPS + stages * STAGE_FIXED
     rm = getattr(z.cfg, "reward_model", None)

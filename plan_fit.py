@@ -1,8 +1,8 @@
 """The planner's second half: fitting the plan (plan.py: what each stage holds) to a GPU. The
-fastest set of offload flags, checkpointing, micro-batch sizes and vLLM tensor-parallel size that
-fits (`choose`), what would fit when nothing does, `--offload=auto`, the warnings that compare the
-plan with each step's measurement, an OOM explained in one line, and the command line. It moves
-nothing and builds no model.
+fastest set of offload flags, checkpointing, micro-batch sizes, vLLM tensor-parallel size and
+Ulysses sequence-parallel size that fits (`choose`), what would fit when nothing does,
+`--offload=auto`, the warnings that compare the plan with each step's measurement, an OOM
+explained in one line, and the command line. It moves nothing and builds no model.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, replace
 
-from plan import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, Stage, predict, table
+from plan import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, Stage, model_config, predict, shapes, table
 
 
 # --------------------------------------------------------------------------- choosing flags
@@ -56,17 +56,27 @@ class Target:
         return max(s.total for s in p.stages) <= self.budget and p.device_peak <= self.gpu_bytes * (1 - self.margin)
 
 
+def sequence_parallel_sizes(cfg, world: int) -> list[int]:
+    """The Ulysses sizes the search may take (from the one given up): divisors of the world and of
+    the model's heads and KV heads, that leave the mini-batch divisible over world / k groups."""
+    s, a = shapes(model_config(cfg.model)), cfg.actor
+    if not a.remove_padding:               # Ulysses splits packed rows only
+        return [a.ulysses_sequence_parallel_size]
+    return [k for k in (1, 2, 4, 8) if k >= a.ulysses_sequence_parallel_size and world % k == 0
+            and s.heads % k == 0 and s.kv_heads % k == 0 and a.ppo_mini_batch_size * cfg.rollout.n % (world // k) == 0]
+
+
 def candidates(cfg, world: int):
-    """Every combination of SEARCH, of halved micro-batch sizes and of vLLM tensor-parallel sizes
-    that divide the world, as copies of `cfg`."""
+    """Every combination of SEARCH, of halved micro-batch sizes, of vLLM tensor-parallel sizes
+    that divide the world and of Ulysses sizes (`sequence_parallel_sizes`), as copies of `cfg`."""
     a = cfg.actor
 
     def halvings(m):
         return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
     tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
-    for values, micro, lp_micro, tp in itertools.product(itertools.product(*SEARCH.values()),
-                                                         halvings(a.ppo_micro_batch_size_per_gpu),
-                                                         halvings(a.log_prob_micro_batch_size_per_gpu), tps):
+    for values, micro, lp_micro, tp, sp in itertools.product(
+            itertools.product(*SEARCH.values()), halvings(a.ppo_micro_batch_size_per_gpu),
+            halvings(a.log_prob_micro_batch_size_per_gpu), tps, sequence_parallel_sizes(cfg, world)):
         flags = dict(zip(SEARCH, values))
         if flags["actor.optimizer_load_at_step"] and not flags["actor.optimizer_offload"]:
             continue
@@ -80,6 +90,7 @@ def candidates(cfg, world: int):
             section, name = key.split(".")
             setattr(getattr(c, section), name, v)
         c.rollout.tensor_parallel_size = tp     # vLLM's weights (and KV heads) split over tp GPUs
+        c.actor.ulysses_sequence_parallel_size = sp   # each micro-batch's tokens (activations, LM head) over sp GPUs
         c.actor.ppo_micro_batch_size_per_gpu = micro
         c.actor.log_prob_micro_batch_size_per_gpu = lp_micro
         c.ref.log_prob_micro_batch_size_per_gpu = min(c.ref.log_prob_micro_batch_size_per_gpu, lp_micro)
@@ -104,7 +115,8 @@ def changes(before, after) -> list[str]:
     """The options `after` sets differently from `before`, as command-line flags."""
     out = []
     for key in list(SEARCH) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
-                               "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size"]:
+                               "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size",
+                               "actor.ulysses_sequence_parallel_size"]:
         section, name = key.split(".")
         v0, v1 = getattr(getattr(before, section), name), getattr(getattr(after, section), name)
         if v0 != v1:
@@ -157,7 +169,7 @@ def report(cfg, t: Target) -> str:
     if best is None:
         fits = what_would_fit(cfg, t)
         out.append(f"[plan] nothing fits under {t.budget / GB:.1f} GB per GPU ({t.margin:.0%} margin) with any "
-                   f"combination of offload flags, checkpointing and micro-batch sizes; what would: "
+                   f"combination of offload flags, checkpointing, micro-batch and sequence-parallel sizes; what would: "
                    + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
     else:
         flags = changes(cfg, best)

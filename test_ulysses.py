@@ -173,23 +173,40 @@ def test_padded_rows_are_refused_with_sequence_parallelism():
         options.check_sizes(cfg, 2)
 
 
+TOKEN_TERMS = ("activations (layer inputs)", "activations (one layer rebuilt)", "LM head chunk (backward)",
+               "forward transient")
+LONG = ["--model=random:qwen2.5-1.5b", "--rollout.response_length=8192", "--train_batch_size=4", "--rollout.n=2",
+        "--actor.ppo_mini_batch_size=4", "--actor.ppo_micro_batch_size_per_gpu=2", "--actor.logits_chunk_tokens=0",
+        "--actor.log_prob_micro_batch_size_per_gpu=2", "--ref.log_prob_micro_batch_size_per_gpu=2"]
+
+
 def test_plan_token_terms_halve_at_k2():
-    """The planner at k = 2 on 2 GPUs: each GPU's activations, logits and attention terms of every
-    forward stage are half of k = 1's (the same prompts per GPU: the batch is dealt per group)."""
-    base = options.parse_args(["--model=random:qwen2.5-1.5b", "--rollout.response_length=4096",
-                               "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2"])
-    split = options.parse_args(["--model=random:qwen2.5-1.5b", "--rollout.response_length=4096",
-                                "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2",
-                                "--actor.ulysses_sequence_parallel_size=2"])
-    one, two = plan.Sizes(base, 2, 64), plan.Sizes(split, 2, 64)
-    assert two.samples_per_rank == 2 * one.samples_per_rank          # a group holds its ranks' samples
-    assert two.tokens(8) == pytest.approx(one.tokens(8) / 2 * 1, rel=0.01)
-    p1, p2 = plan.predict(base, 2, 64, "hf"), plan.predict(split, 2, 64, "hf")
-    for term in plan.TOKEN_TERMS:
-        a, b = p1.stages["update"].get(term), p2.stages["update"].get(term)
-        if a:
-            assert b == pytest.approx(a, rel=0.02), term                 # per GPU: 2 x samples / 2 tokens each
-    assert any(p1.stages["update"].get(t) for t in plan.TOKEN_TERMS)
+    """The planner at k = 2 on 2 GPUs: a rank holds its group's samples (2 x), and each of its
+    micro-batches' tokens per GPU is half of k = 1's, so the activation, LM-head and forward terms
+    of every stage halve; the states do not move."""
+    one, two = (options.parse_args(LONG + [f"--actor.ulysses_sequence_parallel_size={k}"]) for k in (1, 2))
+    assert plan.Sizes(two, 2, 64, "hf").samples == 2 * plan.Sizes(one, 2, 64, "hf").samples
+    assert plan.Sizes(two, 2, 64, "hf").tokens(2, 0) * 2 == plan.Sizes(one, 2, 64, "hf").tokens(2, 0)
+    p1, p2 = plan.predict(one, 2, 64, "hf"), plan.predict(two, 2, 64, "hf")
+    for name in ("ref_logp", "update"):
+        a, b = p1.stage(name).terms, p2.stage(name).terms
+        halved = [t for t in TOKEN_TERMS if a.get(t)]
+        assert halved and all(b[t] == pytest.approx(a[t] / 2, rel=1e-3) for t in halved), (name, a, b)
+        assert b["actor params"] == a["actor params"]
+
+
+def test_search_turns_on_sequence_parallelism_when_k1_does_not_fit():
+    """plan_fit's search considers k among the world's divisors: on a GPU just too small for the best
+    k = 1 configuration, the fastest that fits sets --actor.ulysses_sequence_parallel_size=2."""
+    import plan_fit
+    cfg = options.parse_args(LONG)
+    lowest = {k: min(plan.predict(c, 2, 64, "hf").device_peak for c in plan_fit.candidates(cfg, 2)
+                     if c.actor.ulysses_sequence_parallel_size == k) for k in (1, 2)}
+    assert lowest[2] < lowest[1]
+    t = plan_fit.Target(2, 64, int((lowest[1] + lowest[2]) / 2 / 0.9), 0.1, "hf")
+    best, _ = plan_fit.choose(cfg, t)
+    assert "--actor.ulysses_sequence_parallel_size=2" in plan_fit.changes(cfg, best)
+    assert "--actor.ulysses_sequence_parallel_size=2" in plan_fit.report(cfg, t)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,6 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
     benchmark's)."""
     rank, world, device = init_distributed(cfg.dist_timeout_s)
-    mini_size = options.check_sizes(cfg, world)
     torch.manual_seed(cfg.seed)
     tokenizer = data_io.load_tokenizer(cfg.model)
     prompts, answers, chats = data if data is not None else data_io.load_data(
@@ -134,6 +133,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan_fit.plan_auto(cfg, world, prompt_len, kind, device, rank)
+    mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     offload.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
