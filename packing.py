@@ -3,7 +3,7 @@ the LM head applied to response tokens only, a chunk at a time.
 
     python -m pytest test_packing.py -q        # packed == padded, chunked == whole, budgets balanced
 
-Three memory consumers no offload flag touches, and what this file does to each:
+The memory consumers no offload flag touches, and what this file does to each:
 - The (tokens, vocab) logits. At Qwen's 151,936-token vocabulary one fp32 copy for 32 samples x
   320 tokens is 6.2 GB, and log-softmax, entropy and their backward hold several. Here only the
   positions that predict a response token reach the LM head, `chunk` of them at a time: one
@@ -13,6 +13,8 @@ Three memory consumers no offload flag touches, and what this file does to each:
   `pack`, each micro-batch's real tokens go into one row, position ids restart per sequence, and
   attention keeps to each sequence's own tokens: FlashAttention's variable-length kernel on a GPU
   (bf16/fp16); elsewhere (CPU, fp32) attention alone runs on the sequences side by side again.
+- One sequence's length. With `sp` > 1 (Ulysses, ulysses.py) each of sp ranks runs 1/sp of the packed
+  row: activations and the head's tokens per rank / sp, attention on whole sequences with heads / sp.
 - The micro-batch size. A fixed count of samples sizes memory for the longest; `max_tokens` fills
   micro-batches to a token budget instead, balanced across them, the same number on every rank
   (every FSDP forward is a collective), results returned in the original order.

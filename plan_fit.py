@@ -98,13 +98,14 @@ def candidates(cfg, world: int):
 
 
 def choose(cfg, t: Target, least_memory: bool = False):
-    """(the fastest configuration that fits `t`, its Plan), or (None, None); of equals, the fewest
-    changes. `least_memory`: the one with the lowest device level instead."""
+    """(the fastest configuration that fits `t`, its Plan), or (None, None); of equals, the smallest
+    Ulysses size, then the fewest changes. `least_memory`: the one with the lowest device level instead."""
     best, key = None, None
     for c in candidates(cfg, t.world):
         p = predict(c, t.world, t.prompt_len, t.engine)
         if t.fits(p):
-            k = (round(p.seconds, 2), len(changes(cfg, c)))
+            # of equal predicted times the smaller Ulysses size: the plan does not time its all-to-alls
+            k = (round(p.seconds, 2), c.actor.ulysses_sequence_parallel_size, len(changes(cfg, c)))
             k = (p.device_peak,) + k if least_memory else k
             if best is None or k < key:
                 best, key = (c, p), k

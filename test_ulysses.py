@@ -101,7 +101,8 @@ def _run(out_path: str):
     kv = 2 if world == 2 else 4
     ks = [k for k in (1, 2, 4) if world % k == 0 and kv % k == 0]
     out = {"policy": {k: _policy_figures(k, kv, mesh, device) for k in ks},
-           "critic": {(k, mode): _critic_figures(k, mode, mesh, device) for k in (1, 2) for mode in ("separate", "shared")}}
+           "critic": {(k, mode): _critic_figures(k, mode, mesh, device)
+                      for k in (1, 2) for mode in ("separate", "shared")}}
     if rank == 0:
         torch.save(out, out_path)
     launch.leave()                   # barrier, destroy, exit without the interpreter's teardown

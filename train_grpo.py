@@ -300,9 +300,8 @@ def train_step(t: Trainer, step: int) -> dict:
         with stage("values"):
             critic.compute_values(t.critic, batch, t.actor, m)
     with stage("advantage"):               # GRPO: group-normalised scores; PPO: GAE on the critic's values
-        batch["advantages"] = critic.advantages(t.critic, batch, scores) if t.critic is not None else \
-            actor.grpo_advantage(scores, cfg.rollout.n, batch["response_mask"].float(),
-                                 cfg.algorithm.norm_adv_by_std_in_grpo)
+        batch["advantages"] = critic.advantages(t.critic, batch, scores) if t.critic else actor.grpo_advantage(
+            scores, cfg.rollout.n, batch["response_mask"].float(), cfg.algorithm.norm_adv_by_std_in_grpo)
     if t.critic is not None:
         with stage("critic_update"):
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
