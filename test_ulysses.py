@@ -60,7 +60,8 @@ def _policy_figures(k: int, kv_heads: int, mesh, device) -> dict:
     rank the same rows), then two SGD steps of actor.update_policy dealt per group."""
     cfg = actor.ActorConfig(ulysses_sequence_parallel_size=k, ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01,
                             kl_loss_coef=0.1, ppo_epochs=2, logits_chunk_tokens=3)
-    model = shard(_policy(kv_heads), mesh, device, param_dtype="float32")
+    # checkpointing as the actor builds it: backward recomputes each layer, its all-to-alls included
+    model = shard(_policy(kv_heads), mesh, device, param_dtype="float32", gradient_checkpointing=True)
     batch = tiny_batch(16, 6, device, seed=1)
     lp, ent = forward(model, batch, 0.7, make_layout(cfg, 16, 0), "grad")
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
