@@ -48,6 +48,8 @@ UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's alloc
 LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
 SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
+HEAD_FORWARD = 12            # bytes per (token, vocab) element of an LM-head chunk in a no-grad forward
+HEAD_BACKWARD = 20           # ... in the update (the recomputed chunk and its gradient; test_plan measures it)
 ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 
 
@@ -226,7 +228,7 @@ class Sizes:
         """A no-grad forward's transient: a layer's work or the LM head's chunk, whichever is larger."""
         s = self.shapes
         layer = n_tok * (self.c * (3 * s.ffn + 5 * s.hidden) + 8 * s.hidden)
-        return {"gathered layers + root": self.gather, "forward transient": max(layer, self.head(n_tok, 12))}
+        return {"gathered layers + root": self.gather, "forward transient": max(layer, self.head(n_tok, HEAD_FORWARD))}
 
 
 @dataclass(frozen=True)
@@ -377,7 +379,7 @@ def _update(z: Sizes, g: Groups) -> Stage:
     grads = {"actor grads": 0 if a.offload_policy else g.on("actor params")}
     held = g.resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
     busy = {**_activations(z.shapes, n, a.gradient_checkpointing, z.c), "gathered layers + root": z.gather,
-            "LM head chunk (backward)": z.head(n, 20)}
+            "LM head chunk (backward)": z.head(n, HEAD_BACKWARD)}
     return Stage("update", _update_peak(held, grads, busy,
                                         z.accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
                                         {**g.resident("actor params", "actor Adam"), **grads}))
