@@ -256,3 +256,44 @@ def test_step_time_within_20_percent_on_most_recorded_runs():
     assert len(rows) >= 30
     assert sum(abs(e) <= 0.2 for e in errors.values()) >= 0.9 * len(rows), errors
     assert max(map(abs, errors.values())) <= 0.25, errors
+
+
+def _gpt2_dir(tmp_path):
+    """A local GPT-2 checkpoint (config + a weights file): a layout this code does not shard."""
+    from transformers import GPT2Config
+    d = tmp_path / "gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(d)
+    (d / "model.safetensors").write_bytes(b"")
+    return str(d)
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--model=random:qwen9b"], "known sizes are"),
+    (["--gpu_gb=abc"], "--gpu_gb=abc: not a float; pass a value > 0"),
+    (["--nproc=0"], "--nproc=0: out of range; pass a value >= 1"),
+    (["--gpu_gb=0"], "--gpu_gb=0: out of range"),
+    (["--gpu_gb=-80"], "--gpu_gb=-80: out of range"),
+    (["--prompt_len=-5"], "--prompt_len=-5: out of range"),
+    (["--margin=1"], "--margin=1: out of range; pass a value [0, 1)"),
+    (["--engine=sglang"], "--engine=sglang: out of range; pass a value vllm | hf"),
+    (["--model=/nonexistent/model"], "no config.json there; pass a local Hugging Face model directory"),
+    (["--nproc=3", "--train_batch_size=8"], "not divisible by the world size 3"),
+    (["--actor.lr=fast"], "--actor.lr"),
+    (["--nproc"], "--nproc needs a value"),
+    ("gpt2", "supported:"),
+])
+def test_plan_cli_answers_bad_input_in_one_line(args, expect, tmp_path, capsys):
+    """plan.py parses and checks as train_grpo.py does (the same options, ranges, batch arithmetic
+    on --nproc ranks, model resolution: a local path is never looked up on a hub), plus ranges for
+    its own options: one `error:` line naming what to change, exit code 2, no traceback."""
+    argv = [f"--model={_gpt2_dir(tmp_path)}"] if args == "gpt2" else args
+    with pytest.raises(SystemExit) as e:
+        plan_fit.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and expect in err[0], err
+
+
+def test_plan_cli_help_lists_its_own_options(capsys):
+    plan_fit.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(f"--{k}=" in out for k in plan_fit.OWN) and "python train_grpo.py --help" in out
