@@ -19,9 +19,8 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
   and its log-sum-exp; the MLP's gate, up, activation and product), counted from the tensors
   autograd saves in the HF Qwen2 layer. With gradient checkpointing only each layer's input
   (H x 2 bytes) stays, and one layer's set is rebuilt in backward.
-- The LM head (packing.py): one chunk of (tokens, vocab) at a time, about 12 B per element in a
-  forward (fp32 logits, the exp inside logsumexp, softmax and its product with the logits) and 20
-  in backward (the recomputed chunk plus its gradient).
+- The LM head (packing.py): one chunk of (tokens, vocab) at a time, HEAD_FORWARD / HEAD_BACKWARD
+  bytes per element (fp32 logits, logsumexp's exp, softmax; in backward the recomputed chunk too).
 - vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given,
   CUDA graphs and workspaces that stay while it sleeps, and the CUDA context.
 - The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what
@@ -48,8 +47,7 @@ UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's alloc
 LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
 SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
-HEAD_FORWARD = 12            # bytes per (token, vocab) element of an LM-head chunk in a no-grad forward
-HEAD_BACKWARD = 20           # ... in the update (the recomputed chunk and its gradient; test_plan measures it)
+HEAD_FORWARD, HEAD_BACKWARD = 12, 20   # bytes per (token, vocab) element of an LM-head chunk: forward, update
 ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 
 
