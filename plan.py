@@ -16,15 +16,14 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
   (two RMSNorms keep an fp32 copy of their input; q, k, v, the attention output and its log-sum-exp; the MLP's gate,
   up, activation and product), counted from the tensors autograd saves in the HF Qwen2 layer. With gradient
   checkpointing only each layer's input (H x 2 bytes) stays, and one layer's set is rebuilt in backward.
-- The LM head (packing.py): one chunk of (tokens, vocab) at a time, about 12 B per element in a forward (fp32 logits,
-  logsumexp's exp, softmax and its product with the logits) and 20 in backward (the recomputed chunk + its gradient).
+- The LM head (packing.py): one chunk of (tokens, vocab) at a time, HEAD_FORWARD / HEAD_BACKWARD bytes per element
+  (fp32 logits, logsumexp's exp, softmax and its product with the logits; in backward the recomputed chunk too).
 - Ulysses (actor.ulysses_sequence_parallel_size=k): a rank holds its group's samples and runs 1/k of each micro-batch's
   tokens, so its activations, LM-head tokens and attention terms divide by k; states do not.
 - vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given, CUDA graphs and
   workspaces that stay while it sleeps, and the CUDA context.
 - The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what lies outside it.
-Calibrated against the H200 measurements kept in docs/plan_truth.json (test_plan.py checks it).
-"""
+  Calibrated against the H200 measurements in docs/plan_truth.json (test_plan.py checks it)."""
 import functools
 import math
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ UPDATE_SLACK = 0.09          # reserved beyond a full fine-tuning update's alloc
 LORA_UPDATE_SLACK = 0.05     # ... a LoRA update's (its peak is activations, freed and reused in order)
 SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (PPO: two sets of grads cached)
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
+HEAD_FORWARD, HEAD_BACKWARD = 12, 20   # bytes per (token, vocab) element of an LM-head chunk: forward, update
 ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 
 
@@ -226,7 +226,7 @@ class Sizes:
         """A no-grad forward's transient: a layer's work or the LM head's chunk, whichever is larger."""
         s = self.shapes
         layer = n_tok * (self.c * (3 * s.ffn + 5 * s.hidden) + 8 * s.hidden)
-        return {"gathered layers + root": self.gather, "forward transient": max(layer, self.head(n_tok, 12))}
+        return {"gathered layers + root": self.gather, "forward transient": max(layer, self.head(n_tok, HEAD_FORWARD))}
 
 
 @dataclass(frozen=True)
@@ -377,7 +377,7 @@ def _update(z: Sizes, g: Groups) -> Stage:
     grads = {"actor grads": 0 if a.offload_policy else g.on("actor params")}
     held = g.resident("actor params", *([] if a.optimizer_load_at_step else ["actor Adam"]))
     busy = {**_activations(z.shapes, n, a.gradient_checkpointing, z.c), "gathered layers + root": z.gather,
-            "LM head chunk (backward)": z.head(n, 20)}
+            "LM head chunk (backward)": z.head(n, HEAD_BACKWARD)}
     return Stage("update", _update_peak(held, grads, busy,
                                         z.accumulating(a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu),
                                         {**g.resident("actor params", "actor Adam"), **grads}))

@@ -287,28 +287,74 @@ def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
             f"Or let the planner choose: --offload=auto.")
 
 
+OWN = {  # plan.py's own options: default, range, meaning (everything else is a train_grpo.py option)
+    "nproc": (1, ">= 1", "GPUs (ranks) of the run"),
+    "gpu_gb": (80.0, "> 0", "memory of one GPU, GB"),
+    "margin": (0.1, "[0, 1)", "share of each GPU kept free at the device level"),
+    "prompt_len": (0, ">= 0", "the longest prompt in tokens (0: read from --data, or the copy task's)"),
+    "engine": ("vllm", "vllm | hf", "the rollout engine"),
+    "host_gb": (0.0, ">= 0", "host RAM per node, GB (0: pinned memory not checked)"),
+    "nproc_per_node": (0, ">= 0", "ranks per node (0: min(nproc, 8))"),
+}
+RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0, "[0, 1)": lambda v: 0 <= v < 1,
+         ">= 0": lambda v: v >= 0, "vllm | hf": lambda v: v in ("vllm", "hf")}
+
+
+def _own(argv: list) -> tuple[dict, list]:
+    """plan.py's own options out of argv (--key=value or --key value), typed and range-checked;
+    the rest are train_grpo.py's. Raises ValueError with what to pass."""
+    own, rest, args = {k: d for k, (d, _, _) in OWN.items()}, [], list(argv)
+    while args:
+        arg = args.pop(0)
+        key, eq, value = arg[2:].partition("=")
+        if not arg.startswith("--") or key not in OWN:
+            rest.append(arg)
+            continue
+        if not eq:
+            if not args:
+                raise ValueError(f"--{key} needs a value ({OWN[key][1]})")
+            value = args.pop(0)
+        kind = type(OWN[key][0])
+        try:
+            own[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"--{key}={value}: not a {kind.__name__}; pass a value {OWN[key][1]}") from None
+        if not RULES[OWN[key][1]](own[key]):
+            raise ValueError(f"--{key}={value}: out of range; pass a value {OWN[key][1]}")
+    return own, rest
+
+
+def usage() -> str:
+    lines = ["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
+             "  --templates             the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
+             "  --plot=RUN              RUN/memory.png from its metrics.jsonl"]
+    lines += [f"  --{k}={d}".ljust(26) + f"{r:<11}{m}" for k, (d, r, m) in OWN.items()]
+    return "\n".join(lines)
+
+
 def main(argv=None):
+    """plan.py's command line: the same parsing and checks as train_grpo.py (options, ranges, the
+    batch arithmetic on --nproc ranks, the model's resolution), plus its own options; a mistake is
+    one `error:` line and exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = {"nproc": 1, "gpu_gb": 80.0, "margin": 0.1, "prompt_len": 0, "engine": "vllm",
-           "host_gb": 0.0, "nproc_per_node": 0}       # host_gb: RAM per node (0: pinned memory not checked)
-    if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # issue 28: the picture is tracker.py's
+    if "--help" in argv or "-h" in argv:
+        print(usage())
+        return
+    if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # the picture is tracker.py's
         import tracker
         sys.exit(tracker.plot_command(argv))
-    rest = []
-    for arg in argv:
-        key, _, value = arg[2:].partition("=")
-        if arg == "--templates":
-            print(templates())
-            return
-        if key in own:
-            own[key] = type(own[key])(value)
-        else:
-            rest.append(arg)
+    if "--templates" in argv:
+        print(templates())
+        return
+    import model
     import options
     try:
+        own, rest = _own(argv)
         cfg = options.parse_args(rest)
+        model.check_model(cfg.model)           # a local directory: config, weights, a layout this code shards
+        options.check_sizes(cfg, own["nproc"])
         prompt_len = own["prompt_len"] or _prompt_len(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:     # FileNotFoundError included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     per_node = own["nproc_per_node"] or min(own["nproc"], 8)

@@ -242,3 +242,35 @@ def test_clipfrac_is_a_fraction_in_seq_mean_token_sum(dist_env):
     assert stats["pg_clipfrac"] == pytest.approx((want[0] / want[1]).item(), rel=1e-6)
     assert stats["ppo_kl"] == pytest.approx(math.exp(-1), rel=1e-4)
     assert stats["optimizer_steps"] == 1 and stats["delta_w_abs_mean"] > 0
+
+
+def test_param_offload_layers_moves_exactly_the_first_k_layers(dist_env):
+    """actor.param_offload_layers=k (the articles' offload_ratio): the stash holds the first k decoder
+    layers' local shards and nothing else; after build their storages are freed (on a GPU: device
+    bytes) while every other parameter stays; a reload restores them bit for bit; the planner's
+    "actor params" term takes exactly those bytes off."""
+    import offload
+    import plan
+    _, world, device = dist_env
+    cfg = actor.ActorConfig(param_offload=True, param_offload_layers=1)
+    torch.manual_seed(0)
+    before = {n: p.detach().clone() for n, p in load_model(None, seed=0).named_parameters()}
+    a = actor.build(cfg, mesh=build_mesh(device, world, -1), device=device, seed=0)
+    first = {id(p) for p in a.model.model.layers[0].parameters()}
+    local = {id(p): p.to_local() for p in a.model.parameters()}
+    layer0 = sum(local[i].numel() * 4 for i in first)         # this rank's fp32 shard bytes of layer 0
+    assert a.params.nbytes >= layer0 and a.params.nbytes - layer0 < 4 * 64 * len(first)   # FSDP2 pads shards
+    for p in a.model.parameters():
+        freed = local[id(p)].untyped_storage().nbytes() == 0
+        assert freed == (id(p) in first), "only the first layer's shards leave"
+    offload.reload(a.params)
+    offload.ready(a.params)
+    for n, p in a.model.named_parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert torch.equal(full.detach().cpu(), before[n.replace("_fsdp_wrapped_module.", "")]), n
+    opts = options.parse_args(["--actor.param_offload=true", "--actor.param_offload_layers=1"])
+    g = plan.state_groups(plan.Sizes(opts, world, 8, "hf"))
+    s = plan.shapes(plan.model_config(None))
+    assert g.off("actor params") == plan.Sizes(opts, world, 8, "hf").shard(s.layer_params, 4)
+    if world == 1:                             # one shard holds the whole layer: the plan's bytes are the stash's
+        assert g.off("actor params") == a.params.nbytes

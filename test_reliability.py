@@ -27,7 +27,7 @@ def _errors(text: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- 1. one run per out_dir
-HOLD = ("import sys, time, checkpoint; rundir.lock_out_dir(sys.argv[1], 0); print('held', flush=True); "
+HOLD = ("import sys, time, rundir; rundir.lock_out_dir(sys.argv[1], 0); print('held', flush=True); "
         "time.sleep(600)")
 
 
