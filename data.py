@@ -187,17 +187,18 @@ def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[st
     return score(reward_fn, name, texts, answers)
 
 
-def reward_errors(errors: list, policy: str, warned: set, device) -> int:
+def reward_errors(errors: list, policy: str, warned: set, device, copies: int = 1) -> int:
     """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
     `policy` (--reward_error) stop every rank raises the first one (so rank 0 can say it); with zero
-    those samples scored 0, and the first is shown once (`warned` remembers) as a warning."""
+    those samples scored 0, and the first is shown once (`warned` remembers) as a warning.
+    `copies`: ranks that score the same samples (a Ulysses group's k): each failure counts once."""
     import torch
     import torch.distributed as dist
     world = dist.get_world_size() if dist.is_initialized() else 1
     n = torch.tensor([float(len(errors))], device=device)
     if world > 1:
         dist.all_reduce(n)
-    n = int(n.item())
+    n = int(n.item()) // copies
     if n and (policy == "stop" or "reward" not in warned):
         first = [errors[0] if errors else None]
         if world > 1:                      # every rank learns the first rank's message

@@ -238,3 +238,12 @@ def test_search_turns_on_sequence_parallelism_when_k1_does_not_fit():
 
 if __name__ == "__main__":
     _run(sys.argv[1])
+
+
+def test_reward_errors_count_each_sample_once_in_a_group():
+    """The k ranks of a Ulysses group score the same samples: reward_errors divides the all-reduced
+    count by k, so reward/errors counts each failed sample once (in one process: its own count / k)."""
+    import data
+    errs = ["a failed", "b failed", "c failed", "d failed"]
+    assert data.reward_errors(errs, "zero", set(), torch.device("cpu")) == 4
+    assert data.reward_errors(errs, "zero", set(), torch.device("cpu"), copies=2) == 2

@@ -279,7 +279,7 @@ def train_step(t: Trainer, step: int) -> dict:
     with stage("reward"):                  # CPU: decode and score each response
         scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
                                                batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
-        m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device)   # stop, or count
+        m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, sp.size)   # or stop
         scores = torch.tensor(scores, dtype=torch.float32, device=t.device)
     if t.reward_model is not None:         # its shards in, scores, out (its position: offload.STAGES)
         with stage("reward_model"):
