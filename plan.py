@@ -29,13 +29,14 @@ import math
 from dataclasses import dataclass, field
 
 import model
+import rollout
 
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
 TFLOPS = 742e12 * 0.51       # bf16 matmul peak measured there x the share a training step reaches (fitted)
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
-VLLM_RESIDENT = int(1.2 * GB)  # what a sleeping vLLM engine keeps (CUDA graphs, buffers), measured
+VLLM_RESIDENT = rollout.VLLM_GRAPHS   # what a sleeping vLLM engine keeps (CUDA graphs, buffers)
 # Device level (what mem_get_info shows), calibrated on the H200 runs of docs/plan_truth.json:
 OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
 VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
@@ -469,7 +470,6 @@ def _kv_budget(z: Sizes) -> int:
     ro = z.cfg.rollout
     if ro.gpu_memory_utilization > 0:
         return 0
-    import rollout
     return rollout.kv_cache_bytes(model_config(z.cfg.model), z.cfg.train_batch_size // z.world * ro.n * ro.tensor_parallel_size,
                                   z.T, 2, ro.tensor_parallel_size, ro.kv_cache_margin)
 

@@ -143,36 +143,27 @@ def _exchange(x: torch.Tensor, g: Group, to_heads: bool) -> torch.Tensor:
     return recv.reshape(k, T // k, h, D).transpose(0, 1).reshape(T // k, k * h, D)
 
 
-class _ToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One all-to-all, tokens -> heads (`to_heads`) or back; its backward is the other direction
+    (the adjoint of a permutation is its inverse)."""
     @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return _exchange(x, g, True)
-
-    @staticmethod
-    def backward(ctx, grad):               # the adjoint of a permutation is its inverse
-        return _exchange(grad, ctx.g, False), None
-
-
-class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, g):
-        ctx.g = g
-        return _exchange(x, g, False)
+    def forward(ctx, x, g, to_heads):
+        ctx.g, ctx.to_heads = g, to_heads
+        return _exchange(x, g, to_heads)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.g, True), None
+        return _exchange(grad, ctx.g, not ctx.to_heads), None, None
 
 
 def to_heads(x: torch.Tensor, g: Group) -> torch.Tensor:
     """(T/k, H, D) of this rank's tokens -> (T, H/k, D): every token, this rank's heads."""
-    return _ToHeads.apply(x, g)
+    return _Exchange.apply(x, g, True)
 
 
 def to_tokens(x: torch.Tensor, g: Group) -> torch.Tensor:
     """(T, H/k, D) -> (T/k, H, D): attention's output back to this rank's tokens, all heads."""
-    return _ToTokens.apply(x, g)
+    return _Exchange.apply(x, g, False)
 
 
 # --------------------------------------------------------------------------- the group's batch
