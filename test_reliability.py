@@ -1,4 +1,4 @@
-"""Reliability on the CPU, second round (issue 24): one run per out_dir, a full disk and a damaged
+"""Reliability on the CPU: one run per out_dir, a full disk and a damaged
 checkpoint lose nothing, Ctrl-C is a clean stop, torchrun's restarts resume by themselves, and the
 seq-mean loss denominators are verl's.
 

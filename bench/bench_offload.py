@@ -67,7 +67,7 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "ppo_shared_all": {**PPO, **ALL, "critic.mode": "shared"},
     "ckpt": {"actor.gradient_checkpointing": True},
     "all_ckpt": {**ALL, "actor.gradient_checkpointing": True},
-    "padded": {"actor.remove_padding": False},      # issue 12's levers, one by one
+    "padded": {"actor.remove_padding": False},      # the packing and logits levers, one by one
     "chunk0": {"actor.logits_chunk_tokens": 0},      # the LM head over all response tokens at once
     "chunk512": {"actor.logits_chunk_tokens": 512},
     "chunk2048": {"actor.logits_chunk_tokens": 2048},
