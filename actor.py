@@ -63,6 +63,10 @@ class ActorConfig:
     clip_ratio_low: float = 0.2            # the ratio is clipped below at 1 - this
     clip_ratio_high: float = 0.2           # ... and above at 1 + this
     clip_ratio_c: float = 3.0              # dual-clip bound for negative advantages
+    rollout_is: str = "auto"               # token: each token's policy loss x min(pi_old / pi_rollout, threshold),
+                                           # truncated importance sampling against the engine's log-probs (verl's
+                                           # rollout correction) | none; auto: token with rollout.mode=async
+    rollout_is_threshold: float = 2.0      # the truncation C of those weights
     loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
     entropy_coeff: float = 0.0             # weight of the entropy bonus in the loss
     use_kl_loss: bool = True               # KL to the reference policy in the loss (needs ref)
@@ -112,8 +116,8 @@ RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_ba
           "clip_ratio_low": "[0, 1)", "clip_ratio_high": ">= 0", "clip_ratio_c": "> 1", "entropy_coeff": "any",
           "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1", "logits_chunk_tokens": ">= 0",
           "ppo_max_token_len_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1", "lora_rank": ">= 0",
-          "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1"}
-CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES,
+          "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1", "rollout_is_threshold": "> 0"}
+CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES, "rollout_is": ("auto", "token", "none"),
            "param_dtype": ("bfloat16", "float16", "float32")}
 
 

@@ -276,8 +276,8 @@ def empty_host_cache():
 # (`time/<stage>`, `mem/<stage>/...`). reward_model sits before old_logp and ref_logp: the actor's
 # offloaded params have left after the sync and nothing is prefetched yet, so its shards and
 # activations meet the fewest trainer bytes of the step.
-STAGES = ("generate", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage", "critic_update",
-          "update")
+STAGES = ("generate", "rollout_wait", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage",
+          "critic_update", "update", "push")   # rollout_wait and push: async rollout (generate: colocated)
 
 
 def host_rss_gb() -> float:

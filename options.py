@@ -107,6 +107,8 @@ def check_config(cfg: Config):
         raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
                          f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
                          f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
+    if cfg.actor.rollout_is == "auto":     # the lag of an async batch is corrected; colocated, nothing changes
+        cfg.actor.rollout_is = "token" if r.mode == "async" else "none"
 
 
 def parse_args(argv: list[str]) -> Config:

@@ -57,13 +57,24 @@ class RolloutConfig:
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
+    # asynchronous rollout (rollout_async.py): the engine in its own process, one step ahead of the trainer
+    mode: str = "colocated"                # colocated: generate, then train, on the same GPUs (the bracket) |
+                                           # async: engine process(es) fill a bounded host buffer while the
+                                           # trainer trains on the previous batch (one-step-off-policy)
+    gpus: int = 0                          # async: the last k of the ranks torchrun starts are engines, one per
+                                           # GPU (the trainer gets the other N - k); 0: one engine process on
+                                           # rank 0's GPU beside the trainer, with a fixed KV budget
+    max_staleness: int = 1                 # async: a batch is sampled by a policy at most this many updates
+                                           # older than the one it trains (1: one-step-off-policy)
+    buffer_limit: int = 0                  # async: samples ordered or waiting on the host at most; the engine
+                                           # waits for room beyond it (0: max_staleness steps' worth)
 
 
 # checked when the command line is parsed (options.check_config)
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
-          "sync_bucket_mb": ">= 1"}
-CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2),
+          "sync_bucket_mb": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
+CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
            "dtype": ("auto", "bfloat16", "float16", "float32")}
 
 
