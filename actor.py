@@ -168,6 +168,13 @@ def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
     return loss, (loss2 > loss1).float(), ratio
 
 
+def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Token-level truncated importance weights min(pi_old / pi_rollout, C), no gradient: they carry
+    the policy loss from the engine's distribution (an older policy with async rollout, and vLLM's
+    kernels in any case) to the trainer's. Truncation bounds the variance a rare token could bring."""
+    return torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20)).clamp(max=threshold)
+
+
 def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std: bool = True,
                    eps: float = 1e-6) -> torch.Tensor:
     """scores (B,) in groups of n consecutive samples -> advantages (B, R), zero on padding.
@@ -323,7 +330,8 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     return stats
 
 
-STATS = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl")
+STATS = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "rollout_is/weight_mean", "rollout_is/clipfrac")
+IS_STATS = STATS[-2:]                           # reported only with actor.rollout_is=token
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
@@ -355,7 +363,8 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
     sums = sums / layout.sp if layout.sp > 1 else sums   # a Ulysses group's k ranks summed the same rows
-    return update_stats(model, before, sums, norms, mismatch, moved)
+    out = update_stats(model, before, sums, norms, mismatch, moved)
+    return out if cfg.rollout_is == "token" else {k: v for k, v in out.items() if k not in IS_STATS}
 
 
 def micro_loss(model, mb: dict, cfg: ActorConfig, temperature: float, layout: packing.Layout, counts: tuple):
@@ -367,6 +376,10 @@ def micro_loss(model, mb: dict, cfg: ActorConfig, temperature: float, layout: pa
     logp, ent = forward(model, mb, temperature, layout, "grad" if cfg.entropy_coeff else "log")
     old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
     pg_mat, clipped, ratio = policy_loss(logp, old, mb["advantages"], cfg)
+    w = torch.ones_like(old)
+    if cfg.rollout_is == "token" and "rollout_log_probs" in mb:   # the engine sampled: reweigh to pi_old
+        w = truncated_is(old, mb["rollout_log_probs"], cfg.rollout_is_threshold)
+        pg_mat = pg_mat * w
     pg, ent_term = agg(pg_mat), agg(ent)
     loss = pg - cfg.entropy_coeff * ent_term
     kl = torch.zeros((), device=logp.device)
@@ -374,7 +387,10 @@ def micro_loss(model, mb: dict, cfg: ActorConfig, temperature: float, layout: pa
         kl = agg(kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl
     with torch.no_grad():
-        stats = torch.cat([torch.stack([pg, kl, ent_term]), policy_stats(clipped, ratio.detach(), m, tokens)])
+        truncated = torch.exp((old - mb["rollout_log_probs"]).clamp(-20, 20)) > cfg.rollout_is_threshold \
+            if "rollout_log_probs" in mb else torch.zeros_like(m, dtype=torch.bool)
+        stats = torch.cat([torch.stack([pg, kl, ent_term]), policy_stats(clipped, ratio.detach(), m, tokens),
+                           torch.stack([(w * m).sum(), (truncated * m).sum()]) / tokens])
     return loss, stats.double(), logp.detach()
 
 

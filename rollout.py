@@ -260,6 +260,17 @@ def gathered(model):
 def generate_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int, eos_id: int,
                 device, seed: int) -> dict:
     """Each prompt n times in a row (a group per prompt), sampled with HF generate."""
+    rows, responses, _ = sample_hf(model, prompts, cfg, pad_id, eos_id, device, seed)
+    return make_batch(rows, responses, cfg.response_length, pad_id, eos_id, device)
+
+
+@torch.no_grad()
+def sample_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int, eos_id: int, device, seed: int,
+              logprobs: bool = False) -> tuple[list, list, list | None]:
+    """(rows, responses, their sampled tokens' log-probs or None): each prompt n times in a row.
+    `logprobs`: the processed distribution's (after temperature, top-k, top-p, as vLLM's
+    processed_logprobs), from the scores generate keeps: (rows x vocab) fp32 per token, so only
+    where the model is small (the async engine's HF stand-in)."""
     rows = [p for p in prompts for _ in range(cfg.n)]
     P = max(len(p) for p in rows)
     ids = torch.full((len(rows), P), pad_id, dtype=torch.long)
@@ -274,9 +285,14 @@ def generate_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int
         out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), do_sample=sample,
                              max_new_tokens=cfg.response_length, temperature=cfg.temperature if sample else None,
                              top_p=cfg.top_p if sample else None, top_k=(cfg.top_k or None) if sample else None,
-                             pad_token_id=pad_id, eos_token_id=eos_id)
-    responses = out[:, P:].tolist()
-    return make_batch(rows, responses, cfg.response_length, pad_id, eos_id, device)
+                             pad_token_id=pad_id, eos_token_id=eos_id, output_scores=logprobs,
+                             return_dict_in_generate=True)
+    responses = out.sequences[:, P:]
+    if not logprobs:
+        return rows, responses.tolist(), None
+    steps = torch.stack(out.scores, 1).float().log_softmax(-1)            # (rows, tokens, vocab)
+    lp = steps.gather(-1, responses[:, :steps.shape[1], None]).squeeze(-1)
+    return rows, responses.tolist(), lp.nan_to_num(0.0, neginf=0.0).tolist()
 
 
 # --------------------------------------------------------------------------- vLLM engine
@@ -286,7 +302,8 @@ def _used_gb() -> float:
 
 
 def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype: str, seed: int,
-               kv_bytes: int, need: dict, max_num_seqs: int, group=None, fixed: dict) -> Engine:
+               kv_bytes: int, need: dict, max_num_seqs: int, group=None, fixed: dict,
+               own_process: bool = False) -> Engine:
     """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
     when returned. `model_dir` needs only a config.json: the weights are random until the first
     sync (nothing is read from disk twice). `dtype`: vLLM's weight dtype. `kv_bytes` > 0: vLLM's KV
@@ -295,7 +312,9 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype:
     KV, workspace) over the GPU's size. Whether the engine fits is checked here first, against what is
     free now, so a run that cannot start stops with one line naming the numbers, not inside vLLM.
     `kv_bytes` == 0: cfg.gpu_memory_utilization sizes weights + KV, and that share must be free.
-    `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device)."""
+    `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device).
+    `own_process` (async rollout's engine process, rollout_async.py): vLLM's own one-GPU executor instead
+    of the torchrun ranks, and no sleep mode: the engine stays awake for the whole run."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -310,8 +329,9 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype:
     share = start_share(cfg, kv_bytes, need, *torch.cuda.mem_get_info())
     before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
     budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=True,
-              distributed_executor_backend="external_launcher", tensor_parallel_size=cfg.tensor_parallel_size,
+    launcher = {} if own_process else {"distributed_executor_backend": "external_launcher"}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=not own_process,
+              tensor_parallel_size=cfg.tensor_parallel_size, **launcher,
               dtype=dtype, enforce_eager=cfg.enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
               seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, **budget)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
@@ -320,7 +340,8 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype:
         if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
             raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
                                f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
-    llm.sleep(level=cfg.sleep_level)
+    if not own_process:
+        llm.sleep(level=cfg.sleep_level)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
     return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
@@ -393,7 +414,6 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs.
     `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
     prompts on each of them and this rank keeps its own rows."""
-    from vllm import SamplingParams
     llm, cfg = engine.llm, engine.cfg
     greedy = cfg.temperature == 0
     parts, me = tensor_parallel.gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
@@ -420,10 +440,7 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     with _phase("wake_kv", metrics):
         llm.wake_up(tags=["kv_cache"])
     with _phase("generate", metrics):
-        params = [SamplingParams(n=1 if greedy else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
-                                 top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
-                                 stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
-        outs = llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
+        outs = sample_vllm(engine, reqs, seeds)
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
@@ -433,21 +450,43 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     return vllm_batch(engine, [(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
 
 
-def vllm_batch(engine: Engine, mine: list) -> dict:
-    """This rank's batch from its (prompt ids, vLLM output) pairs (tensor parallel: the other ranks'
-    prompts are left out), with the sampled tokens' log-probs as batch["rollout_log_probs"]."""
+def sample_vllm(engine: Engine, reqs: list[list[int]], seeds: list[int]) -> list:
+    """vLLM's outputs for the requests (tensor_parallel.requests: n samples each, or one when greedy),
+    each sampled token with its log-prob under the processed distribution."""
+    from vllm import SamplingParams
+    cfg = engine.cfg
+    params = [SamplingParams(n=1 if cfg.temperature == 0 else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
+                             top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
+                             stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
+    return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
+
+
+def vllm_samples(mine: list) -> tuple[list, list, list]:
+    """(rows, responses, log-probs) from (prompt ids, vLLM output) pairs: a prompt's n samples in a row."""
     rows, responses, logps = [], [], []
     for p, out in mine:
         for o in out.outputs:                     # n samples of this prompt, kept together (a group)
             rows.append(p)
             responses.append(list(o.token_ids))
             logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
-    R = engine.cfg.response_length
-    batch = make_batch(rows, responses, R, engine.pad_id, engine.eos_id, engine.device)
+    return rows, responses, logps
+
+
+def vllm_batch(engine: Engine, mine: list) -> dict:
+    """This rank's batch from its (prompt ids, vLLM output) pairs (tensor parallel: the other ranks'
+    prompts are left out), with the sampled tokens' log-probs as batch["rollout_log_probs"]."""
+    rows, responses, logps = vllm_samples(mine)
+    return samples_batch(rows, responses, logps, engine.cfg.response_length, engine.pad_id, engine.eos_id,
+                         engine.device)
+
+
+def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int, eos_id: int, device) -> dict:
+    """make_batch's layout with the sampled tokens' log-probs as batch["rollout_log_probs"] (0 on padding)."""
+    batch = make_batch(rows, responses, R, pad_id, eos_id, device)
     rl = torch.zeros(len(rows), R)
     for i, lp in enumerate(logps):
-        rl[i, :min(len(lp), R)] = torch.tensor(lp[:R])
-    batch["rollout_log_probs"] = rl.to(engine.device) * batch["response_mask"]
+        rl[i, :min(len(lp), R)] = torch.tensor(lp[:R], dtype=torch.float32)
+    batch["rollout_log_probs"] = rl.to(device) * batch["response_mask"]
     return batch
 
 

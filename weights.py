@@ -70,6 +70,20 @@ def hf_weights(model: torch.nn.Module, device, dtype: torch.dtype | None = None)
         del full                           # before the next gather: one weight alive at a time
 
 
+def hf_shapes(model: torch.nn.Module) -> list:
+    """(Hugging Face name, whole shape) of each tensor `hf_weights` yields, in its order, without a
+    gather: what a receiver needs to lay out the tensors before they come."""
+    out = []
+    for name, p in model.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer"):
+            name = f"{owner[:-len('.base_layer')]}.{leaf}"
+        out.append((name, tuple(p.shape)))
+    return out
+
+
 def save_adapter(model, peft_config, tokenizer, path: str, rank: int, device):
     """The LoRA adapter in peft's format (`PeftModel.from_pretrained(base, path)` loads it):
     adapter_model.safetensors with each target's lora_A / lora_B under the names peft saves

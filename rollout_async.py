@@ -1,0 +1,604 @@
+"""Asynchronous rollout: the engine in its own process, one step ahead of the trainer.
+
+    python train_grpo.py --rollout.mode=async                  # CPU: HF generate in a child process
+    torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
+    python -m pytest -q test_async.py
+
+Colocated (rollout.py), every step generates and then trains on the same GPUs, and each waits for
+the other. Here an engine process generates batch t+1 while the trainer trains on batch t:
+    trainer rank 0    keeps the host buffer. It orders batches (the step's prompts, a seed and the
+                      oldest policy version allowed to sample them); a thread per engine receives
+                      the finished samples into the buffer; `take` hands each trainer rank its rows.
+    every trainer rank  after each update gathers the new weights (FSDP2, one tensor at a time) and
+                      rank 0 pushes them to the engines in buckets (`push`): NCCL broadcast to
+                      engines on their own GPUs, CUDA IPC to an engine sharing rank 0's GPU, gloo on
+                      the CPU. Each push carries its version; an engine switches between requests.
+    engine process    (`serve`) vLLM awake for the whole run (no sleep: nothing else is on its GPU,
+                      or its KV budget is fixed beside the trainer), or HF generate on the CPU.
+Where the engines run: --rollout.gpus=k: the last k of the ranks torchrun starts each start one
+engine on their GPU (the trainer is the other N - k); k=0: rank 0 starts one beside itself.
+Staleness: batch j may be sampled by any policy version >= j - max_staleness; the trainer at step j
+holds version j (one update per step), so a batch is at most max_staleness updates old. The update
+corrects the lag with truncated importance weights against the engine's log-probs
+(actor.rollout_is). Memory: the buffer holds at most buffer_limit samples, ordered or waiting (the
+engine has no order beyond it: it waits, `rollout/engine_idle_s`); its bytes, the samples waiting
+and the engine's device use are in the metrics. Faults: an engine that dies stops the run with one
+line; a resume pushes the checkpoint's weights and samples its batches again (the buffer is not
+saved: a checkpoint records the policy version, and buffered samples are regenerated).
+"""
+import datetime
+import multiprocessing
+import os
+import queue
+import secrets
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Listener
+
+import torch
+import torch.distributed as dist
+
+import offload
+import rollout
+import weights
+from rollout import RolloutConfig
+
+ALIGN = 64                                  # bytes: every tensor in a bucket starts at a multiple
+
+
+class EngineDied(RuntimeError):
+    """An engine process failed or exited: the run stops with this line."""
+
+
+def check(cfg: RolloutConfig, nproc: int):
+    """The combinations async rollout cannot run (`nproc`: the ranks torchrun starts)."""
+    if cfg.mode != "async":
+        return
+    if cfg.gpus >= nproc:
+        raise ValueError(f"--rollout.gpus={cfg.gpus} leaves no trainer among the {nproc} ranks torchrun starts; "
+                         f"use at most {nproc - 1} (or 0: one engine beside rank 0)")
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError("--rollout.mode=async runs one engine per rollout GPU: use --rollout.tensor_parallel_size=1")
+
+
+def engines(cfg: RolloutConfig) -> int:
+    return max(cfg.gpus, 1) if cfg.mode == "async" else 0
+
+
+def trainer_world(cfg: RolloutConfig, nproc: int) -> int:
+    """The ranks that train: all but the engine ranks."""
+    return nproc - (cfg.gpus if cfg.mode == "async" else 0)
+
+
+def is_engine_rank(cfg: RolloutConfig) -> bool:
+    nproc, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    return cfg.mode == "async" and rank >= trainer_world(cfg, nproc)
+
+
+def buffer_limit(cfg: RolloutConfig, train_batch_size: int) -> int:
+    """Samples ordered or waiting at most (buffer_limit, or max_staleness steps' worth); at least a step's."""
+    step = train_batch_size * cfg.n
+    return max(cfg.buffer_limit or cfg.max_staleness * step, step)
+
+
+def sample_bytes(prompt: int, response: int) -> int:
+    """Host bytes of one buffered sample: int32 token ids of prompt and response, fp32 log-probs."""
+    return 4 * (prompt + 2 * response)
+
+
+# --------------------------------------------------------------------------- what an engine is told
+@dataclass
+class Spec:
+    """Everything an engine process needs, sent once when it connects (pickled)."""
+    cfg: RolloutConfig
+    config: object                          # the policy's HF config
+    model_dir: str | None                   # vLLM reads its config.json (the weights come from the first push)
+    max_model_len: int
+    max_num_seqs: int                       # the sequences of this engine's share of a step
+    dtype: str                              # weights in the engine
+    pad_id: int
+    eos_id: int
+    layout: list                            # buckets: [(name, shape, offset, nbytes), ...] each
+    bucket_bytes: int
+    transport: str                          # nccl | gloo | ipc
+    store: tuple                            # (host, port) of rank 0's store for the weights group
+    timeout_s: float
+
+
+def weight_layout(model, dtype: torch.dtype, bucket_bytes: int) -> tuple[list, int]:
+    """The pushed tensors in `weights.hf_weights` order, packed into buckets of at most bucket_bytes
+    (a larger tensor gets one of its own). Returns (buckets, the largest bucket's bytes): one buffer of
+    that size carries every push."""
+    size = torch.finfo(dtype).bits // 8 if dtype.is_floating_point else 1
+    buckets, cur, off = [], [], 0
+    for name, shape in weights.hf_shapes(model):
+        nbytes = size * int(torch.Size(shape).numel())
+        if cur and off + nbytes > bucket_bytes:
+            buckets.append(cur)
+            cur, off = [], 0
+        cur.append((name, tuple(shape), off, nbytes))
+        off += -(-nbytes // ALIGN) * ALIGN
+    buckets.append(cur)
+    return buckets, max(b[-1][2] + b[-1][3] for b in buckets)
+
+
+# --------------------------------------------------------------------------- the host buffer
+class Buffer:
+    """Samples ordered or finished but not yet taken, at most `limit` (thread-safe: the engines'
+    receiver threads put, the trainer takes). An order reserves its samples, so the engines never
+    produce past the bound and host memory stays bounded."""
+
+    def __init__(self, limit: int):
+        self.limit, self.cv = limit, threading.Condition()
+        self.parts: dict = {}              # step -> {engine: its payload}
+        self.ordered = self.waiting = self.nbytes = 0   # samples
+        self.error: str | None = None
+        self.handled = threading.Event()   # the trainer said the error: the watchdog need not
+
+    def reserve(self, samples: int) -> bool:
+        with self.cv:
+            if self.ordered + self.waiting + samples > self.limit:
+                return False
+            self.ordered += samples
+            return True
+
+    def put(self, step: int, engine: int, payload: dict):
+        with self.cv:
+            self.parts.setdefault(step, {})[engine] = payload
+            n = len(payload["responses"])
+            self.ordered, self.waiting = self.ordered - n, self.waiting + n
+            self.nbytes += payload["nbytes"]
+            self.cv.notify_all()
+
+    def fail(self, message: str):
+        with self.cv:
+            self.error = self.error or message
+            self.cv.notify_all()
+
+    def take(self, step: int, parts: int) -> list:
+        """The `parts` payloads of `step`, waiting for them; EngineDied when an engine failed."""
+        with self.cv:
+            while len(self.parts.get(step, {})) < parts:
+                if self.error:
+                    self.handled.set()
+                    raise EngineDied(self.error)
+                self.cv.wait(timeout=1.0)
+            got = self.parts.pop(step)
+            self.waiting -= sum(len(p["responses"]) for p in got.values())
+            self.nbytes -= sum(p["nbytes"] for p in got.values())
+            return [got[i] for i in sorted(got)]
+
+
+# --------------------------------------------------------------------------- the trainer's side
+@dataclass
+class Stream:
+    """The trainer's side of async rollout (made by `start`). Rank 0 holds the connections, the
+    buffer and the weights group; every trainer rank gathers the weights of a push."""
+    cfg: RolloutConfig
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    layout: list
+    engines: int
+    limit: int                              # samples (buffer_limit)
+    step_samples: int                       # a step's samples, all ranks
+    dp: int                                 # data-parallel groups: take() splits a step's samples in this many
+    dp_rank: int
+    prompt_len: int
+    conns: list = field(default_factory=list)
+    procs: list = field(default_factory=list)   # the engine processes rank 0 started (k=0)
+    buffer: Buffer | None = None
+    acks: list = field(default_factory=list)    # per engine: a queue of ("ack", bucket) from its thread
+    pg: object = None                       # the weights group: rank 0 and the engines (nccl / gloo)
+    bucket: torch.Tensor | None = None      # ipc: the buffer shared with the engine, held for the run
+    next_order: int = 0                     # the first step not ordered yet
+    seed: int = 0
+    version: int = 0                        # the policy version the engines hold (pushed last)
+    engine_stats: dict = field(default_factory=dict)   # what each engine said at start
+
+
+def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config, model_path: str | None,
+          out_dir: str, prompt_len: int, train_batch_size: int, seed: int, pad_id: int, eos_id: int,
+          timeout_s: float, dp: int, dp_rank: int, version: int) -> Stream:
+    """Start (k=0) or reach (k >= 1) the engines, give them the spec, push the current weights as
+    `version`. Collective over the trainer ranks (they take part in the first push)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    k, torch_dtype = engines(cfg), getattr(torch, dtype if cfg.dtype == "auto" else cfg.dtype)
+    layout, bucket_bytes = weight_layout(model, torch_dtype, cfg.sync_bucket_mb * 2 ** 20)
+    step_samples = train_batch_size * cfg.n
+    s = Stream(cfg, rank, device, torch_dtype, layout, k, buffer_limit(cfg, train_batch_size), step_samples, dp,
+               dp_rank, prompt_len, seed=seed, version=version, next_order=version)
+    if rank == 0:
+        transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
+        engine_dir = os.path.join(out_dir, "vllm_config", "engine")
+        spec = Spec(cfg, config, rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None,
+                    prompt_len + cfg.response_length, -(-step_samples // k), str(torch_dtype).split(".")[-1],
+                    pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0), timeout_s)
+        _connect(s, spec)
+    push(s, model, [], version, {})
+    return s
+
+
+def _host() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def _connect(s: Stream, spec: Spec):
+    """Rank 0: listen, start or wait for the k engines, send each its spec, build the weights group."""
+    authkey = secrets.token_bytes(16)
+    listener = Listener((_host(), 0), authkey=authkey)
+    store = None
+    if spec.transport != "ipc":            # the weights group's rendezvous, hosted here
+        store = dist.TCPStore(_host(), 0, s.engines + 1, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        spec.store = (_host(), store.port)
+    if s.cfg.gpus == 0:                    # one engine beside rank 0, on its GPU
+        s.procs.append(spawn(listener.address, authkey, 0, s.device))
+    else:                                  # the engine ranks read where to connect from torchrun's store
+        _torchrun_store().set("rollout_async/address", repr((listener.address, authkey.hex())))
+    s.conns = [None] * s.engines
+    accepted = _accept(listener, s.engines, spec.timeout_s, s.procs)
+    for conn in accepted:
+        index = conn.recv()[1]
+        s.conns[index] = conn
+    for i, conn in enumerate(s.conns):
+        conn.send(("spec", spec, i))
+    if spec.transport == "ipc":            # one buffer in this GPU's memory, mapped by the engine once
+        s.bucket = torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=s.device)
+        s.conns[0].send(("bucket", s.bucket))
+    else:
+        s.pg = _group(spec, 0, s.engines + 1, store)
+    s.buffer = Buffer(s.limit)
+    s.acks = [queue.Queue() for _ in range(s.engines)]
+    for i, conn in enumerate(s.conns):     # "ready" (or an error) comes back after each engine is built
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise EngineDied(f"rollout engine {i} failed to start: {msg[1]}")
+        s.engine_stats[i] = msg[1]
+    for i in range(s.engines):
+        threading.Thread(target=_receive, args=(s, i), daemon=True, name=f"rollout-engine-{i}").start()
+
+
+def _accept(listener, k: int, timeout_s: float, procs: list) -> list:
+    """k connections, or one line when an engine process dies before it connects."""
+    done, conns = threading.Event(), []
+
+    def run():
+        for _ in range(k):
+            conns.append(listener.accept())
+        done.set()
+    threading.Thread(target=run, daemon=True).start()
+    t0 = time.time()
+    while not done.wait(0.5):
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            raise EngineDied(f"rollout engine process {dead[0].pid} exited with code {dead[0].exitcode} before it "
+                             f"connected (its output above says why)")
+        if time.time() - t0 > timeout_s:
+            raise EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within --dist_timeout_s={timeout_s:g} s")
+    return conns
+
+
+def _torchrun_store():
+    return dist.PrefixStore(f"/async_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=datetime.timedelta(seconds=1800)))
+
+
+def _group(spec: Spec, rank: int, size: int, store=None):
+    """The weights group (rank 0: the trainer; 1..k: the engines), outside torch's default group (the
+    engines are not in the trainer's): NCCL between GPUs, gloo on the CPU."""
+    store = store or dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
+                                   timeout=datetime.timedelta(seconds=spec.timeout_s))
+    store = dist.PrefixStore("weights", store)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if spec.transport == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _receive(s: Stream, i: int):
+    """Rank 0's thread for engine i: samples into the buffer, acks to `push`; a failure or a closed
+    connection marks the buffer failed. If the trainer does not say it within a minute (it is stuck
+    in a transfer to the dead engine), this thread says it and ends the process."""
+    conn = s.conns[i]
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "samples":
+                s.buffer.put(msg[1], i, msg[2])
+            elif msg[0] == "ack":
+                s.acks[i].put(msg[1])
+            elif msg[0] == "error":
+                s.buffer.fail(f"rollout engine {i} failed: {msg[1]}")
+                break
+    except (EOFError, OSError):
+        proc = s.procs[i] if i < len(s.procs) else None
+        if proc is not None:
+            proc.join(5)
+        code = f" with code {proc.exitcode}" if proc is not None and proc.exitcode is not None else ""
+        s.buffer.fail(f"rollout engine {i} ({'pid ' + str(proc.pid) if proc else 'its rank'}) exited{code}: "
+                      f"its connection closed")
+    for q in s.acks:
+        q.put(None)                        # a push waiting for an ack stops waiting
+    if not s.buffer.handled.wait(60):
+        print(f"error: {s.buffer.error}", flush=True)
+        os._exit(1)
+
+
+def _order(s: Stream, step: int, prompts_of):
+    """Send step `step`'s prompts to the engines (a contiguous part each)."""
+    prompts = prompts_of(step)
+    per = -(-len(prompts) // s.engines)
+    for i, conn in enumerate(s.conns):
+        conn.send(("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
+                             "seed": s.seed * 1_000_003 + step * 7919 + i,
+                             "min_version": step - s.cfg.max_staleness}))
+
+
+def take(s: Stream, step: int, prompts_of, metrics: dict) -> list:
+    """This rank's samples of `step` as (prompt, response, log-probs, version) per sample, a prompt's
+    n in a row. Rank 0 first orders what the bound allows (this step's if not yet ordered, then the
+    next ones up to step + max_staleness), waits for this step's parts and scatters them.
+    `prompts_of(j)`: step j's prompts, all data-parallel groups in order."""
+    if s.rank == 0:
+        t0 = time.perf_counter()
+        fill(s, step, prompts_of)
+        parts = s.buffer.take(step, s.engines)
+        waited = time.perf_counter() - t0
+        fill(s, step, prompts_of)          # the room this step freed: the engines start the next batch now
+        samples = [smp for p in parts for smp in zip(p["prompts"], p["responses"], p["logps"],
+                                                     [p["version"]] * len(p["responses"]))]
+        per = len(samples) // s.dp
+        shares = [samples[r * per:(r + 1) * per] for r in range(s.dp)]
+        staleness = [step - p["version"] for p in parts]
+        engine = {k: max(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
+        stats = {"rollout/staleness_max": max(staleness), "rollout/staleness_mean": sum(staleness) / len(staleness),
+                 "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting,
+                 "rollout/buffer_ordered": s.buffer.ordered, "rollout/buffer_gb": s.buffer.nbytes / offload.GB,
+                 **{f"rollout/engine_{k}": v for k, v in engine.items()}}
+        scatter = [(shares, stats)]
+    else:
+        scatter = [None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(scatter, src=0)    # token ids only: a few MB
+    shares, stats = scatter[0]
+    metrics.update(stats)
+    return shares[s.dp_rank]
+
+
+def fill(s: Stream, step: int, prompts_of):
+    """Order steps from the first not ordered up to step + max_staleness, while the buffer has room."""
+    while s.next_order <= step + s.cfg.max_staleness and s.buffer.reserve(s.step_samples):
+        _order(s, s.next_order, prompts_of)
+        s.next_order += 1
+
+
+def batch(s: Stream, samples: list, pad_id: int, eos_id: int) -> dict:
+    """The trainer's batch (rollout.make_batch's layout) with the engine's log-probs and each sample's version."""
+    rows, responses, logps, versions = zip(*samples)
+    b = rollout.samples_batch(list(rows), list(responses), list(logps), s.cfg.response_length, pad_id, eos_id,
+                              s.device)
+    b["policy_version"] = torch.tensor(versions, device=s.device)
+    return b
+
+
+@torch.no_grad()
+def push(s: Stream, model, stashes: list, version: int, metrics: dict):
+    """The new weights to the engines as `version`: every trainer rank gathers each tensor (FSDP2
+    all-gathers in `weights.hf_weights` order), rank 0 packs them into a bucket and sends each full
+    bucket. The actor's `stashes` are in for the gather (a no-op when the update left them there)."""
+    t0 = time.perf_counter()
+    cuda = s.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    if s.rank == 0:
+        for conn in s.conns:
+            conn.send(("weights", version))
+    with offload.loaded(stashes, metrics):
+        it = weights.hf_weights(model, s.device, s.dtype)
+        for b, entries in enumerate(s.layout):
+            buf = s.bucket if s.bucket is not None else (
+                torch.empty(entries[-1][2] + entries[-1][3], dtype=torch.uint8, device=s.device) if s.rank == 0
+                else None)
+            for name, shape, off, nbytes in entries:
+                got, t = next(it)
+                assert got == name, (got, name)
+                if s.rank == 0:
+                    buf[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
+                del t
+            if s.rank == 0:
+                _send_bucket(s, b, buf[:entries[-1][2] + entries[-1][3]])
+        assert next(it, None) is None
+    s.version = version
+    metrics["rollout/push_s"] = time.perf_counter() - t0
+    metrics["rollout/push_gb"] = sum(e[3] for bk in s.layout for e in bk) / offload.GB
+    if cuda:
+        metrics["rollout/push_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
+
+
+def _send_bucket(s: Stream, b: int, buf: torch.Tensor):
+    if s.bucket is not None:               # ipc: the engine reads the shared buffer, then says so
+        torch.cuda.synchronize(s.device)
+        s.conns[0].send(("bucket_ready", b))
+        if s.acks[0].get() is None:
+            raise EngineDied(s.buffer.error)
+        return
+    try:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        s.pg.broadcast([buf], opts).wait()
+    except RuntimeError as e:
+        raise EngineDied(s.buffer.error or f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
+
+
+def close(s: Stream):
+    """Tell the engines to stop, and wait for those this rank started."""
+    for conn in s.conns:
+        try:
+            conn.send(("stop",))
+        except OSError:
+            pass
+    for p in s.procs:
+        p.join(30)
+
+
+# --------------------------------------------------------------------------- engine processes
+def spawn(address, authkey: bytes, index: int, device: torch.device):
+    """A fresh Python process (spawn: no CUDA state inherited) running `serve` on `device` alone: it
+    sees that GPU as its only one, so vLLM's own executor takes it."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device.type == "cuda":
+        visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index or 0]
+    try:
+        p = multiprocessing.get_context("spawn").Process(target=serve, args=(address, authkey, index),
+                                                         name=f"rollout-engine-{index}", daemon=False)
+        p.start()
+    finally:
+        if env is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = env
+    return p
+
+
+def engine_rank(cfg: RolloutConfig) -> int:
+    """What an engine rank of torchrun does: start its engine process on its GPU, wait for it, return its
+    exit code. It holds no GPU memory itself (the engine process has the GPU)."""
+    nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    index = rank - trainer_world(cfg, nproc)
+    address, key = eval(_torchrun_store().get("rollout_async/address").decode())   # noqa: S307 (our own repr)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    p = spawn(address, bytes.fromhex(key), index, device)
+    p.join()
+    return p.exitcode or 0
+
+
+def serve(address, authkey: bytes, index: int):
+    """An engine process: connect to trainer rank 0, build the engine, then in order: receive
+    weights, take orders, generate each order once its weights are new enough, send the samples."""
+    conn = Client(address, authkey=authkey)
+    conn.send(("hello", index, os.getpid()))
+    try:
+        _serve(conn, index)
+    except (EOFError, ConnectionError):    # the trainer is gone: nothing to report to
+        pass
+    except BaseException as e:              # noqa: BLE001 (said to the trainer, then the process ends)
+        line = (traceback.format_exception_only(type(e), e)[-1].strip())[:500]
+        try:
+            conn.send(("error", line))
+        except OSError:
+            pass
+        raise SystemExit(1)
+
+
+def _serve(conn, index: int):
+    _, spec, _ = conn.recv()
+    device = torch.device("cuda", 0) if spec.transport != "gloo" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shared = conn.recv()[1] if spec.transport == "ipc" else None   # the trainer's bucket, mapped here once
+    t0 = time.perf_counter()
+    eng = _build(spec, device)
+    pg = _group(spec, index + 1, engines(spec.cfg) + 1) if spec.transport != "ipc" else None
+    buf = shared if shared is not None else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device)
+    conn.send(("ready", {"build_s": time.perf_counter() - t0, "device_gb": _device_gb(device)}))
+    version, pending, idle, weight_wait = -1, [], 0.0, 0.0
+    while True:
+        t_wait = time.perf_counter()
+        msg = conn.recv()
+        waited = time.perf_counter() - t_wait
+        if pending:
+            weight_wait += waited          # an order waits for newer weights (the staleness bound)
+        else:
+            idle += waited                 # no order: the buffer is full or the trainer is behind
+        if msg[0] == "stop":
+            return
+        if msg[0] == "weights":
+            _load_weights(eng, spec, conn, pg, buf)
+            version = msg[1]
+        elif msg[0] == "order":
+            pending.append(msg[1])
+        while pending and pending[0]["min_version"] <= version:
+            order = pending.pop(0)
+            t1 = time.perf_counter()
+            rows, responses, logps = _generate(eng, spec, order, device)
+            payload = {"prompts": rows, "responses": responses, "logps": logps, "version": version,
+                       "nbytes": sum(sample_bytes(len(p), len(r)) for p, r in zip(rows, responses)),
+                       "stats": {"generate_s": time.perf_counter() - t1, "idle_s": idle,
+                                 "weight_wait_s": weight_wait, "device_gb": _device_gb(device)}}
+            conn.send(("samples", order["step"], payload))
+            idle = weight_wait = 0.0
+
+
+def _device_gb(device) -> float:
+    if device.type != "cuda":
+        return offload.host_rss_gb()       # the engine process's memory on the CPU
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / offload.GB
+
+
+def _build(spec: Spec, device: torch.device):
+    """vLLM awake for the whole run (its KV cache sized from its share of a step), or the HF model."""
+    cfg = spec.cfg
+    if rollout.resolve_engine(cfg, device) == "hf":
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_config(spec.config, torch_dtype=getattr(torch, spec.dtype))
+        return model.to(device).eval()
+    nbytes = torch.finfo(getattr(torch, spec.dtype)).bits // 8
+    kv = 0 if cfg.gpu_memory_utilization > 0 else rollout.kv_cache_bytes(
+        spec.config, spec.max_num_seqs, spec.max_model_len, nbytes, 1, cfg.kv_cache_margin)
+    need = rollout.engine_bytes(spec.config, kv_bytes=kv, max_num_seqs=spec.max_num_seqs, dtype_bytes=nbytes, tp=1)
+    return rollout.build_vllm(cfg, model_dir=spec.model_dir, max_model_len=spec.max_model_len, dtype=spec.dtype,
+                              seed=0, kv_bytes=kv, need=need, max_num_seqs=spec.max_num_seqs,
+                              fixed=dict(cfg=cfg, pad_id=spec.pad_id, eos_id=spec.eos_id, device=device),
+                              own_process=True)
+
+
+def _load_weights(eng, spec: Spec, conn, pg, buf: torch.Tensor):
+    """One push: each bucket into `buf` (broadcast) or read from the shared one (ipc), then into the engine."""
+    for b, entries in enumerate(spec.layout):
+        size = entries[-1][2] + entries[-1][3]
+        if pg is not None:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([buf[:size]], opts).wait()
+        else:
+            msg = conn.recv()
+            assert msg == ("bucket_ready", b), msg
+        dtype = getattr(torch, spec.dtype)
+        tensors = [(name, buf[off:off + nbytes].view(dtype).view(shape)) for name, shape, off, nbytes in entries]
+        if isinstance(eng, rollout.Engine):
+            rollout.vllm_model(eng.llm).load_weights(tensors)
+        else:
+            eng.load_state_dict(dict(tensors), strict=False)
+        if pg is None:
+            torch.cuda.synchronize()
+            conn.send(("ack", b))
+
+
+def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:
+    """(rows, responses, log-probs) of the order's prompts, n samples each, a prompt's in a row."""
+    cfg = spec.cfg
+    if not isinstance(eng, rollout.Engine):
+        return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
+                                 logprobs=True)
+    reqs, seeds, _ = rollout_requests(order, cfg)
+    outs = rollout.sample_vllm(eng, reqs, seeds)
+    return rollout.vllm_samples(list(zip(reqs, outs)))
+
+
+def rollout_requests(order: dict, cfg: RolloutConfig):
+    import tensor_parallel
+    return tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
