@@ -23,7 +23,11 @@ How the prediction is made (per rank, bytes; each term named in the table it pri
 - vLLM (device-level, not in PyTorch's count): its bf16 weights / tp, the KV budget it was given, CUDA graphs and
   workspaces that stay while it sleeps, and the CUDA context.
 - The device level (`_device_levels`): the allocator's reserve, carried through the step, plus what lies outside it.
-  Calibrated against the H200 measurements in docs/plan_truth.json (test_plan.py checks it)."""
+  Calibrated against the H200 measurements in docs/plan_truth.json (test_plan.py checks it).
+- Async rollout (rollout.mode=async): the engine lives in its own process, on rollout.gpus GPUs of its own or beside
+  rank 0's trainer (gpus=0), holding its weights, KV budget, workspace and CUDA context all the time (`_engine`);
+  the trainer's step starts with rollout_wait instead of generate and ends with push (the new weights out to the
+  engine), and the host holds the rollout buffer. `world` is then the trainer's ranks (torchrun's N less gpus)."""
 import functools
 import math
 from dataclasses import dataclass, field
@@ -121,6 +125,11 @@ class Plan:
     pinned_host: int                           # bytes of pinned host mirrors per rank
     seconds: float                             # the step's exposed copy + compute estimate (for ranking)
     device: dict = field(default_factory=dict)  # stage -> device-level bytes at its highest (mem_get_info)
+    engine_device: dict = field(default_factory=dict)   # async: one engine GPU's device-level bytes by part
+                                               # (rollout.gpus=0: on rank 0's GPU, inside every stage's device level)
+    buffer_host: int = 0                       # async: the host's rollout buffer, bytes
+    beside: int = 0                            # bytes on a trainer GPU outside PyTorch's allocator and the trainer's
+                                               # CUDA context: a sleeping vLLM's (colocated), the engine's (gpus=0)
 
     @property
     def peak(self) -> int:
@@ -173,6 +182,14 @@ class Sizes:
     @property
     def mini(self) -> int:                     # this rank's samples per optimizer step
         return self.cfg.actor.ppo_mini_batch_size * self.cfg.rollout.n // (self.world // self.sp)
+
+    @property
+    def asynchronous(self) -> bool:            # the engine in its own process(es), a step ahead of the trainer
+        return self.cfg.rollout.mode == "async"
+
+    @property
+    def engine_seqs(self) -> int:              # async: the sequences of a step one engine generates
+        return self.cfg.train_batch_size * self.cfg.rollout.n // max(self.cfg.rollout.gpus, 1)
 
     @property
     def gae(self) -> bool:
@@ -297,6 +314,8 @@ def state_groups(z: Sizes) -> Groups:
     if cfg.ref.offload_policy and "ref params" in groups:
         groups["ref params"] = (ref_p, ref_p)
         host_only.add("ref params")
+    if z.asynchronous and cfg.rollout.gpus == 0:   # rank 0: the push's bucket, mapped once by the engine (CUDA IPC)
+        groups["push bucket"] = (cfg.rollout.sync_bucket_mb * 2 ** 20, 0)
     return Groups(groups, frozenset(host_only))
 
 
@@ -311,6 +330,11 @@ def _generate(z: Sizes, g: Groups) -> Stage:
     kv = z.samples // z.sp * z.T * 2 * s.layers * s.kv_dim * c     # a rank generates 1/sp of its group's
     return Stage("generate", {**g.resident("actor params"), "gathered model": c * s.params, "KV cache": kv,
                               "logits": z.samples // z.sp * s.vocab * 4 * 2})
+
+
+def _rollout_wait(z: Sizes, g: Groups) -> Stage:
+    """Async: the batch comes from the host buffer; the trainer holds what stays between stages."""
+    return Stage("rollout_wait", g.resident())
 
 
 def _reward(z: Sizes, g: Groups) -> Stage:
@@ -384,7 +408,19 @@ def _update(z: Sizes, g: Groups) -> Stage:
                                         {**g.resident("actor params", "actor Adam"), **grads}))
 
 
+def _push(z: Sizes, g: Groups) -> Stage:
+    """Async: the new weights out to the engine(s). The actor's params are in (kept after the update
+    with defer_param_offload, reloaded otherwise); one tensor at a time is gathered in the compute
+    dtype and copied into the bucket: allocated for the push with rollout.gpus >= 1 (NCCL broadcast),
+    held all run with 0 (state_groups' "push bucket"). LoRA merges each target in fp32 on the way."""
+    s, c = z.shapes, z.c
+    bucket = {"push bucket": z.cfg.rollout.sync_bucket_mb * 2 ** 20} if z.cfg.rollout.gpus else {}
+    merge = {"LoRA merge (fp32)": 4 * s.hidden * s.ffn} if z.lora else {}
+    return Stage("push", {**g.resident("actor params"), **bucket, "gathered tensor": c * s.largest, **merge})
+
+
 STAGE_PLANS = (_generate, _reward, _reward_model, _old_logp, _ref_logp, _values, _advantage, _critic_update, _update)
+ASYNC_STAGE_PLANS = (_rollout_wait,) + STAGE_PLANS[1:] + (_push,)   # generate runs in the engine's process
 
 
 def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
@@ -392,10 +428,43 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     with prompts up to `prompt_len` tokens and every response at its full length."""
     z = Sizes(cfg, world, prompt_len, engine)
     g = state_groups(z)
-    stages = [st for plan_stage in STAGE_PLANS if (st := plan_stage(z, g)) is not None]
-    plan = Plan(stages, _vllm_awake(z, g), g.pinned, _seconds(z, g))
+    stages = [st for plan_stage in (ASYNC_STAGE_PLANS if z.asynchronous else STAGE_PLANS)
+              if (st := plan_stage(z, g)) is not None]
+    if z.asynchronous:
+        eng = _engine(z)
+        plan = Plan(stages, {}, g.pinned, _async_seconds(z, g), engine_device=eng, buffer_host=_buffer_bytes(z),
+                    beside=0 if cfg.rollout.gpus else sum(eng.values()))
+    else:
+        plan = Plan(stages, _vllm_awake(z, g), g.pinned, _seconds(z, g),
+                    beside=VLLM_RESIDENT if engine == "vllm" else 0)
     plan.device = _device_levels(plan, z, sum(g.resident().values()))
     return plan
+
+
+def _engine(z: Sizes) -> dict:
+    """Async: what one engine process keeps on its GPU all the time (it never sleeps): the whole
+    model in the compute dtype, the KV budget of its share of a step's sequences, the workspace
+    (rollout.engine_bytes, tensor_parallel_size 1) and its own CUDA context. vLLM's parts: an HF
+    generate engine runs on the CPU."""
+    ro = z.cfg.rollout
+    return {**_engine_bytes(z.cfg.model, z.engine_seqs, z.T, z.c, ro.kv_cache_margin), "CUDA context": CUDA_CONTEXT}
+
+
+@functools.lru_cache(maxsize=64)
+def _engine_bytes(path: str | None, seqs: int, T: int, c: int, margin: float) -> dict:
+    """rollout.engine_bytes for one GPU, once per shape (its weight count builds a meta model):
+    not to be modified."""
+    config = model_config(path)
+    kv = rollout.kv_cache_bytes(config, seqs, T, c, 1, margin)
+    return rollout.engine_bytes(config, kv_bytes=kv, max_num_seqs=seqs, dtype_bytes=c, tp=1)
+
+
+def _buffer_bytes(z: Sizes) -> int:
+    """Async: the host's rollout buffer at its fullest: buffer_limit samples (0: max_staleness
+    steps' worth), each its ids and two log-prob rows (int32 and fp32: 4 bytes a token)."""
+    ro = z.cfg.rollout
+    samples = ro.buffer_limit or ro.max_staleness * z.cfg.train_batch_size * ro.n
+    return samples * (z.prompt_len + 2 * z.R) * 4
 
 
 def _vllm_awake(z: Sizes, g: Groups) -> dict:
@@ -415,12 +484,14 @@ def _device_levels(plan: Plan, z: Sizes, between: int) -> dict:
     cached blocks of its transients (FORWARD_SLACK, UPDATE_SLACK). The generate stage peaks either
     at the weight sync (the trainer's actor params in, beside vLLM's woken weights) or while
     vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
-    emptied: every stage sees the step's largest reserve (steady state from the second step).
-    `between`: what the trainer holds between stages."""
+    emptied: every stage sees the step's largest reserve (steady state from the second step). Async
+    rollout is the same (no vLLM in the trainer's process), with the engine process beside every
+    stage when rollout.gpus=0 (plan.beside). `between`: what the trainer holds between stages."""
     slack = LORA_UPDATE_SLACK if z.lora else UPDATE_SLACK
-    outside = OUTSIDE + (VLLM_OUTSIDE if z.engine == "vllm" else 0)
+    colocated_vllm = z.engine == "vllm" and not z.asynchronous
+    outside = OUTSIDE + (VLLM_OUTSIDE if colocated_vllm else 0)
     reserve = {}
-    carry = between + SLEEP_RESIDUE            # after generate's empty_cache: the live blocks' segments
+    carry = between + (0 if z.asynchronous else SLEEP_RESIDUE)   # after generate's empty_cache: live blocks' segments
     for st in plan.stages:
         if st.name == "generate":
             reserve[st.name] = carry
@@ -433,6 +504,8 @@ def _device_levels(plan: Plan, z: Sizes, between: int) -> dict:
             own = st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
         carry = max(carry, int(own))
         reserve[st.name] = carry
+    if z.asynchronous:
+        return {name: outside + max(reserve.values()) + plan.beside for name in reserve}
     if z.engine != "vllm":
         top = max(max(reserve.values()), int(plan.stages[0].total * (1 + slack)))
         return {name: outside + top for name in reserve}
@@ -480,16 +553,46 @@ HBM = 4.0e12                  # bytes/s a decoding step reads the weights at (H2
 STAGE_FIXED = 0.2             # seconds each stage pays whatever its size (launches, syncs, the ledger)
 MICRO_LAYER = 4.5e-3          # seconds per micro-batch and layer of an update (launches, FSDP2's gathers)
 TP_ALLREDUCE = 15e-6          # a tensor-parallel engine's all-reduce, twice per layer per decoding step (latency-bound)
+FITTED_SEQS = 128             # the sequences an engine decoded in DECODE_STEP's fit; an async engine's beyond them
+                              # add their KV cache's reads to each decoding step
+PUSH_BPS = 25e9               # async: bytes/s of the weight push (gather, bucket copy, NCCL broadcast or CUDA IPC);
+                              # a placeholder, to be fitted on the H200 from a measured push
 
 
 def _seconds(z: Sizes, g: Groups) -> float:
     """A step's time, for ranking configurations: generation, the stages' compute, the copies that
     cannot hide, and a fixed cost per micro-batch and layer. Within 20 % of the measured step on the
     H200 rows of docs/plan_truth.json (test_plan.py)."""
+    return sum((_generate_seconds(z), *_trainer_seconds(z, g)))
+
+
+def _trainer_seconds(z: Sizes, g: Groups) -> tuple:
+    """A step's time without generation, in parts (summed in this order): compute, exposed copies,
+    micro-batches x layers."""
     a, cr = z.cfg.actor, z.cfg.critic
     micro = max(1, z.samples // max(a.ppo_micro_batch_size_per_gpu, 1))     # forward + backward passes
     micro += max(1, z.samples // max(cr.ppo_micro_batch_size_per_gpu, 1)) if z.separate else 0
-    return _generate_seconds(z) + _compute_seconds(z) + _copy_seconds(z, g) + micro * z.shapes.layers * MICRO_LAYER
+    return _compute_seconds(z), _copy_seconds(z, g), micro * z.shapes.layers * MICRO_LAYER
+
+
+def _async_seconds(z: Sizes, g: Groups) -> float:
+    """Async: the engine generates the next batch while the trainer trains on this one, so a step
+    takes the longer of the two, then the push (the engine waits for the new weights). With
+    rollout.gpus=0 both share one GPU, so the max is the optimistic end there."""
+    return max(_engine_seconds(z), sum(_trainer_seconds(z, g))) + _push_seconds(z)
+
+
+def _engine_seconds(z: Sizes) -> float:
+    """An async engine's generation of its share of the batch: the colocated rule, and each decoding
+    step also reads the KV cache of the sequences beyond FITTED_SEQS (half-filled on average)."""
+    s = z.shapes
+    kv = max(0, z.engine_seqs - FITTED_SEQS) * (z.prompt_len + z.R // 2) * 2 * s.layers * s.kv_dim * z.c
+    return _generate_seconds(z) + z.R * kv / HBM
+
+
+def _push_seconds(z: Sizes) -> float:
+    """The whole model in the compute dtype, at PUSH_BPS."""
+    return z.shapes.params * z.c / PUSH_BPS + STAGE_FIXED
 
 
 def _generate_seconds(z: Sizes) -> float:
@@ -539,9 +642,15 @@ def table(plan: Plan, gpu_bytes: int) -> str:
     if plan.vllm_device:
         terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.vllm_device.items())
         lines.append(f"{'(vLLM awake)':<14}{sum(plan.vllm_device.values()) / GB:>13.2f}   device-level: {terms}")
+    if plan.engine_device:                     # async: another process; with gpus=0 inside the rows' device GB
+        terms = ", ".join(f"{k} {v / GB:.2f}" for k, v in plan.engine_device.items())
+        where = "on rank 0's GPU, inside the rows' device GB" if plan.beside else "on each engine's own GPU"
+        lines.append(f"{'(engine GPU)':<14}{'':>13}{sum(plan.engine_device.values()) / GB:>10.2f}   "
+                     f"device-level, {where}: {terms}")
+    buffer = f"; rollout buffer on the host {plan.buffer_host / 2 ** 20:.0f} MB" if plan.engine_device else ""
     lines.append(f"peak {plan.peak / GB:.2f} GB allocated, {plan.device_peak / GB:.2f} GB device-level (the "
                  f"allocator's reserve, CUDA contexts, vLLM) of {gpu_bytes / GB:.0f} GB; pinned host RAM per rank "
-                 f"{plan.pinned_host / GB:.2f} GB; step estimate {plan.seconds:.1f} s")
+                 f"{plan.pinned_host / GB:.2f} GB{buffer}; step estimate {plan.seconds:.1f} s")
     return "\n".join(lines)
 
 

@@ -2,7 +2,9 @@
 fastest set of offload flags, checkpointing, micro-batch sizes, vLLM tensor-parallel size and
 Ulysses sequence-parallel size that fits (`choose`), what would fit when nothing does,
 `--offload=auto`, the warnings that compare the plan with each step's measurement, an OOM
-explained in one line, and the command line. It moves nothing and builds no model.
+explained in one line, and the command line. With async rollout the engine's GPU must fit too
+(`engine_fits`); a colocated run on 2+ GPUs is told when async rollout would be faster
+(`async_suggestion`), never switched to it. It moves nothing and builds no model.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80 --train_batch_size=256 \
         --rollout.n=8 --rollout.response_length=1024 --prompt_len=512      # any train_grpo.py option
@@ -44,16 +46,23 @@ class Target:
 
     @property
     def budget(self) -> int:
-        """What PyTorch may allocate on one GPU: the GPU less the margin, the CUDA context and (with
-        vLLM) what the sleeping engine keeps."""
-        return int(self.gpu_bytes * (1 - self.margin) - CUDA_CONTEXT - (VLLM_RESIDENT if self.engine == "vllm" else 0))
+        """What PyTorch may allocate on one GPU (colocated): the GPU less the margin, the CUDA context
+        and (with vLLM) what the sleeping engine keeps."""
+        return self.room(VLLM_RESIDENT if self.engine == "vllm" else 0)
+
+    def room(self, beside: int) -> int:
+        """What PyTorch may allocate on one GPU where `beside` bytes lie outside its count besides the
+        CUDA context (plan.beside: a sleeping vLLM's, or an async engine's on rank 0's GPU)."""
+        return int(self.gpu_bytes * (1 - self.margin) - CUDA_CONTEXT - beside)
 
     def fits(self, p: Plan) -> bool:
-        """Every stage under the allocator budget, the device level keeps the margin, the pinned
-        host mirrors fit the host."""
-        if self.host_bytes and p.pinned_host > 0.9 * self.host_bytes:
+        """Every stage under the allocator budget, the device level keeps the margin (an async
+        engine's GPU too), the pinned host mirrors and the rollout buffer fit the host."""
+        if self.host_bytes and p.pinned_host + p.buffer_host > 0.9 * self.host_bytes:
             return False
-        return max(s.total for s in p.stages) <= self.budget and p.device_peak <= self.gpu_bytes * (1 - self.margin)
+        top = self.gpu_bytes * (1 - self.margin)
+        return (max(s.total for s in p.stages) <= self.room(p.beside) and p.device_peak <= top
+                and sum(p.engine_device.values()) <= top)
 
 
 def sequence_parallel_sizes(cfg, world: int) -> list[int]:
@@ -73,7 +82,8 @@ def candidates(cfg, world: int):
 
     def halvings(m):
         return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
-    tps = [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
+    tps = [1] if cfg.rollout.mode == "async" else \
+        [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]   # async: an engine a GPU
     for values, micro, lp_micro, tp, sp in itertools.product(
             itertools.product(*SEARCH.values()), halvings(a.ppo_micro_batch_size_per_gpu),
             halvings(a.log_prob_micro_batch_size_per_gpu), tps, sequence_parallel_sizes(cfg, world)):
@@ -97,9 +107,35 @@ def candidates(cfg, world: int):
         yield c
 
 
+def engine_fits(cfg, t: Target):
+    """Async: the engine's GPU keeps the margin, or a ValueError naming its parts and what to change
+    (no flag the search turns moves them: they follow the batch, the lengths and rollout.gpus)."""
+    top, k = t.gpu_bytes * (1 - t.margin), cfg.rollout.gpus
+
+    def need(gpus):                            # one engine GPU's bytes by part with `gpus` engines
+        c = copy.deepcopy(cfg)
+        c.rollout.gpus = gpus
+        return predict(c, t.world, t.prompt_len, t.engine).engine_device
+    parts = need(k)
+    if sum(parts.values()) <= top:
+        return
+    seqs = cfg.train_batch_size * cfg.rollout.n  # more engines split them: each holds 1/gpus of the KV cache
+    more = next((g for g in range(k + 1, 65) if seqs % g == 0 and sum(need(g).values()) <= top), None)
+    where = f"each of the {k} rollout GPUs" if k > 1 else "its rollout GPU" if k else "rank 0's GPU beside the trainer"
+    raise ValueError(f"the rollout engine needs {sum(parts.values()) / GB:.1f} GB on {where} ("
+                     + ", ".join(f"{name} {v / GB:.1f} GB" for name, v in parts.items())
+                     + f") but {top / GB:.1f} GB of {t.gpu_bytes / GB:.0f} GB keeps the {t.margin:.0%} margin; give it "
+                     f"fewer prompts per step (--train_batch_size), a shorter --rollout.response_length"
+                     + (f", or more rollout GPUs (--rollout.gpus={more} fits)" if more else
+                        " (more rollout GPUs would not fit it: its weights and workspace are too large)"))
+
+
 def choose(cfg, t: Target, least_memory: bool = False):
     """(the fastest configuration that fits `t`, its Plan), or (None, None); of equals, the smallest
-    Ulysses size, then the fewest changes. `least_memory`: the one with the lowest device level instead."""
+    Ulysses size, then the fewest changes. `least_memory`: the one with the lowest device level instead.
+    Async rollout: a ValueError first when the engine's GPU cannot fit (`engine_fits`)."""
+    if cfg.rollout.mode == "async":
+        engine_fits(cfg, t)
     best, key = None, None
     for c in candidates(cfg, t.world):
         p = predict(c, t.world, t.prompt_len, t.engine)
@@ -128,9 +164,10 @@ def changes(before, after) -> list[str]:
 def what_would_fit(cfg, t: Target) -> list[str]:
     """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples,
     shorter responses, FSDP2's CPU offload policy)."""
-    tries = []
+    tries, engines = [], cfg.rollout.gpus if cfg.rollout.mode == "async" else 0   # async: torchrun starts them too
     for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
-        tries.append((f"{t.world * k} GPUs (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
+        tries.append((f"{t.world * k + engines} GPUs" + (f" ({t.world * k} trainer + {engines} rollout)" if engines else "")
+                      + f" (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
                       f"the samples per GPU)", t.world * k,
                       lambda c, k=k: (setattr(c, "train_batch_size", c.train_batch_size * k),
                                       setattr(c.actor, "ppo_mini_batch_size", c.actor.ppo_mini_batch_size * k))))
@@ -153,32 +190,75 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         change(c)
         if (c.train_batch_size * c.rollout.n) % w or c.train_batch_size % w:
             continue
-        if choose(c, replace(t, world=w))[0] is not None:
+        try:
+            fit = choose(c, replace(t, world=w))[0] is not None
+        except ValueError:                     # async: the engine's GPU does not fit this change
+            fit = False
+        if fit:
             found.append(label)
             kinds.add(kind)
     return found
 
 
+def async_suggestion(cfg, t: Target, colocated: Plan | None) -> str | None:
+    """Colocated on N >= 2 GPUs: the fastest async layout with k = 1 .. N // 2 rollout GPUs (the
+    trainer on N - k) that fits, in one line, when it beats `colocated` (the best colocated plan;
+    None: nothing colocated fits). Only said: the off-policy lag changes the algorithm, so
+    --offload=auto never switches the mode."""
+    import options
+    if t.world < 2 or cfg.rollout.mode != "colocated":
+        return None
+    best = None
+    for k in range(1, t.world // 2 + 1):
+        c = copy.deepcopy(cfg)
+        c.rollout.mode, c.rollout.gpus, c.rollout.tensor_parallel_size = "async", k, 1
+        try:
+            options.check_sizes(c, t.world - k)   # the batch splits over the trainer's ranks
+            found, p = choose(c, replace(t, world=t.world - k))
+        except ValueError:                     # sizes that do not split, or an engine that does not fit
+            continue
+        if found is not None and (best is None or p.seconds < best[2].seconds):
+            best = (k, found, p)
+    if best is None or (colocated is not None and best[2].seconds >= colocated.seconds):
+        return None
+    k, found, p = best
+    flags = ["--rollout.mode=async", f"--rollout.gpus={k}"] + changes(cfg, found)   # tensor parallel back to 1 too
+    lag = "one step" if cfg.rollout.max_staleness == 1 else f"up to {cfg.rollout.max_staleness} steps"
+    versus = f"~{colocated.seconds:.1f} s colocated" if colocated is not None else "colocated does not fit"
+    return (f"[plan] async with {k} rollout GPU{'s' if k > 1 else ''} ({' '.join(flags)}): "
+            f"~{p.seconds:.1f} s/step vs {versus}; {lag} off-policy")
+
+
 # --------------------------------------------------------------------------- reporting
 def report(cfg, t: Target) -> str:
-    """The table for `cfg`, then the fastest configuration that fits (or what would)."""
+    """The table for `cfg`, then the fastest configuration that fits (or what would), and whether
+    async rollout would be faster (`async_suggestion`)."""
     plan = predict(cfg, t.world, t.prompt_len, t.engine)
-    out = [f"[plan] {cfg.model or 'tiny'} on {t.world} x {t.gpu_bytes / GB:.0f} GB, {t.engine} rollout, "
-           f"prompt {t.prompt_len} + response {cfg.rollout.response_length} tokens"
+    ro = cfg.rollout
+    gpus = f"{t.world} trainer + {ro.gpus} rollout" if ro.mode == "async" and ro.gpus else f"{t.world}"
+    mode = (f"async {t.engine} rollout" + ("" if ro.gpus else " beside rank 0's trainer")) if ro.mode == "async" \
+        else f"{t.engine} rollout"
+    out = [f"[plan] {cfg.model or 'tiny'} on {gpus} x {t.gpu_bytes / GB:.0f} GB, {mode}, "
+           f"prompt {t.prompt_len} + response {ro.response_length} tokens"
            + (f", {t.host_bytes / GB:.0f} GB of host RAM per rank:" if t.host_bytes else ":"), table(plan, t.gpu_bytes)]
-    best, best_plan = choose(cfg, t)
+    try:
+        best, best_plan = choose(cfg, t)
+    except ValueError as e:                    # async: the engine's GPU does not fit
+        return "\n".join(out + [f"[plan] {e}"])
+    budget = t.room(plan.beside)               # the same for every candidate: it follows the rollout mode
     if best is None:
         fits = what_would_fit(cfg, t)
-        out.append(f"[plan] nothing fits under {t.budget / GB:.1f} GB per GPU ({t.margin:.0%} margin) with any "
+        out.append(f"[plan] nothing fits under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin) with any "
                    f"combination of offload flags, checkpointing, micro-batch and sequence-parallel sizes; what would: "
                    + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
     else:
         flags = changes(cfg, best)
-        out.append(f"[plan] fastest that fits under {t.budget / GB:.1f} GB ({t.margin:.0%} margin): "
+        out.append(f"[plan] fastest that fits under {budget / GB:.1f} GB ({t.margin:.0%} margin): "
                    + (" ".join(flags) if flags else "the configuration as given")
                    + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
                    f"step ~{best_plan.seconds:.1f} s)")
-    return "\n".join(out)
+    suggestion = async_suggestion(cfg, t, best_plan)
+    return "\n".join(out + ([suggestion] if suggestion else []))
 
 
 def templates() -> str:
@@ -220,6 +300,7 @@ RELIEF = {  # the biggest term of a stage -> the change that removes or shrinks 
     "forward transient": "a smaller *.log_prob_micro_batch_size_per_gpu (or actor.logits_chunk_tokens)",
     "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",
     "sync bucket": "a smaller rollout.sync_bucket_mb",
+    "push bucket": "a smaller rollout.sync_bucket_mb",
     "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)",
     "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) or more GPUs",
 }
@@ -288,7 +369,7 @@ def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
 
 
 OWN = {  # plan.py's own options: default, range, meaning (everything else is a train_grpo.py option)
-    "nproc": (1, ">= 1", "GPUs (ranks) of the run"),
+    "nproc": (1, ">= 1", "GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)"),
     "gpu_gb": (80.0, "> 0", "memory of one GPU, GB"),
     "margin": (0.1, "[0, 1)", "share of each GPU kept free at the device level"),
     "prompt_len": (0, ">= 0", "the longest prompt in tokens (0: read from --data, or the copy task's)"),
@@ -352,14 +433,26 @@ def main(argv=None):
         own, rest = _own(argv)
         cfg = options.parse_args(rest)
         model.check_model(cfg.model)           # a local directory: config, weights, a layout this code shards
-        options.check_sizes(cfg, own["nproc"])
+        world = trainer_world(cfg, own["nproc"])
+        options.check_sizes(cfg, world)
         prompt_len = own["prompt_len"] or _prompt_len(cfg)
     except (ValueError, OSError) as e:     # FileNotFoundError included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     per_node = own["nproc_per_node"] or min(own["nproc"], 8)
-    print(report(cfg, Target(own["nproc"], prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
+    print(report(cfg, Target(world, prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
                              int(own["host_gb"] * GB / per_node))))
+
+
+def trainer_world(cfg, nproc: int) -> int:
+    """The trainer's ranks of the `nproc` torchrun starts: async rollout gives the last rollout.gpus
+    of them to the engines. Raises ValueError when none would be left to train."""
+    if cfg.rollout.mode != "async":
+        return nproc
+    if cfg.rollout.gpus >= nproc:
+        raise ValueError(f"--rollout.gpus={cfg.rollout.gpus} leaves no trainer rank of --nproc={nproc}: the last "
+                         f"rollout.gpus ranks are engines; use --rollout.gpus={nproc - 1} at most, or a larger --nproc")
+    return nproc - cfg.rollout.gpus
 
 
 def _prompt_len(cfg) -> int:
@@ -387,7 +480,9 @@ def host_bytes_per_rank() -> int:
 def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
     """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config.
     When nothing keeps plan_margin free at the device level, the one that needs the least device
-    memory, said in one line; when nothing fits at all, a ValueError naming what would."""
+    memory, said in one line; when nothing fits at all, a ValueError naming what would (async: also
+    when the engine's GPU cannot fit). `world`: the trainer's ranks. A colocated run on 2+ GPUs is
+    told when async rollout would be faster."""
     say = print if rank == 0 else (lambda *a, **k: None)
     if device.type != "cuda":
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
@@ -402,12 +497,16 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
                 f"retry near the top; more GPUs or LoRA would leave headroom)")
     if best is None:
         fits = what_would_fit(cfg, target)
+        suggestion = async_suggestion(cfg, target, None)
         raise ValueError(f"--offload=auto: the plan finds no combination of offload flags, checkpointing and "
                          f"micro-batch sizes that fits {target.gpu_bytes / GB:.0f} GB per GPU; what would: "
-                         + ("; ".join(fits) if fits else "a bigger GPU"))
+                         + "; ".join(fits + ([suggestion.removeprefix("[plan] ")] if suggestion else [])
+                                     or ["a bigger GPU"]))
     say(f"[plan] --offload=auto chose: {' '.join(changes(cfg, best)) or 'the flags as given'} "
         f"(predicted peak {p.peak / GB:.1f} GB allocated, {p.device_peak / GB:.1f} GB device-level, "
         f"step ~{p.seconds:.1f} s)")
+    if rank == 0 and (suggestion := async_suggestion(cfg, target, p)):   # said, never switched to
+        say(suggestion)
     return best
 
 

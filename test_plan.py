@@ -297,3 +297,177 @@ def test_plan_cli_help_lists_its_own_options(capsys):
     plan_fit.main(["--help"])
     out = capsys.readouterr().out
     assert all(f"--{k}=" in out for k in plan_fit.OWN) and "python train_grpo.py --help" in out
+
+
+# --------------------------------------------------------------------------- async rollout
+ASYNC = ["--rollout.mode=async"]
+SMALL = ["--model=random:qwen2.5-1.5b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+         "--rollout.response_length=512"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--actor.param_offload=true", "--actor.optimizer_offload=true"],
+                                   ["--actor.lora_rank=16"],
+                                   ["--algorithm.adv_estimator=gae", "--reward_model.path=random:qwen2.5-0.5b"]])
+def test_async_stages_replace_generate_and_never_raise_a_trainer_peak(extra):
+    """Async rollout: the step starts with rollout_wait and ends with push, in offload.STAGES' order,
+    and has no generate; with rollout GPUs of its own (the same trainer world) every stage it shares
+    with the colocated plan peaks no higher there, and no vLLM sits on the trainer's GPU."""
+    import offload
+    colocated = plan.predict(_cfg(*SMALL, *extra), 2, 256)
+    p = plan.predict(_cfg(*SMALL, *extra, *ASYNC, "--rollout.gpus=1"), 2, 256)
+    names = [s.name for s in p.stages]
+    assert names == ["rollout_wait"] + [s.name for s in colocated.stages][1:] + ["push"]
+    assert "generate" not in names and [n for n in offload.STAGES if n in names] == names
+    for st in colocated.stages[1:]:
+        assert p.stage(st.name).total <= st.total, st.name
+    assert p.vllm_device == {} and p.beside == 0 and p.engine_device
+    assert "push bucket" in p.stage("push").terms and "push bucket" not in p.stage("update").terms
+
+
+def test_async_engine_gpu_is_the_engine_bytes_plus_its_context():
+    """Plan.engine_device is rollout.engine_bytes' parts (tensor parallel 1, the KV budget of its share
+    of the step's sequences, max_num_seqs that share) plus a CUDA context: with 2 rollout GPUs each
+    holds half the sequences; with none the one engine holds them all."""
+    import rollout
+    config = plan.model_config("random:qwen2.5-1.5b")
+    for gpus, seqs in ((2, 8 * 8 // 2), (0, 8 * 8)):
+        cfg = _cfg(*SMALL, *ASYNC, f"--rollout.gpus={gpus}", "--rollout.kv_cache_margin=0.2")
+        kv = rollout.kv_cache_bytes(config, seqs, 256 + 512, 2, 1, 0.2)
+        want = {**rollout.engine_bytes(config, kv_bytes=kv, max_num_seqs=seqs, dtype_bytes=2, tp=1),
+                "CUDA context": plan.CUDA_CONTEXT}
+        assert plan.predict(cfg, 2, 256).engine_device == want
+
+
+def test_async_host_buffer_bytes():
+    """The rollout buffer on the host: buffer_limit samples (0: max_staleness x train_batch_size x n),
+    each prompt + 2 x response tokens of 4 bytes; the table says it, and a host too small for it
+    does not fit."""
+    p = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.max_staleness=3"), 2, 256)
+    assert p.buffer_host == 3 * 8 * 8 * (256 + 2 * 512) * 4
+    assert "rollout buffer on the host" in plan.table(p, 141 * GB)
+    q = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.buffer_limit=100"), 2, 256)
+    assert q.buffer_host == 100 * (256 + 2 * 512) * 4
+    assert plan.predict(_cfg(*SMALL), 2, 256).buffer_host == 0
+    assert not plan_fit.Target(2, 256, 141 * GB, host_bytes=p.buffer_host).fits(p)
+
+
+def test_async_engine_beside_rank0_adds_to_every_stage_device_level():
+    """rollout.gpus=0: the engine process (its parts and CUDA context) sits beside every stage on rank
+    0's GPU: each stage's device level is the rollout-GPU plan's plus the engine plus the held push
+    bucket's share; the bucket is in every stage's allocator terms. With rollout GPUs, nothing empties
+    the cache and no vLLM is beside: every stage sees the update's reserve plus OUTSIDE."""
+    p0 = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
+    p1 = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1"), 2, 256)
+    assert p0.engine_device == p1.engine_device and p0.beside == sum(p0.engine_device.values())
+    bucket = 512 * 2 ** 20
+    for st in p0.stages:
+        assert st.terms["push bucket"] == bucket
+        extra = p0.device[st.name] - p1.device[st.name] - p0.beside
+        assert 0 <= extra <= 1.2 * bucket, (st.name, extra)
+    top = plan.OUTSIDE + int(p1.stage("update").total * (1 + plan.UPDATE_SLACK))
+    assert set(p1.device.values()) == {top}
+    assert "on rank 0's GPU" in plan.table(p0, 141 * GB) and "on each engine's own GPU" in plan.table(p1, 141 * GB)
+
+
+@pytest.mark.parametrize("response_length", [256, 8192])
+def test_async_step_time_is_the_longer_of_engine_and_trainer_plus_the_push(response_length):
+    """Async step = max(the engine's generation of its share, the trainer's step without generation)
+    + the push (params x compute-dtype bytes at PUSH_BPS + STAGE_FIXED). With 64 sequences an engine
+    (within the decoding fit) generation is the colocated rule: with the trainer on the same ranks,
+    the colocated step less it is the trainer's part. Short responses: the trainer is the longer;
+    long: the engine. An engine's share beyond FITTED_SEQS costs more than two engines' halves."""
+    base = ["--model=random:qwen2.5-1.5b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+            f"--rollout.response_length={response_length}"]
+    P = plan.shapes(plan.model_config("random:qwen2.5-1.5b")).params
+    colocated = plan.predict(_cfg(*base), 2, 256).seconds
+    generate = response_length * (plan.DECODE_STEP + 2 * P / plan.HBM) + plan.STAGE_FIXED
+    async_s = plan.predict(_cfg(*base, *ASYNC, "--rollout.gpus=1"), 2, 256).seconds
+    push = 2 * P / plan.PUSH_BPS + plan.STAGE_FIXED
+    assert async_s == pytest.approx(max(generate, colocated - generate) + push, rel=1e-9)
+    assert (generate > colocated - generate) == (response_length > 1024)
+    big = [*base, "--train_batch_size=64", "--actor.ppo_mini_batch_size=64", *ASYNC]
+    one, two = (plan.predict(_cfg(*big, f"--rollout.gpus={k}"), 2, 256) for k in (1, 2))
+    assert one.seconds > two.seconds or response_length < 1024
+
+
+def _suggestion(text):
+    return [x for x in text.splitlines() if x.startswith("[plan] async with")]
+
+
+def test_async_suggested_when_faster_never_switched(monkeypatch, capsys):
+    """qwen2.5-1.5b on 2 x 141 GB with long responses: report and --offload=auto's line say in one line
+    that async with 1 rollout GPU is faster, with both estimates and flags train_grpo.py accepts;
+    auto keeps the colocated mode. Not on 1 GPU, and not where the trainer's share dominates (the
+    trainer on 1 GPU of 2 is slower than colocated on both)."""
+    gen = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4",
+               "--rollout.response_length=4096")
+    lines = _suggestion(plan_fit.report(gen, plan_fit.Target(2, 256, 141 * GB)))
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("[plan] async with 1 rollout GPU (--rollout.mode=async --rollout.gpus=1")
+    assert line.endswith("s colocated; one step off-policy")
+    asy, col = (float(x.split(" s")[0]) for x in line.split("~")[1:])
+    assert asy < col
+    options.parse_args(line.split("(")[1].split(")")[0].split())
+    assert not _suggestion(plan_fit.report(gen, plan_fit.Target(1, 256, 141 * GB)))
+    train = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
+                 "--rollout.response_length=1024")
+    assert not _suggestion(plan_fit.report(train, plan_fit.Target(2, 512, 141 * GB)))
+    monkeypatch.setattr(plan_fit, "gpu_capacity", lambda device: 141 * GB)
+    chosen = plan_fit.plan_auto(gen, 2, 256, "vllm", torch.device("cuda"), 0)
+    out = capsys.readouterr().out
+    assert len(_suggestion(out)) == 1 and chosen.rollout.mode == "colocated"
+
+
+def test_async_engine_that_does_not_fit_is_one_line():
+    """An engine whose KV cache cannot fit its GPU (7B, 256 prompts x 8 of 4096 tokens on one 80 GB
+    rollout GPU): choose, report and --offload=auto say so in one line naming its parts and the
+    changes (fewer prompts, shorter responses, the rollout GPUs that would fit)."""
+    cfg = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=256", "--actor.ppo_mini_batch_size=64",
+               "--rollout.response_length=4096", *ASYNC, "--rollout.gpus=1")
+    t = plan_fit.Target(4, 512, 80 * GB)
+    with pytest.raises(ValueError) as e:
+        plan_fit.choose(cfg, t)
+    msg = str(e.value)
+    assert "\n" not in msg and "the rollout engine needs" in msg
+    for part in ("weights", "KV cache", "workspace", "CUDA context", "--train_batch_size",
+                 "--rollout.response_length", "--rollout.gpus=16 fits"):
+        assert part in msg, part
+    assert plan_fit.report(cfg, t).splitlines()[-1] == f"[plan] {msg}"
+    assert not plan_fit.Target(4, 512, 80 * GB).fits(plan.predict(cfg, 4, 512))
+
+
+def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
+    """--nproc counts what torchrun starts: async with rollout.gpus=k plans a trainer of nproc - k
+    ranks (the batch splits over those: 4 prompts on --nproc=3 with 1 rollout GPU), and a
+    rollout.gpus that leaves no trainer rank is one error line."""
+    args = ["--model=random:qwen2.5-0.5b", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4",
+            "--prompt_len=64", "--nproc=3", "--gpu_gb=80"]
+    plan_fit.main(args + ASYNC + ["--rollout.gpus=1"])
+    out = capsys.readouterr().out
+    assert out.startswith("[plan] random:qwen2.5-0.5b on 2 trainer + 1 rollout x 80 GB, async vllm rollout")
+    for row in ("rollout_wait", "push", "(engine GPU)"):
+        assert row in out
+    with pytest.raises(SystemExit):            # colocated, the same 4 prompts do not split over 3 ranks
+        plan_fit.main(args)
+    assert "not divisible by the world size 3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        plan_fit.main(args + ASYNC + ["--rollout.gpus=3"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --rollout.gpus=3 leaves no trainer rank")
+
+
+def test_async_stage_names_in_the_run_glue():
+    """record, watch and explain_oom take the async stages by name: the prediction beside rollout_wait
+    and push, a push above 90 % of the GPU warned with its relief, an OOM in push explained."""
+    p = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
+    m = {"step": 5}
+    for name in ("rollout_wait", "push"):
+        plan_fit.record(p, name, m)
+        assert m[f"plan/{name}/predicted_gb"] == p.stage(name).total / GB
+        assert m[f"plan/{name}/device_gb"] == p.device[name] / GB
+    push = p.stage("push").total / GB
+    lines = plan_fit.watch({"step": 5, "mem/push/peak_gb": push}, {}, p, 1.05 * push * GB, 0)
+    assert len(lines) == 1 and "push peaked at" in lines[0] and "--" in lines[0]
+    msg = plan_fit.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
+    assert "stage push" in msg and "after update" in msg and f"{push:.1f} GB" in msg
