@@ -14,13 +14,15 @@ import torch
 import torch.distributed as dist
 
 
-def init_distributed(timeout_s: float | None = None):
+def init_distributed(timeout_s: float | None = None, world_size: int | None = None):
     """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
     On GPUs the group has two backends: NCCL for CUDA tensors and gloo for CPU tensors, which
     CPUOffloadPolicy's shards, grads and grad-norm reduction are (an NCCL-only group fails there
     with "No backend type associated with device type cpu"). CPU runs: gloo alone.
     `timeout_s`: how long a collective (and the start-up rendezvous) may wait for the other ranks
-    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default)."""
+    before it raises: a stalled rank then ends the run instead of hanging it (None: torch's default).
+    `world_size`: fewer ranks than torchrun started (async rollout: the last ranks run engines and
+    never join the trainer's group); the trainer's ranks are the first ones."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -29,14 +31,15 @@ def init_distributed(timeout_s: float | None = None):
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
         wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
+            ranks = {"rank": int(os.environ["RANK"]), "world_size": world_size} if world_size else {}
             dist.init_process_group(backend, device_id=device if cuda else None, **wait,
-                                    **restart_store(timeout_s))   # torchrun restarted us: a fresh store
+                                    **{**ranks, **restart_store(timeout_s, world_size)})   # torchrun restarted us: a fresh store
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def restart_store(timeout_s: float | None) -> dict:
+def restart_store(timeout_s: float | None, world_size: int | None = None) -> dict:
     """init_process_group's store for a worker that torchrun restarted (--max-restarts, after a rank
     died): the agent's store under a prefix of this attempt. Without it the new workers can read
     the previous attempt's addresses from the store and gloo's (or NCCL's) connect is refused, or
@@ -44,7 +47,7 @@ def restart_store(timeout_s: float | None) -> dict:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if not attempt or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    world = int(os.environ["WORLD_SIZE"])
+    world = world_size or int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=datetime.timedelta(seconds=timeout_s or 1800))
     return {"store": dist.PrefixStore(f"/restart_{attempt}", store), "rank": int(os.environ["RANK"]),

@@ -202,11 +202,13 @@ class Stream:
 
 def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config, model_path: str | None,
           out_dir: str, prompt_len: int, train_batch_size: int, seed: int, pad_id: int, eos_id: int,
-          timeout_s: float, dp: int, dp_rank: int, version: int) -> Stream:
+          timeout_s: float, dp: int, dp_rank: int, version: int, stashes: list) -> Stream:
     """Start (k=0) or reach (k >= 1) the engines, give them the spec, push the current weights as
-    `version`. Collective over the trainer ranks (they take part in the first push)."""
+    `version` (`stashes`: the actor's params, in for that push). Collective over the trainer ranks
+    (they take part in the first push)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     k, torch_dtype = engines(cfg), getattr(torch, dtype if cfg.dtype == "auto" else cfg.dtype)
+    torch_dtype = torch_dtype if device.type == "cuda" else torch.float32   # as the trainer computes on the CPU
     layout, bucket_bytes = weight_layout(model, torch_dtype, cfg.sync_bucket_mb * 2 ** 20)
     step_samples = train_batch_size * cfg.n
     s = Stream(cfg, rank, device, torch_dtype, layout, k, buffer_limit(cfg, train_batch_size), step_samples, dp,
@@ -218,8 +220,19 @@ def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config
                     prompt_len + cfg.response_length, -(-step_samples // k), str(torch_dtype).split(".")[-1],
                     pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0), timeout_s)
         _connect(s, spec)
-    push(s, model, [], version, {})
+    push(s, model, stashes, version, {})
     return s
+
+
+def describe(s: Stream) -> list[str]:
+    """The set-up report's lines: where the engines are, the bound, what each engine took."""
+    c, where = s.cfg, (f"on {s.cfg.gpus} GPU(s) of their own" if s.cfg.gpus else "one process beside rank 0")
+    built = "; ".join(f"engine {i}: built in {v['build_s']:.1f} s, device {v['device_gb']:.2f} GB"
+                      for i, v in sorted(s.engine_stats.items()))
+    return [f"[rollout] async: {s.engines} engine(s) {where}; a batch at most {c.max_staleness} update(s) older "
+            f"than the policy it trains; the host buffer holds at most {s.limit} samples (ordered or waiting, "
+            f"{s.limit * sample_bytes(s.prompt_len, c.response_length) / 2 ** 20:.1f} MB); weights pushed after each "
+            f"update in {len(s.layout)} bucket(s) of up to {c.sync_bucket_mb} MB; {built}"]
 
 
 def _host() -> str:
@@ -495,6 +508,7 @@ def serve(address, authkey: bytes, index: int):
     except (EOFError, ConnectionError):    # the trainer is gone: nothing to report to
         pass
     except BaseException as e:              # noqa: BLE001 (said to the trainer, then the process ends)
+        traceback.print_exc()              # the whole story on this process's stderr, one line to the trainer
         line = (traceback.format_exception_only(type(e), e)[-1].strip())[:500]
         try:
             conn.send(("error", line))
@@ -509,9 +523,9 @@ def _serve(conn, index: int):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     shared = conn.recv()[1] if spec.transport == "ipc" else None   # the trainer's bucket, mapped here once
+    pg = _group(spec, index + 1, engines(spec.cfg) + 1) if spec.transport != "ipc" else None
     t0 = time.perf_counter()
     eng = _build(spec, device)
-    pg = _group(spec, index + 1, engines(spec.cfg) + 1) if spec.transport != "ipc" else None
     buf = shared if shared is not None else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device)
     conn.send(("ready", {"build_s": time.perf_counter() - t0, "device_gb": _device_gb(device)}))
     version, pending, idle, weight_wait = -1, [], 0.0, 0.0
@@ -554,7 +568,9 @@ def _build(spec: Spec, device: torch.device):
     cfg = spec.cfg
     if rollout.resolve_engine(cfg, device) == "hf":
         from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_config(spec.config, torch_dtype=getattr(torch, spec.dtype))
+        config = spec.config
+        config._attn_implementation = "sdpa"   # the trainer's config names its packed attention
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
         return model.to(device).eval()
     nbytes = torch.finfo(getattr(torch, spec.dtype)).bits // 8
     kv = 0 if cfg.gpu_memory_utilization > 0 else rollout.kv_cache_bytes(

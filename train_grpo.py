@@ -67,6 +67,7 @@ import plan_fit
 import ref
 import reward_model
 import rollout
+import rollout_async
 import rundir
 import tracker
 import ulysses
@@ -98,6 +99,7 @@ class Trainer:
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
     plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
+    stream: rollout_async.Stream | None = None   # --rollout.mode=async: the engines' side of the run (rank 0's buffer)
     data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
 
@@ -108,7 +110,9 @@ def preflight(cfg: Config):
     model directory (config, weights, a decoder layout this code shards), the data and the reward,
     then the out_dir policy (`rundir.plan`). Returns ((prompt ids, answers, chats), the
     checkpoint to resume or None)."""
-    options.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    nproc = int(os.environ.get("WORLD_SIZE", 1))
+    rollout_async.check(cfg.rollout, nproc)
+    options.check_sizes(cfg, rollout_async.trainer_world(cfg.rollout, nproc))
     check_model(cfg.model)
     reward_model.check_model(cfg.reward_model)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
@@ -124,7 +128,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     """Build every role (each offloads what its flags say), then the rollout engine (or reuse
     `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
     benchmark's)."""
-    rank, world, device = init_distributed(cfg.dist_timeout_s)
+    nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
+    rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_async.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
     tokenizer = data_io.load_tokenizer(cfg.model)
     prompts, answers, chats = data if data is not None else data_io.load_data(
@@ -137,8 +142,10 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     offload.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if cfg.rollout.mode == "async":        # the engines live in their own processes (started by `train`)
+        engine = rollout.Engine(kind, cfg.rollout, pad, tokenizer.eos_token_id, device)
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
                                out_dir=cfg.out_dir, max_model_len=prompt_len + cfg.rollout.response_length,
                                max_num_seqs=cfg.train_batch_size // world * cfg.rollout.n, dtype=cfg.actor.param_dtype,
@@ -271,11 +278,16 @@ def train_step(t: Trainer, step: int) -> dict:
     stage = lambda name: ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
     idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
-    with stage("generate"):                # the actor's offloaded params come in for the sync only
-        batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
-                                 cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
-        batch = ulysses.gather_batch(batch, sp)   # Ulysses: the group's k shares on each of its ranks
-    m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
+    if t.stream is not None:               # async: sampled while the last step trained; the next batch is ordered
+        with stage("rollout_wait"):
+            samples = rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m)
+            batch = rollout_async.batch(t.stream, samples, t.engine.pad_id, t.engine.eos_id)
+    else:
+        with stage("generate"):            # the actor's offloaded params come in for the sync only
+            batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
+                                     cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
+            batch = ulysses.gather_batch(batch, sp)   # Ulysses: the group's k shares on each of its ranks
+        m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     with stage("reward"):                  # CPU: decode and score each response
         scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
                                                batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
@@ -307,6 +319,9 @@ def train_step(t: Trainer, step: int) -> dict:
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
     with stage("update"):
         m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
+    if t.stream is not None:
+        with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
+            rollout_async.push(t.stream, t.actor.model, [t.actor.base, t.actor.params], step + 1, m)
     m.update(step_figures(t, scores, batch["response_mask"]), **{"time/step": time.perf_counter() - t0})
     return reduce_metrics(m, t.device)
 
@@ -323,6 +338,12 @@ def batch_indices(t: Trainer, step: int) -> list[int]:
     local_bs = t.cfg.train_batch_size // g.dp_size
     start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
     return [t.order[(start + g.dp_rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
+
+
+def step_prompts(t: Trainer, step: int) -> list:
+    """Every data-parallel group's prompts of `step`, in group order (what async rollout orders)."""
+    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    return [t.prompts[t.order[(start + i) % len(t.order)]] for i in range(t.cfg.train_batch_size)]
 
 
 def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -344,6 +365,8 @@ def train(t: Trainer, start: int) -> bool:
     rundir.stop_on_sigterm()
     log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
     t_start, seen = time.time(), {}
+    if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
+        start_stream(t, start)
     for step in range(start, cfg.steps):
         with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
@@ -367,7 +390,23 @@ def train(t: Trainer, start: int) -> bool:
             log.close()
             return False
     log.close()
+    if t.stream is not None:
+        rollout_async.close(t.stream)
     return True
+
+
+def start_stream(t: Trainer, step: int):
+    """Async rollout: start (or reach) the engines and push them the policy of `step` (its version:
+    one update per step). Nothing was buffered before: a resumed run samples its batches again."""
+    cfg, g = t.cfg, ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
+    t.stream = rollout_async.start(
+        cfg.rollout, model=t.actor.model, device=t.device, dtype=cfg.actor.param_dtype, config=t.actor.model.config,
+        model_path=cfg.model, out_dir=cfg.out_dir, prompt_len=max(map(len, t.prompts)),
+        train_batch_size=cfg.train_batch_size, seed=cfg.seed, pad_id=t.engine.pad_id, eos_id=t.engine.eos_id,
+        timeout_s=cfg.dist_timeout_s, dp=g.dp_size, dp_rank=g.dp_rank, version=step,
+        stashes=[t.actor.base, t.actor.params])
+    if t.rank == 0:
+        print("\n".join(rollout_async.describe(t.stream)), flush=True)
 
 
 def trained(t: Trainer) -> list:   # (name, state, checkpoint bracket); the frozen roles are rebuilt from --model
@@ -377,6 +416,7 @@ def trained(t: Trainer) -> list:   # (name, state, checkpoint bracket); the froz
 def save(t: Trainer, step: int):          # a checkpoint after `step` steps, with the run's place in its data
     checkpoint.save(t.cfg.out_dir, step, trained(t), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
+        "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
         "world_size": t.world, "config": asdict(t.cfg)})
 
 
@@ -416,6 +456,8 @@ def main(argv=None):
     try:
         cfg = options.parse_args(argv)
         timeout = cfg.dist_timeout_s
+        if rollout_async.is_engine_rank(cfg.rollout):   # one of torchrun's last rollout.gpus ranks
+            launch.leave(rollout_async.engine_rank(cfg.rollout))
         rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
         rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
         data, start = preflight(cfg)
@@ -437,6 +479,8 @@ def main(argv=None):
                 tracker.picture_at_end(cfg.out_dir)   # <out_dir>/memory.png (plan.py --plot draws it too)
         if cfg.save:
             checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
+    except rollout_async.EngineDied as e:  # async rollout: an engine process failed or exited
+        fail(f"error: {e}", rank, 1)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
         fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
     except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
