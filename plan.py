@@ -315,7 +315,7 @@ def state_groups(z: Sizes) -> Groups:
         groups["ref params"] = (ref_p, ref_p)
         host_only.add("ref params")
     if z.asynchronous and cfg.rollout.gpus == 0:   # rank 0: the push's bucket, mapped once by the engine (CUDA IPC)
-        groups["push bucket"] = (cfg.rollout.sync_bucket_mb * 2 ** 20, 0)
+        groups["push bucket"] = (_bucket(z), 0)
     return Groups(groups, frozenset(host_only))
 
 
@@ -408,13 +408,20 @@ def _update(z: Sizes, g: Groups) -> Stage:
                                         {**g.resident("actor params", "actor Adam"), **grads}))
 
 
+def _bucket(z: Sizes) -> int:
+    """The push's bucket (rollout_async.weight_layout): sync_bucket_mb, or the whole model when it is
+    smaller, or the largest tensor when that is larger."""
+    s = z.shapes
+    return max(min(z.cfg.rollout.sync_bucket_mb * 2 ** 20, z.c * s.params), z.c * s.largest)
+
+
 def _push(z: Sizes, g: Groups) -> Stage:
     """Async: the new weights out to the engine(s). The actor's params are in (kept after the update
     with defer_param_offload, reloaded otherwise); one tensor at a time is gathered in the compute
     dtype and copied into the bucket: allocated for the push with rollout.gpus >= 1 (NCCL broadcast),
     held all run with 0 (state_groups' "push bucket"). LoRA merges each target in fp32 on the way."""
     s, c = z.shapes, z.c
-    bucket = {"push bucket": z.cfg.rollout.sync_bucket_mb * 2 ** 20} if z.cfg.rollout.gpus else {}
+    bucket = {"push bucket": _bucket(z)} if z.cfg.rollout.gpus else {}
     merge = {"LoRA merge (fp32)": 4 * s.hidden * s.ffn} if z.lora else {}
     return Stage("push", {**g.resident("actor params"), **bucket, "gathered tensor": c * s.largest, **merge})
 
