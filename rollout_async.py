@@ -519,6 +519,7 @@ def serve(address, authkey: bytes, index: int):
 
 def _serve(conn, index: int):
     _, spec, _ = conn.recv()
+    spec.config._attn_implementation = "sdpa"   # the trainer's copy names its packed attention (packing.py)
     device = torch.device("cuda", 0) if spec.transport != "gloo" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -568,9 +569,7 @@ def _build(spec: Spec, device: torch.device):
     cfg = spec.cfg
     if rollout.resolve_engine(cfg, device) == "hf":
         from transformers import AutoModelForCausalLM
-        config = spec.config
-        config._attn_implementation = "sdpa"   # the trainer's config names its packed attention
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec.dtype))
+        model = AutoModelForCausalLM.from_config(spec.config, dtype=getattr(torch, spec.dtype))
         return model.to(device).eval()
     nbytes = torch.finfo(getattr(torch, spec.dtype)).bits // 8
     kv = 0 if cfg.gpu_memory_utilization > 0 else rollout.kv_cache_bytes(
