@@ -470,6 +470,11 @@ def spawn(address, authkey: bytes, index: int, device: torch.device):
     """A fresh Python process (spawn: no CUDA state inherited) running `serve` on `device` alone: it
     sees that GPU as its only one, so vLLM's own executor takes it."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # torchrun's variables would make the engine's own process group (vLLM's, on a free port) look
+    # for torchrun's agent store instead (TORCHELASTIC_USE_AGENT_STORE): the child starts without them
+    launcher = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCHELASTIC_") or k in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     if device.type == "cuda":
         visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index or 0]
@@ -478,6 +483,7 @@ def spawn(address, authkey: bytes, index: int, device: torch.device):
                                                          name=f"rollout-engine-{index}", daemon=False)
         p.start()
     finally:
+        os.environ.update(launcher)
         if env is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
