@@ -26,6 +26,7 @@ and the engine's device use are in the metrics. Faults: an engine that dies stop
 line; a resume pushes the checkpoint's weights and samples its batches again (the buffer is not
 saved: a checkpoint records the policy version, and buffered samples are regenerated).
 """
+import ast
 import datetime
 import multiprocessing
 import os
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 import offload
 import rollout
+import tensor_parallel
 import weights
 from rollout import RolloutConfig
 
@@ -496,7 +498,7 @@ def engine_rank(cfg: RolloutConfig) -> int:
     exit code. It holds no GPU memory itself (the engine process has the GPU)."""
     nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     index = rank - trainer_world(cfg, nproc)
-    address, key = eval(_torchrun_store().get("rollout_async/address").decode())   # noqa: S307 (our own repr)
+    address, key = ast.literal_eval(_torchrun_store().get("rollout_async/address").decode())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     p = spawn(address, bytes.fromhex(key), index, device)
@@ -615,11 +617,7 @@ def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:
     if not isinstance(eng, rollout.Engine):
         return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
                                  logprobs=True)
-    reqs, seeds, _ = rollout_requests(order, cfg)
+    reqs, seeds, _ = tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
     outs = rollout.sample_vllm(eng, reqs, seeds)
     return rollout.vllm_samples(list(zip(reqs, outs)))
 
-
-def rollout_requests(order: dict, cfg: RolloutConfig):
-    import tensor_parallel
-    return tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
