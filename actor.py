@@ -48,7 +48,7 @@ import packing
 import ulysses
 import weights
 from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, compute_log_probs, forward,
-                   global_counts, load_model, make_layout, shard, split)
+                   global_counts, in_use, load_model, make_layout, shard, split, state, update_phases)
 
 
 @dataclass
@@ -119,6 +119,20 @@ RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_ba
           "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1", "rollout_is_threshold": "> 0"}
 CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES, "rollout_is": ("auto", "token", "none"),
            "param_dtype": ("bfloat16", "float16", "float32")}
+SEARCH = {  # what --offload=auto may turn (plan.py), cheapest first; NEEDS: a flag that only acts with another
+    "gradient_checkpointing": (False, True), "param_offload": (False, True), "optimizer_offload": (False, True),
+    "optimizer_load_at_step": (False, True)}
+NEEDS = {"optimizer_load_at_step": "optimizer_offload"}
+RESCUE = {  # what plan.py names when no combination of SEARCH fits
+    "lora_rank": (64, "train adapters only: no ref model, grads and Adam for the adapters"),
+    "offload_policy": (True, "FSDP2 CPUOffloadPolicy: ~10x slower step")}
+RELIEF = {  # the actor's terms of a stage's prediction -> the change that removes or shrinks it
+    "actor_params": "--actor.param_offload=true", "actor_optimizer": "--actor.optimizer_offload=true",
+    "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",
+    "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
+    "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
+    "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
+    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens"}
 
 
 def check(cfg: ActorConfig, world: int):
@@ -190,6 +204,13 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
     return adv.reshape(-1, 1) * mask
 
 
+def prefetches(cfg: ActorConfig, ppo: bool) -> bool:
+    """The params come in during the ref stage and stay for the update (prefetch_update): only with
+    param_offload, and only when a ref forward comes right before the update (GRPO with the KL loss;
+    PPO's critic stages sit between them). The loop, `describe` and the planner read this rule."""
+    return cfg.prefetch_update and cfg.param_offload and cfg.use_kl_loss and not ppo
+
+
 def on_policy(cfg: ActorConfig, train_batch_size: int) -> bool:
     """One epoch over one mini-batch of the whole batch: the update's first forward is the policy
     that sampled, so the old log-probs are its own (detached) and the old_logp stage is skipped.
@@ -254,15 +275,12 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
                                   a.params.nbytes + a.base.nbytes, c.param_offload, a.device))
     lines.append(offload.describe("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes,
                                   c.optimizer_offload, a.device))
-    timing = []                            # the copy levers: when each offloaded group moves
-    ref_forward = c.use_kl_loss and not ppo    # the update follows a ref forward
+    timing, early = [], prefetches(c, ppo)  # the copy levers: when each offloaded group moves
     if c.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if c.defer_param_offload
                                          else "after the update")
-                      + (" and return during the ref forward" if c.prefetch_update and ref_forward and not a.lora
-                         else "")
-                      + (" and stay after the ref forward (adapter off) for the update"
-                         if c.prefetch_update and ref_forward and a.lora else ""))
+                      + ("" if not early else " and stay after the ref forward (adapter off) for the update"
+                         if a.lora else " and return during the ref forward"))
     if c.optimizer_offload:
         timing.append("Adam returns " + ("just before optimizer.step" if c.optimizer_load_at_step
                                          else "on a side stream during the forward/backward"))
@@ -297,25 +315,24 @@ def compute_old_log_probs(a: Actor, batch: dict, temperature: float, train_batch
         metrics.update(logprob_mismatch(batch["old_log_probs"], batch))
 
 
-def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict,
-                          update_next: bool = False) -> torch.Tensor:
+def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict, ppo: bool) -> torch.Tensor:
     """LoRA's reference log-probs: the actor's own forward with its adapter off, i.e. the frozen
     base, which is the policy at step 0 (no reference model is built or held). Inside the actor's
-    bracket. `update_next` (GRPO: the update is the next stage) with prefetch_update: the params stay
-    on the GPU after it, so the update copies nothing in (the ref forward needs them itself, so here
-    the lever has no copy to hide, only one to save)."""
+    bracket; when it `prefetches` (GRPO: the update is the next stage) the params stay on the GPU
+    after it, so the update copies nothing in (the ref forward needs them itself: no copy to hide,
+    one to save)."""
     layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
-    with resident(a, metrics, keep=update_next and a.cfg.prefetch_update), a.lora.disable_adapter():
+    with resident(a, metrics, keep=prefetches(a.cfg, ppo)), a.lora.disable_adapter():
         return compute_log_probs(a.model, batch, layout, temperature)
 
 
 def prefetch_update(a: Actor, metrics: dict):
     """The prefetch_update lever: the update's params start coming in on a side stream now (the
     loop calls this while the ref forward runs); `update` then only waits for the copy. They stay
-    on the GPU from here on. Not Adam: twice the bytes, and the update hides its copy already."""
-    if a.cfg.prefetch_update:
-        for s in (a.base, a.params):
-            metrics.update(offload.reload(s, background=True))
+    on the GPU from here on (the loop calls it when the actor `prefetches`). Not Adam: twice the bytes,
+    and the update hides its copy already."""
+    for s in (a.base, a.params):
+        metrics.update(offload.reload(s, background=True))
 
 
 def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict) -> dict:
@@ -362,7 +379,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                     mismatch.append((logp, mb))
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
-    sums = sums / layout.sp if layout.sp > 1 else sums   # a Ulysses group's k ranks summed the same rows
+    sums = ulysses.once(sums, layout.sp)
     out = update_stats(model, before, sums, norms, mismatch, moved)
     return out if cfg.rollout_is == "token" else {k: v for k, v in out.items() if k not in IS_STATS}
 
@@ -431,6 +448,61 @@ def probe(model) -> torch.Tensor:
     moved the weights, without a copy of the model (`update_stats` reports the mean |delta|)."""
     return torch.cat([p.detach().to_local().reshape(-1)[:PROBE].float() if hasattr(p, "to_local")
                       else p.detach().reshape(-1)[:PROBE].float() for p in model.parameters()])
+
+
+# --------------------------------------------------------------------------- predicted
+# The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or
+# moves anything): per rank, `z` a model.Sizes, a state group (name: its stash's) as (bytes on the GPU
+# in use, between uses, in pinned host memory), a stage as its moments, each {term: bytes}.
+GROUPS = ("actor_base", "actor_params")     # what a forward of the policy needs in
+
+
+def predicted_states(cfg: ActorConfig, z, config) -> dict:
+    """Full fine-tuning: fp32 shards and Adam's two moments (param_offload_layers: only the first k
+    layers' shards leave). LoRA: the frozen base in the compute dtype, the adapters fp32 and their Adam.
+    CPUOffloadPolicy: everything on the host (the grads too), a layer at a time comes over."""
+    s = z.shapes
+    if cfg.lora_rank:
+        n = lora.lora_param_count(config, cfg.lora_rank, cfg.lora_target_modules)
+        out = {"actor_base": state(z.shard(s.params, z.c), cfg.param_offload),
+               "actor_params": state(z.shard(n, 4), cfg.param_offload),
+               "actor_optimizer": state(z.shard(n, 8), cfg.optimizer_offload)}
+    else:
+        k = s.layers if cfg.param_offload_layers < 0 else min(cfg.param_offload_layers, s.layers)
+        p, part = z.shard(s.params, 4), z.shard(k * s.layer_params + (s.root_params if k == s.layers else 0), 4)
+        out = {"actor_params": (p, p - part, part) if cfg.param_offload else (p, p, 0),
+               "actor_optimizer": state(z.shard(s.params, 8), cfg.optimizer_offload)}
+    if cfg.offload_policy:
+        out = {g: (0, 0, u * (2 if g == "actor_params" else 1)) for g, (u, b, h) in out.items()}
+    return out
+
+
+def predicted_forward(cfg: ActorConfig, z, states: dict) -> list:
+    """A log-prob forward: old_logp (not on-policy), and LoRA's reference (its adapter off)."""
+    layout = make_layout(cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
+    return [{**in_use(states, *GROUPS), **z.forward(layout)}]
+
+
+def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
+    layout = make_layout(cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
+    n, params, adam = z.tokens(layout), in_use(states, *GROUPS), in_use(states, "actor_optimizer")
+    grads = {"actor grads": states["actor_params"][0]}     # fp32 shards of what trains (host-side with the policy)
+    busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
+            "LM head chunk (backward)": z.head(n, layout, packing.HEAD_BACKWARD)}
+    held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
+    return update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
+
+
+def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:
+    """The actor's copies that do not hide behind compute: its params out at the sync and in again
+    (hidden behind the ref forward when it `prefetches`), Adam in (on a side stream behind the
+    forward/backward, or at the step) and out; with CPUOffloadPolicy the optimizer's step on the CPU."""
+    host = {g: h for g, (u, b, h) in states.items()}
+    if cfg.offload_policy:                     # 16.2 s for 1.54B params on one H200 host
+        return 10.5e-9 * z.shapes.params / max(z.world, 1) + 1.5 * host["actor_params"] / bandwidth
+    exposed = host["actor_params"] * (1 + (0.25 if prefetches(cfg, ppo) else 1)) + host.get("actor_base", 0)
+    exposed += host["actor_optimizer"] * (1 + (1 if cfg.optimizer_load_at_step else 0.5))
+    return exposed / bandwidth
 
 
 # --------------------------------------------------------------------------- checkpoints

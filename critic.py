@@ -38,8 +38,8 @@ import actor
 import offload
 import packing
 import ulysses
-from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, is_dir,
-                   load_model, make_layout, shard, split)
+from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
+                   load_model, make_layout, shard, split, state, update_phases)
 
 
 @dataclass
@@ -68,6 +68,8 @@ RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "cliprange_v
           "gamma": "[0, 1]", "lam": "[0, 1]", "ppo_max_token_len_per_gpu": ">= 1",
           "forward_max_token_len_per_gpu": ">= 1"}
 CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": LOSS_AGG_MODES}
+SEARCH = {"param_offload": (False, True), "optimizer_offload": (False, True)}   # --offload=auto's, separate mode
+RELIEF = {"critic_params": "--critic.param_offload=true", "critic_optimizer": "--critic.optimizer_offload=true"}
 
 
 # --------------------------------------------------------------------------- math
@@ -96,9 +98,9 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, sp: int = 1) 
     of a Ulysses group hold the same rows, so each sum counts them once (divided by k)."""
     xd, md = x.double(), mask.double()
     s = all_sum(torch.stack([(xd * md).sum(), md.sum()]))
-    s = s / sp if sp > 1 else s
+    s = ulysses.once(s, sp)
     mean = s[0] / s[1]
-    var = all_sum(((xd - mean).square() * md).sum()) / sp / (s[1] - 1).clamp(min=1)
+    var = ulysses.once(all_sum(((xd - mean).square() * md).sum()), sp) / (s[1] - 1).clamp(min=1)
     return ((xd - mean) * torch.rsqrt(var + eps)).float() * mask
 
 
@@ -287,9 +289,47 @@ def update_critic(c: Critic, batch: dict, mini_size: int, epochs: int) -> dict:
                     sums += torch.stack([loss, (clipped * m).sum() / tokens]).double()
             norms.append(clipped_step(model, optimizer, cfg.grad_clip, c.adam, moved, "critic"))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
-    sums = all_sum(sums / layout.sp if layout.sp > 1 else sums) / len(norms)   # a group's k ranks: the same rows
+    sums = all_sum(ulysses.once(sums, layout.sp)) / len(norms)
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
             "critic/grad_norm": sum(norms) / len(norms), **moved}
+
+
+# --------------------------------------------------------------------------- predicted
+# Its bytes in the planner's terms (predict.py composes them): per rank, `z` a model.Sizes, each state
+# group as (bytes on the GPU in use, between uses, in pinned host memory), each stage as its moments.
+def predicted_states(cfg: CriticConfig, z) -> dict:
+    """Separate: the trunk and its value head (hidden + 1), fp32, and Adam; shared: the head alone."""
+    s = z.shapes
+    if cfg.mode == "shared":                   # never moves
+        n = z.shard(s.hidden + 1, 4)
+        return {"critic_params": (n, n, 0), "critic_optimizer": (2 * n, 2 * n, 0)}
+    p = z.shard(s.trunk + s.hidden + 1, 4)
+    return {"critic_params": state(p, cfg.param_offload), "critic_optimizer": state(2 * p, cfg.optimizer_offload)}
+
+
+def _saved(cfg: CriticConfig, z) -> dict:   # shared: the actor's features, from the values stage to the update
+    return {"features": z.samples * z.response_len * z.shapes.hidden * z.c} if cfg.mode == "shared" else {}
+
+
+def predicted_values(cfg: CriticConfig, z, states: dict, actor_cfg, policy: dict) -> list:
+    """Its forward (shared: the actor's, whose groups in use are `policy`)."""
+    layout = make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu)
+    model = policy if cfg.mode == "shared" else in_use(states, "critic_params")
+    return [{**model, **z.forward(layout), **_saved(cfg, z)}]
+
+
+def predicted_advantage(cfg: CriticConfig, z) -> list:
+    return [_saved(cfg, z)]
+
+
+def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
+    if cfg.mode == "shared":                   # the head on the saved features: no forward of a model
+        return [{**_saved(cfg, z), **in_use(states, "critic_params", "critic_optimizer")}]
+    layout = make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
+    n = z.tokens(layout)
+    busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c)}
+    return update_phases(in_use(states, "critic_params", "critic_optimizer"), {"critic grads": states["critic_params"][0]},
+                         busy, z.accumulating(layout))
 
 
 # --------------------------------------------------------------------------- checkpoints

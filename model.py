@@ -15,6 +15,7 @@ leaves each rank its FSDP2 shard on its device.
 """
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 import offload
 import packing
+import ulysses
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 HEADS = {"causal": "CausalLM", "value": "TokenClassification", "score": "SequenceClassification"}
@@ -43,18 +45,37 @@ def is_dir(path: str | None) -> bool:
     return path is not None and random_size(path) is None
 
 
+# --model=random:<size> and the embedded default (None: "tiny", whose 16-character tokenizer is tiny.py's):
+# Qwen2 shapes built in code, the memory and speed of a real checkpoint of that size, nothing downloaded
+SIZES = {  # vocab, hidden, intermediate, layers, heads, kv heads, tied embeddings
+    "tiny": (16, 256, 768, 4, 4, 2, True),             # about 3.2M parameters
+    "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2, True),
+    "qwen2.5-1.5b": (151936, 1536, 8960, 28, 12, 2, True),
+    "qwen2.5-3b": (151936, 2048, 11008, 36, 16, 2, True),
+    "qwen2.5-7b": (151936, 3584, 18944, 28, 28, 4, False),
+    "qwen2.5-72b": (151936, 8192, 29568, 80, 64, 8, False),   # its vocabulary is 152,064 (0.01 % more)
+}
+
+
+def size_config(name: str):
+    """The Qwen2 config of a SIZES entry (pad id 0, eos id 1, as tiny.py's tokenizer has them)."""
+    from transformers import Qwen2Config
+    v, h, i, n, heads, kv, tied = SIZES[name]
+    tiny = name == "tiny"
+    return Qwen2Config(vocab_size=v, hidden_size=h, intermediate_size=i, num_hidden_layers=n, num_attention_heads=heads,
+                       num_key_value_heads=kv, max_position_embeddings=64 if tiny else 32768, tie_word_embeddings=tied,
+                       pad_token_id=0, eos_token_id=1, bos_token_id=1 if tiny else None,
+                       torch_dtype="float32" if tiny else "bfloat16", architectures=["Qwen2ForCausalLM"])
+
+
 def hf_config(path: str | None, option: str = "--model"):
     """The HF config of `path` without its weights, a fresh object each call. `option`: how an
     unknown random size or a missing directory is named in the error."""
-    import tiny
-    size = random_size(path)
-    if path is None or size == "tiny":
-        return tiny.tiny_config()
+    size = "tiny" if path is None else random_size(path)
     if size is not None:
-        if size not in tiny.QWEN25:
-            raise ValueError(f"{option}={path}: known sizes are random:tiny, "
-                             + ", ".join(f"random:{k}" for k in tiny.QWEN25))
-        return tiny.qwen25_config(size)
+        if size not in SIZES:
+            raise ValueError(f"{option}={path}: known sizes are " + ", ".join(f"random:{k}" for k in SIZES))
+        return size_config(size)
     check_model_path(path, option)
     from transformers import AutoConfig
     return AutoConfig.from_pretrained(path, local_files_only=True)
@@ -215,7 +236,7 @@ def global_counts(mini: dict, sp: int = 1) -> tuple[float, float]:
     hold the same rows; each sample counts once (exact: integer counts divided by k)."""
     m = mini["response_mask"]
     c = all_sum(torch.stack([m.sum(), torch.tensor(float(m.shape[0]), device=m.device)]).double())
-    c = c / sp if sp > 1 else c
+    c = ulysses.once(c, sp)
     tokens, seqs = c.tolist()                   # one host sync per mini-batch
     return tokens, seqs
 
@@ -250,3 +271,139 @@ def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None,
     elif not dist.is_initialized() or dist.get_rank() == 0:   # the norm is global: one rank says it
         print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
     return norm
+
+
+# --------------------------------------------------------------------------- predicted bytes
+# What every role's predicted section shares (the planner, predict.py, composes them; nothing here
+# builds a model). Per rank, in bytes.
+@dataclass(frozen=True)
+class Shapes:
+    """What memory depends on in a decoder-only transformer (Qwen2 / Llama layout)."""
+    vocab: int
+    hidden: int
+    ffn: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:             # q, k, v (with bias), o, gate, up, down, two norms
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_dim
+        return h * q + q + 2 * (h * kv + kv) + q * h + 3 * h * self.ffn + 2 * h
+
+    @property
+    def root_params(self) -> int:              # embeddings, final norm, untied LM head
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def trunk(self) -> int:                    # without an untied LM head: what a value / score model keeps
+        return self.params - (0 if self.tied else self.vocab * self.hidden)
+
+    @property
+    def largest(self) -> int:                  # the biggest single tensor (the weight sync's unit)
+        return max(self.vocab * self.hidden, self.hidden * self.ffn)
+
+    def saved_per_token(self, c: int = 2) -> int:
+        """Bytes autograd keeps per token per decoder layer in the compute dtype (`c` bytes): two
+        RMSNorms keep an fp32 copy of their input; q, k, v, the attention output and its log-sum-exp;
+        the MLP's gate, up, activation and product (counted from the HF Qwen2 layer, test_plan.py)."""
+        h = self.hidden
+        return 8 * h + 8 + 2 * c * h + c * (4 * h + 2 * self.kv_dim + 4 * self.ffn) + 4 * self.heads
+
+    def gather(self, c: int) -> int:           # FSDP2 in a forward: the layer computed, the next, the root
+        return c * (2 * self.layer_params + self.root_params)
+
+    def layer_work(self, n_tok: int, c: int) -> int:   # a no-grad layer's transient over n_tok tokens
+        return n_tok * (c * (3 * self.ffn + 5 * self.hidden) + 8 * self.hidden)
+
+    def activations(self, n_tok: int, c: int, checkpointing: bool) -> dict:
+        """What a forward keeps for backward: every layer's set, or with gradient checkpointing each
+        layer's input and one layer's set rebuilt in backward."""
+        if checkpointing:
+            return {"activations (layer inputs)": self.layers * n_tok * self.hidden * c,
+                    "activations (one layer rebuilt)": n_tok * self.saved_per_token(c)}
+        return {"activations": self.layers * n_tok * self.saved_per_token(c) + n_tok * (4 + c) * self.hidden}
+
+
+def shapes(config) -> Shapes:
+    return Shapes(config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                  config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                  head_dim(config), bool(getattr(config, "tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """One rank's share of a step, as the predicted sections read it (the planner makes it)."""
+    shapes: Shapes                             # the policy's
+    world: int                                 # the trainer's ranks
+    group: int                                 # the ranks one FSDP2 shard group spans (fsdp_size)
+    c: int                                     # bytes of the compute dtype
+    samples: int                               # this rank's rows of a step (a Ulysses group's k ranks: the same)
+    mini: int                                  # this rank's rows per optimizer step
+    prompt_len: int
+    response_len: int
+    sp: int = 1                                # Ulysses: the ranks that split each micro-batch's tokens
+
+    @property
+    def T(self) -> int:                        # tokens of a row: prompt + response
+        return self.prompt_len + self.response_len
+
+    def shard(self, n: int, nbytes: int) -> int:
+        """Bytes of one rank's shard of n values of `nbytes` each."""
+        return math.ceil(n / self.group) * nbytes
+
+    def tokens(self, layout: packing.Layout) -> int:
+        """This GPU's tokens of one micro-batch (a token budget: the fewest bins that fit, as
+        packing.micro_batches fills them); a Ulysses group's k ranks run 1/k of it each."""
+        if not layout.max_tokens:
+            return min(layout.micro, self.samples) * self.T // layout.sp
+        bins = math.ceil(self.mini * self.T / layout.max_tokens)
+        return min(layout.max_tokens, math.ceil(self.mini / bins) * self.T) // layout.sp
+
+    def accumulating(self, layout: packing.Layout) -> bool:
+        """2+ micro-batches per optimizer step: the grads are already held when a micro-batch runs."""
+        bins = math.ceil(self.mini * self.T / layout.max_tokens) if layout.max_tokens else math.ceil(self.mini / layout.micro)
+        return bins > 1
+
+    def head(self, n_tok: int, layout: packing.Layout, per_elt: int) -> int:
+        """One LM-head chunk of the response tokens among n_tok, and their hidden states."""
+        n_resp = n_tok * self.response_len // self.T
+        chunk = min(layout.chunk or n_resp, n_resp)
+        return chunk * self.shapes.vocab * per_elt + n_resp * self.shapes.hidden * self.c
+
+    def forward(self, layout: packing.Layout) -> dict:
+        """A no-grad forward's transient: the gathered layers and a layer's work or the LM head's chunk."""
+        n = self.tokens(layout)
+        return {"gathered layers + root": self.shapes.gather(self.c),
+                "forward transient": max(self.shapes.layer_work(n, self.c), self.head(n, layout, packing.HEAD_FORWARD))}
+
+
+def state(nbytes: int, offloaded: bool) -> tuple:
+    """A state group's (bytes on the GPU in use, between uses, in pinned host memory) under its flag."""
+    return (nbytes, 0, nbytes) if offloaded else (nbytes, nbytes, 0)
+
+
+def in_use(states: dict, *names) -> dict:
+    """The named groups (those present) at their in-use bytes: a phase's terms."""
+    return {n: states[n][0] for n in names if n in states}
+
+
+def update_phases(held: dict, grads: dict, busy: dict, accumulating: bool, at_step: dict | None = None) -> list:
+    """An update's moments, each {term: bytes}: the sharded grads exist from the first backward until
+    the step frees them, so a micro-batch's transients (`busy`: activations, the head's chunk, the
+    gathered layers) meet them only when an earlier micro-batch of the step left them (accumulation).
+    With one micro-batch per step: its head backward (no grads yet), the end of its backward (every
+    grad, a layer and the root still gathered), and the step itself (`at_step`: Adam just come in)."""
+    phases = [{**held, **grads, **busy}] if accumulating else \
+        [{**held, **busy}, {**held, **grads, "gathered layers + root": busy["gathered layers + root"]}]
+    return phases + ([at_step] if at_step else [])

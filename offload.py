@@ -1,4 +1,4 @@
-"""Every host<->device move, and the memory ledger that measures them.
+"""Every host<->device move (the memory ledger that measures them is ledger.py).
 
     python -m pytest test_dist.py test_memory.py        # round trips (CPU) and freed bytes (GPU)
 
@@ -13,8 +13,6 @@ Why not `model.cpu()`: it lands in pageable memory and allocates new host tensor
 """
 import contextlib
 import mmap
-import os
-import resource
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -271,101 +269,8 @@ def empty_host_cache():
                 return
 
 
-# --------------------------------------------------------------------------- the ledger
-# The stages of one step, in the order train_grpo.py runs them: the names of the ledger's figures
-# (`time/<stage>`, `mem/<stage>/...`). reward_model sits before old_logp and ref_logp: the actor's
-# offloaded params have left after the sync and nothing is prefetched yet, so its shards and
-# activations meet the fewest trainer bytes of the step.
-STAGES = ("generate", "rollout_wait", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage",
-          "critic_update", "update", "push")   # rollout_wait and push: async rollout (generate: colocated)
-
-
-def host_rss_gb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / GB
-
-
-def memory(device: torch.device, external: int = 0) -> dict:
-    """Allocated / peak / reserved by PyTorch's allocator for the trainer, and the whole device's
-    use from `mem_get_info` (the only figure that sees vLLM's mapped pool). `external`: bytes of
-    the allocator's count that belong to another engine's pool (vLLM's sleep-mode pool stays
-    "allocated" for PyTorch while it sleeps; its Engine reports the figure), taken out.
-    On CPU: host figures (RSS, and the process's lifetime peak RSS: a per-stage peak cannot be
-    reset there)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        ext = external
-        return {"allocated_gb": (torch.cuda.memory_allocated(device) - ext) / GB,
-                "peak_gb": (torch.cuda.max_memory_allocated(device) - ext) / GB,
-                "reserved_gb": (torch.cuda.memory_reserved(device) - ext) / GB,
-                "device_used_gb": (total - free) / GB}
-    rss = host_rss_gb()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
-    return {"allocated_gb": rss, "peak_gb": peak, "reserved_gb": rss, "device_used_gb": rss}
-
-
-@contextlib.contextmanager
-def stage(name: str, metrics: dict, device: torch.device, external: int = 0):
-    """Time a stage and record memory at its end, with the peak reached inside it (`external`: see memory).
-    In a profiler trace (--profile_steps) the stage is one span named `stage:<name>`; without a
-    profiler running the label costs a few microseconds."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        before = _allocator_counts(device)
-    t0 = time.perf_counter()
-    with torch.profiler.record_function(f"stage:{name}"):
-        yield
-        _sync(device)                      # so the time covers the stage's kernels
-    metrics[f"time/{name}"] = time.perf_counter() - t0
-    if device.type == "cuda":              # near the memory limit a stage slows down here, not in a copy
-        for k, v in _allocator_counts(device).items():
-            metrics[f"mem/{name}/{k}"] = float(v - before[k])
-    for k, v in memory(device, external).items():
-        metrics[f"mem/{name}/{k}"] = v
-
-
-def _allocator_counts(device) -> dict:
-    """cudaMalloc calls, and retries: a failed cudaMalloc that made the allocator free its whole
-    cache (synchronizing the device) and try again: the cost of running close to the limit."""
-    s = torch.cuda.memory_stats(device)
-    return {"cuda_mallocs": s.get("num_device_alloc", 0), "alloc_retries": s.get("num_alloc_retries", 0)}
-
-
-def gpu_bytes(*objs) -> int:
-    """Bytes of GPU storage held by these modules (params, grads, buffers) and optimizers (state):
-    what the trainer really keeps on the device, whatever the allocator has cached."""
-    tensors = []
-    for o in objs:
-        if isinstance(o, torch.nn.Module):
-            tensors += [_local(p) for p in o.parameters()] + [_local(p.grad) for p in o.parameters()
-                                                              if p.grad is not None]
-            tensors += list(o.buffers())
-        elif isinstance(o, torch.optim.Optimizer):
-            tensors += [_local(v) for st in o.state.values() for v in st.values() if torch.is_tensor(v)]
-    seen = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        if t.device.type == "cuda" and st.nbytes():
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def describe(label: str, nbytes: int, on: bool, device: torch.device) -> str:
     """The set-up report's line for one offload flag: what it moves, or what it keeps."""
     where = "pinned host" if device.type == "cuda" else "host (CPU run: no device memory to save)"
     return f"[offload] {label}: " + (f"ON: moves {nbytes / GB:.3f} GB to {where} between uses" if on
                                      else f"off: keeps {nbytes / GB:.3f} GB on {device.type}")
-
-
-def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):
-    """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
-    with `history` (--memory_history), every allocation's stack is recorded into it as well."""
-    if device.type != "cuda":
-        return
-    if history:
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
-    path = os.path.join(out_dir, f"oom_snapshot.rank{rank}.pickle")
-
-    def dump(*_):                          # called by the allocator at the moment it gives up
-        torch.cuda.memory._dump_snapshot(path)
-    torch._C._cuda_attach_out_of_memory_observer(dump)

@@ -149,6 +149,12 @@ def model_inputs(mb: dict, packed: bool, sp: int = 1) -> tuple[dict, torch.Tenso
 
 
 # --------------------------------------------------------------------------- the LM head, chunked
+# Bytes per (token, vocab) element of one chunk at its peak (the planner's terms, model.Sizes.head): the
+# fp32 logits, logsumexp's exp, the softmax and its product with the logits; in backward the recomputed
+# chunk as well (measured on the H200, test_plan.py)
+HEAD_FORWARD, HEAD_BACKWARD = 12, 20
+
+
 def _head_chunk(h, w, ids, temperature: float, entropy_grad: bool):
     """(C, H) hidden states -> (C, 2): log p(ids) and the entropy, from one (C, vocab) fp32 block."""
     logits = (h @ w.t()).float().div_(temperature)                         # (C, V): this chunk only

@@ -22,7 +22,7 @@ import torch
 
 import offload
 import packing
-from model import compute_log_probs as forward_log_probs, load_model, make_layout, shard
+from model import compute_log_probs as forward_log_probs, in_use, load_model, make_layout, shard, state
 
 
 @dataclass
@@ -34,6 +34,8 @@ class RefConfig:
 
 
 RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1"}  # at parse time
+SEARCH = {"param_offload": (False, True)}    # what --offload=auto may turn (plan.py)
+RELIEF = {"ref_params": "--ref.param_offload=true"}   # its term in a stage's prediction -> the change
 
 
 def needed(actor_cfg) -> bool:
@@ -91,3 +93,17 @@ def resident(r: Ref, metrics: dict):
 def compute_log_probs(r: Ref, batch: dict, temperature: float) -> torch.Tensor:
     """(B, R) log-probs in micro-batches (inside `resident` when the shards are offloaded)."""
     return forward_log_probs(r.model, batch, r.layout, temperature)
+
+
+# --------------------------------------------------------------------------- predicted
+# Its bytes in the planner's terms (predict.py composes them): per rank, `z` a model.Sizes; its state
+# group as (bytes on the GPU in use, between uses, in pinned host memory); its stage as its moments.
+def predicted_states(cfg: RefConfig, z) -> dict:
+    """Its shards in the compute dtype; FSDP2's CPUOffloadPolicy keeps them on the host (a layer comes over)."""
+    p = z.shard(z.shapes.params, z.c)
+    return {"ref_params": (0, 0, p) if cfg.offload_policy else state(p, cfg.param_offload)}
+
+
+def predicted_ref_logp(cfg: RefConfig, z, states: dict, actor_cfg) -> list:
+    layout = make_layout(actor_cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
+    return [{**in_use(states, "ref_params"), **z.forward(layout)}]

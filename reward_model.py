@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import offload
-from model import all_sum, hf_config, is_dir, load_model, shard
+from model import all_sum, hf_config, in_use, is_dir, load_model, shapes, shard, state
 
 
 @dataclass
@@ -52,6 +52,8 @@ class RewardModel:
 
 # checked when the command line is parsed (options.sections)
 RANGES = {"weight": "[0, 1]", "micro_batch_size_per_gpu": ">= 1"}
+SEARCH = {"param_offload": (False, True)}    # what --offload=auto may turn (plan.py)
+RELIEF = {"reward_model_params": "--reward_model.param_offload=true"}
 
 
 def check_model(cfg: RewardModelConfig):
@@ -215,3 +217,18 @@ def mix(rule: torch.Tensor, model: torch.Tensor, weight: float, metrics: dict) -
                       .double()).tolist()
     metrics.update({"reward_model/score_mean": s[0] / s[2], "reward/rule_mean": s[1] / s[2]})
     return weight * model + (1 - weight) * rule
+
+
+# --------------------------------------------------------------------------- predicted
+# Its bytes in the planner's terms (predict.py composes them): per rank, `z` a model.Sizes (the policy's
+# rows), `config` its own HF config; its state group as (in use, between uses, pinned host), its stage as moments.
+def predicted_states(cfg: RewardModelConfig, z, config) -> dict:
+    s = shapes(config)                         # the trunk and a one-label score head (no bias), compute dtype
+    return {"reward_model_params": state(z.shard(s.trunk + s.hidden, z.c), cfg.param_offload)}
+
+
+def predicted_stage(cfg: RewardModelConfig, z, states: dict, config) -> list:
+    """Its forward of micro_batch_size_per_gpu sequences: no vocab-sized logits (one output)."""
+    s, n = shapes(config), min(cfg.micro_batch_size_per_gpu, z.samples) * z.T
+    return [{**in_use(states, "reward_model_params"), "gathered layers + root": s.gather(z.c),
+             "forward transient": s.layer_work(n, z.c)}]

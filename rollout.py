@@ -76,6 +76,9 @@ RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p"
           "sync_bucket_mb": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
            "dtype": ("auto", "bfloat16", "float16", "float32")}
+RELIEF = {  # its terms in a stage's prediction -> the change that shrinks them
+    "sync bucket": "a smaller rollout.sync_bucket_mb", "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) "
+    "or more GPUs", "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)"}
 
 
 def check(cfg: RolloutConfig, world: int):
@@ -120,19 +123,47 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
     return cfg.engine
 
 
-def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str,
-          max_model_len: int, max_num_seqs: int, dtype: str, seed: int, pad_id: int, eos_id: int,
-          rank: int = 0) -> Engine:
+@dataclass(frozen=True)
+class Request:
+    """What one engine is asked to hold at once: its sequences (all its ranks' with tensor parallel),
+    their longest length (prompt + response) and its weights' dtype. One rule for the colocated engines
+    (`request`), the async engine processes (rollout_engine.request) and the planner."""
+    seqs: int
+    length: int
+    dtype: str                             # the engine's weights and KV cache (auto: the actor's compute dtype)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.finfo(getattr(torch, self.dtype)).bits // 8
+
+
+def request(cfg: RolloutConfig, *, prompts: int, prompt_len: int, param_dtype: str) -> Request:
+    """The request of an engine whose ranks each sample `prompts` prompts per call (n sequences each)."""
+    return Request(prompts * cfg.n * cfg.tensor_parallel_size, prompt_len + cfg.response_length,
+                   param_dtype if cfg.dtype == "auto" else cfg.dtype)
+
+
+def kv_bytes(cfg: RolloutConfig, config, req: Request) -> int:
+    """The KV budget one GPU of the engine is given (0: cfg.gpu_memory_utilization sizes it instead)."""
+    if cfg.gpu_memory_utilization > 0:
+        return 0
+    return kv_cache_bytes(config, req.seqs, req.length, req.dtype_bytes, cfg.tensor_parallel_size, cfg.kv_cache_margin)
+
+
+def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str, req: Request,
+          seed: int, pad_id: int, eos_id: int, rank: int = 0) -> Engine:
     """The engine `cfg.engine` resolves to: HF generate needs nothing built; vLLM gets one
-    in-process engine on this rank (on tensor_parallel_size ranks together), asleep when returned.
-    `config`: the actor's HF config; `max_num_seqs`: the sequences one generate call of this rank
-    sends (prompts per rank x n); `seed`: this rank's (the ranks of one engine take its first rank's)."""
+    in-process engine on this rank (on tensor_parallel_size ranks together), asleep when returned;
+    async rollout builds none here (its engines run in processes of their own, rollout_engine.py).
+    `config`: the actor's HF config; `req`: `request`'s; `seed`: this rank's (the ranks of one engine
+    take its first rank's)."""
     tp, fixed = cfg.tensor_parallel_size, dict(cfg=cfg, pad_id=pad_id, eos_id=eos_id, device=device)
-    if resolve_engine(cfg, device) == "hf":
-        if tp != 1:
+    kind = resolve_engine(cfg, device)
+    if kind == "hf" or cfg.mode == "async":
+        if tp != 1 and kind == "hf":
             raise ValueError(f"--rollout.tensor_parallel_size={tp} needs the vLLM engine (HF generate runs "
                              f"on the FSDP actor); use 1 or --rollout.engine=vllm")
-        return Engine("hf", **fixed)
+        return Engine(kind, **fixed)
     world = dist.get_world_size() if dist.is_initialized() else 1
     check(cfg, world)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))   # torchrun: the ranks on this node
@@ -141,15 +172,10 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
                          f"an engine would span nodes (its all-reduces run every decoded token)")
     group = tensor_parallel.tp_group(tp)
     seed = tensor_parallel.gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
-    max_num_seqs *= tp                     # the engine serves the sequences of all its ranks at once
-    dtype = dtype if cfg.dtype == "auto" else cfg.dtype
-    nbytes = torch.finfo(getattr(torch, dtype)).bits // 8
-    kv = 0 if cfg.gpu_memory_utilization > 0 else kv_cache_bytes(
-        config, max_num_seqs, max_model_len, nbytes, tp, cfg.kv_cache_margin)
-    need = engine_bytes(config, kv_bytes=kv, max_num_seqs=max_num_seqs, dtype_bytes=nbytes, tp=tp)
-    return build_vllm(cfg, model_dir=model_dir(model_path, config, out_dir, rank), max_model_len=max_model_len,
-                      dtype=dtype, seed=seed, kv_bytes=kv, need=need, max_num_seqs=max_num_seqs, group=group,
-                      fixed=fixed)
+    kv = kv_bytes(cfg, config, req)
+    need = engine_bytes(config, kv_bytes=kv, max_num_seqs=req.seqs, dtype_bytes=req.dtype_bytes, tp=tp)
+    return build_vllm(cfg, model_dir=model_dir(model_path, config, out_dir, rank), req=req, seed=seed, kv=kv,
+                      need=need, group=group, fixed=fixed)
 
 
 def describe(engine: Engine) -> list[str]:
@@ -181,13 +207,19 @@ VLLM_BATCHED_TOKENS = 16384   # vLLM 0.26's default max_num_batched_tokens for L
 VLLM_GRAPHS = int(1.2 * 2 ** 30)   # CUDA graphs and buffers an engine keeps even asleep (measured, 0.5B-7B)
 
 
+_COUNTS: dict = {}                  # id(config) -> (config, its parameter count): a meta build costs ~0.2 s at 7B
+
+
 def weight_count(config) -> int:
     """The model's parameters (tied embeddings once), from a meta-device build: no memory, exact for
-    any architecture transformers knows."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    any architecture transformers knows; counted once per config object (the planner asks thousands
+    of times; the config is kept, so its id is not reused)."""
+    if id(config) not in _COUNTS:
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        _COUNTS[id(config)] = (config, sum(p.numel() for p in model.parameters()))
+    return _COUNTS[id(config)][1]
 
 
 def engine_bytes(config, *, kv_bytes: int, max_num_seqs: int, dtype_bytes: int, tp: int) -> dict:
@@ -213,6 +245,27 @@ def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> st
     path = os.path.join(out_dir, "vllm_config", f"rank{rank}")
     config.save_pretrained(path)
     return path
+
+
+# --------------------------------------------------------------------------- predicted
+# The generate stage in the planner's terms (predict.py composes them): per rank, `z` a model.Sizes.
+def predicted_generate(cfg: RolloutConfig, z, policy: dict, kind: str, req: Request) -> list:
+    """The trainer's side of the stage (`policy`: the actor's groups, in for the sync). vLLM: one bucket
+    and one tensor in flight, in the engine's dtype (the embedding alone when larger); HF generate
+    gathers the whole model and keeps its own KV cache and logits for the rank's 1/sp of the rows."""
+    s, c, w = z.shapes, z.c, req.dtype_bytes
+    if kind == "vllm":
+        return [{**policy, "sync bucket": max(cfg.sync_bucket_mb * 2 ** 20 + s.hidden * s.ffn * w, s.vocab * s.hidden * w)}]
+    rows = z.samples // z.sp
+    return [{**policy, "gathered model": c * s.params, "KV cache": rows * z.T * 2 * s.layers * s.kv_dim * c,
+             "logits": rows * s.vocab * 4 * 2}]
+
+
+def predicted_awake(cfg: RolloutConfig, z, config, req: Request) -> dict:
+    """Device-level bytes of an awake colocated engine on one GPU: its weights' slice, the KV budget, and
+    the CUDA graphs and buffers it keeps even asleep."""
+    return {"vLLM weights": req.dtype_bytes * z.shapes.params // cfg.tensor_parallel_size,
+            "vLLM KV cache": kv_bytes(cfg, config, req), "vLLM graphs + buffers": VLLM_GRAPHS}
 
 
 # --------------------------------------------------------------------------- batch layout
@@ -265,7 +318,7 @@ def generate_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int
 
 
 @torch.no_grad()
-def sample_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int, eos_id: int, device, seed: int,
+def sample_hf(model, prompts: list[list[int]], cfg: RolloutConfig, pad_id: int, eos_id: int, device, seed: int, *,
               logprobs: bool = False) -> tuple[list, list, list | None]:
     """(rows, responses, their sampled tokens' log-probs or None): each prompt n times in a row.
     `logprobs`: the processed distribution's (after temperature, top-k, top-p, as vLLM's
@@ -301,20 +354,37 @@ def _used_gb() -> float:
     return (total - free) / offload.GB
 
 
-def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype: str, seed: int,
-               kv_bytes: int, need: dict, max_num_seqs: int, group=None, fixed: dict,
-               own_process: bool = False) -> Engine:
-    """One engine per rank (or per `group` of tensor_parallel_size ranks), in this process, asleep
-    when returned. `model_dir` needs only a config.json: the weights are random until the first
-    sync (nothing is read from disk twice). `dtype`: vLLM's weight dtype. `kv_bytes` > 0: vLLM's KV
-    cache on each GPU is exactly that; vLLM still checks at start-up that the free memory is at least
-    gpu_memory_utilization x the GPU, so the share passed beside it is `need` (engine_bytes: weights,
-    KV, workspace) over the GPU's size. Whether the engine fits is checked here first, against what is
-    free now, so a run that cannot start stops with one line naming the numbers, not inside vLLM.
-    `kv_bytes` == 0: cfg.gpu_memory_utilization sizes weights + KV, and that share must be free.
-    `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device).
-    `own_process` (async rollout's engine process, rollout_async.py): vLLM's own one-GPU executor instead
-    of the torchrun ranks, and no sleep mode: the engine stays awake for the whole run."""
+def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, kv: int, need: dict,
+               group=None, fixed: dict) -> Engine:
+    """One engine per rank (or per `group` of tensor_parallel_size ranks, vLLM's external launcher:
+    each torchrun rank is one of its workers), in this process, with sleep mode, asleep when returned.
+    `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device)."""
+    torch.cuda.empty_cache()
+    before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
+    llm = new_llm(cfg, model_dir=model_dir, req=req, seed=seed, kv=kv, need=need,
+                  distributed_executor_backend="external_launcher", enable_sleep_mode=True)
+    if group is not None:                  # the prompts are pooled over `group`: it must be vLLM's TP group
+        from vllm.distributed.parallel_state import get_tp_group
+        if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
+            raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
+                               f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
+    llm.sleep(level=cfg.sleep_level)
+    torch.cuda.empty_cache()
+    # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
+    return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, req.dtype), asleep_device_gb=_used_gb() - before,
+                  pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
+                  kv_cache_bytes=kv, group=group)
+
+
+def new_llm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, kv: int, need: dict, **engine_args):
+    """A vllm.LLM in this process. `model_dir` needs only a config.json: the weights are random until
+    the first sync (nothing is read from disk twice). `kv` > 0: vLLM's KV cache on each GPU is exactly
+    that; vLLM still checks at start-up that the free memory is at least gpu_memory_utilization x the
+    GPU, so the share passed beside it is `need` (engine_bytes: weights, KV, workspace) over the GPU's
+    size. Whether the engine fits is checked here first, against what is free now, so a run that cannot
+    start stops with one line naming the numbers, not inside vLLM. `kv` == 0:
+    cfg.gpu_memory_utilization sizes weights + KV, and that share must be free. `engine_args`: the
+    launcher and sleep mode (colocated), nothing for the async engine's process (vLLM's own executor)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -326,27 +396,13 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, max_model_len: int, dtype:
     from vllm import LLM
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
-    share = start_share(cfg, kv_bytes, need, *torch.cuda.mem_get_info())
-    before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
-    budget = {"kv_cache_memory_bytes": kv_bytes} if kv_bytes else {}
-    launcher = {} if own_process else {"distributed_executor_backend": "external_launcher"}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enable_sleep_mode=not own_process,
-              tensor_parallel_size=cfg.tensor_parallel_size, **launcher,
-              dtype=dtype, enforce_eager=cfg.enforce_eager, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, **budget)
+    share = start_share(cfg, kv, need, *torch.cuda.mem_get_info())
+    budget = {"kv_cache_memory_bytes": kv} if kv else {}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", tensor_parallel_size=cfg.tensor_parallel_size,
+              dtype=req.dtype, enforce_eager=cfg.enforce_eager, max_model_len=req.length, max_num_seqs=req.seqs,
+              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, **budget, **engine_args)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
-    if group is not None:                  # the prompts are pooled over `group`: it must be vLLM's TP group
-        from vllm.distributed.parallel_state import get_tp_group
-        if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
-            raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
-                               f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
-    if not own_process:
-        llm.sleep(level=cfg.sleep_level)
-    torch.cuda.empty_cache()
-    # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
-    return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, dtype), asleep_device_gb=_used_gb() - before,
-                  pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
-                  kv_cache_bytes=kv_bytes, group=group)
+    return llm
 
 
 def start_share(cfg: RolloutConfig, kv_bytes: int, need: dict, free: int, total: int) -> float:

@@ -1,11 +1,12 @@
-"""Asynchronous rollout: the engine in its own process, one step ahead of the trainer.
+"""Async rollout, the trainer's side: the bounded host buffer, the orders, the weight push.
 
     python train_grpo.py --rollout.mode=async                  # CPU: HF generate in a child process
     torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
     python -m pytest -q test_async.py
 
 Colocated (rollout.py), every step generates and then trains on the same GPUs, and each waits for
-the other. Here an engine process generates batch t+1 while the trainer trains on batch t:
+the other. Here engine processes (rollout_engine.py: where they run, what they do) generate batch t+1
+while the trainer trains on batch t:
     trainer rank 0    keeps the host buffer. It orders batches (the step's prompts, a seed and the
                       oldest policy version allowed to sample them); a thread per engine receives
                       the finished samples into the buffer; `take` hands each trainer rank its rows.
@@ -13,10 +14,6 @@ the other. Here an engine process generates batch t+1 while the trainer trains o
                       rank 0 pushes them to the engines in buckets (`push`): NCCL broadcast to
                       engines on their own GPUs, CUDA IPC to an engine sharing rank 0's GPU, gloo on
                       the CPU. Each push carries its version; an engine switches between requests.
-    engine process    (`serve`) vLLM awake for the whole run (no sleep: nothing else is on its GPU,
-                      or its KV budget is fixed beside the trainer), or HF generate on the CPU.
-Where the engines run: --rollout.gpus=k: the last k of the ranks torchrun starts each start one
-engine on their GPU (the trainer is the other N - k); k=0: rank 0 starts one beside itself.
 Staleness: batch j may be sampled by any policy version >= j - max_staleness; the trainer at step j
 holds version j (one update per step), so a batch is at most max_staleness updates old. The update
 corrects the lag with truncated importance weights against the engine's log-probs
@@ -26,88 +23,37 @@ and the engine's device use are in the metrics. Faults: an engine that dies stop
 line; a resume pushes the checkpoint's weights and samples its batches again (the buffer is not
 saved: a checkpoint records the policy version, and buffered samples are regenerated).
 """
-import ast
 import datetime
-import multiprocessing
 import os
 import queue
 import secrets
 import socket
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Listener
 
 import torch
 import torch.distributed as dist
 
 import offload
 import rollout
-import tensor_parallel
+import rollout_engine
 import weights
 from rollout import RolloutConfig
 
 ALIGN = 64                                  # bytes: every tensor in a bucket starts at a multiple
 
 
-class EngineDied(RuntimeError):
-    """An engine process failed or exited: the run stops with this line."""
-
-
-def check(cfg: RolloutConfig, nproc: int):
-    """The combinations async rollout cannot run (`nproc`: the ranks torchrun starts)."""
-    if cfg.mode != "async":
-        return
-    if cfg.gpus >= nproc:
-        raise ValueError(f"--rollout.gpus={cfg.gpus} leaves no trainer among the {nproc} ranks torchrun starts; "
-                         f"use at most {nproc - 1} (or 0: one engine beside rank 0)")
-    if cfg.tensor_parallel_size != 1:
-        raise ValueError("--rollout.mode=async runs one engine per rollout GPU: use --rollout.tensor_parallel_size=1")
-
-
-def engines(cfg: RolloutConfig) -> int:
-    return max(cfg.gpus, 1) if cfg.mode == "async" else 0
-
-
-def trainer_world(cfg: RolloutConfig, nproc: int) -> int:
-    """The ranks that train: all but the engine ranks."""
-    return nproc - (cfg.gpus if cfg.mode == "async" else 0)
-
-
-def is_engine_rank(cfg: RolloutConfig) -> bool:
-    nproc, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    return cfg.mode == "async" and rank >= trainer_world(cfg, nproc)
-
-
 def buffer_limit(cfg: RolloutConfig, train_batch_size: int) -> int:
-    """Samples ordered or waiting at most (buffer_limit, or max_staleness steps' worth); at least a step's."""
-    step = train_batch_size * cfg.n
-    return max(cfg.buffer_limit or cfg.max_staleness * step, step)
+    """Samples ordered or waiting at most: buffer_limit, or max_staleness steps' worth (at least one
+    step's: rollout_engine.check refuses less)."""
+    return cfg.buffer_limit or cfg.max_staleness * train_batch_size * cfg.n
 
 
 def sample_bytes(prompt: int, response: int) -> int:
     """Host bytes of one buffered sample: int32 token ids of prompt and response, fp32 log-probs."""
     return 4 * (prompt + 2 * response)
-
-
-# --------------------------------------------------------------------------- what an engine is told
-@dataclass
-class Spec:
-    """Everything an engine process needs, sent once when it connects (pickled)."""
-    cfg: RolloutConfig
-    config: object                          # the policy's HF config
-    model_dir: str | None                   # vLLM reads its config.json (the weights come from the first push)
-    max_model_len: int
-    max_num_seqs: int                       # the sequences of this engine's share of a step
-    dtype: str                              # weights in the engine
-    pad_id: int
-    eos_id: int
-    layout: list                            # buckets: [(name, shape, offset, nbytes), ...] each
-    bucket_bytes: int
-    transport: str                          # nccl | gloo | ipc
-    store: tuple                            # (host, port) of rank 0's store for the weights group
-    timeout_s: float
 
 
 def weight_layout(model, dtype: torch.dtype, bucket_bytes: int) -> tuple[list, int]:
@@ -166,7 +112,7 @@ class Buffer:
             while len(self.parts.get(step, {})) < parts:
                 if self.error:
                     self.handled.set()
-                    raise EngineDied(self.error)
+                    raise rollout_engine.EngineDied(self.error)
                 self.cv.wait(timeout=1.0)
             got = self.parts.pop(step)
             self.waiting -= sum(len(p["responses"]) for p in got.values())
@@ -200,6 +146,8 @@ class Stream:
     seed: int = 0
     version: int = 0                        # the policy version the engines hold (pushed last)
     engine_stats: dict = field(default_factory=dict)   # what each engine said at start
+    pad_id: int = 0                         # the batch's padding and end (rollout.make_batch)
+    eos_id: int = 1
 
 
 def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config, model_path: str | None,
@@ -209,18 +157,18 @@ def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config
     `version` (`stashes`: the actor's params, in for that push). Collective over the trainer ranks
     (they take part in the first push)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    k, torch_dtype = engines(cfg), getattr(torch, dtype if cfg.dtype == "auto" else cfg.dtype)
-    torch_dtype = torch_dtype if device.type == "cuda" else torch.float32   # as the trainer computes on the CPU
+    k = rollout_engine.engines(cfg)
+    req = rollout_engine.request(cfg, train_batch_size, prompt_len, dtype if device.type == "cuda" else "float32")
+    torch_dtype = getattr(torch, req.dtype)  # on the CPU, fp32: as the trainer computes there
     layout, bucket_bytes = weight_layout(model, torch_dtype, cfg.sync_bucket_mb * 2 ** 20)
     step_samples = train_batch_size * cfg.n
     s = Stream(cfg, rank, device, torch_dtype, layout, k, buffer_limit(cfg, train_batch_size), step_samples, dp,
-               dp_rank, prompt_len, seed=seed, version=version, next_order=version)
+               dp_rank, prompt_len, seed=seed, version=version, next_order=version, pad_id=pad_id, eos_id=eos_id)
     if rank == 0:
         transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
         engine_dir = os.path.join(out_dir, "vllm_config", "engine")
-        spec = Spec(cfg, config, rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None,
-                    prompt_len + cfg.response_length, -(-step_samples // k), str(torch_dtype).split(".")[-1],
-                    pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0), timeout_s)
+        spec = rollout_engine.Spec(cfg, config, rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None,
+                    req, pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0), timeout_s)
         _connect(s, spec)
     push(s, model, stashes, version, {})
     return s
@@ -244,7 +192,7 @@ def _host() -> str:
         return "127.0.0.1"
 
 
-def _connect(s: Stream, spec: Spec):
+def _connect(s: Stream, spec: rollout_engine.Spec):
     """Rank 0: listen, start or wait for the k engines, send each its spec, build the weights group."""
     authkey = secrets.token_bytes(16)
     listener = Listener((_host(), 0), authkey=authkey)
@@ -254,9 +202,9 @@ def _connect(s: Stream, spec: Spec):
                               timeout=datetime.timedelta(seconds=spec.timeout_s))
         spec.store = (_host(), store.port)
     if s.cfg.gpus == 0:                    # one engine beside rank 0, on its GPU
-        s.procs.append(spawn(listener.address, authkey, 0, s.device))
+        s.procs.append(rollout_engine.spawn(listener.address, authkey, 0, s.device))
     else:                                  # the engine ranks read where to connect from torchrun's store
-        _torchrun_store().set("rollout_async/address", repr((listener.address, authkey.hex())))
+        rollout_engine.torchrun_store().set("rollout_async/address", repr((listener.address, authkey.hex())))
     s.conns = [None] * s.engines
     accepted = _accept(listener, s.engines, spec.timeout_s, s.procs)
     for conn in accepted:
@@ -268,13 +216,13 @@ def _connect(s: Stream, spec: Spec):
         s.bucket = torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=s.device)
         s.conns[0].send(("bucket", s.bucket))
     else:
-        s.pg = _group(spec, 0, s.engines + 1, store)
+        s.pg = rollout_engine.group(spec, 0, s.engines + 1, store)
     s.buffer = Buffer(s.limit)
     s.acks = [queue.Queue() for _ in range(s.engines)]
     for i, conn in enumerate(s.conns):     # "ready" (or an error) comes back after each engine is built
         msg = conn.recv()
         if msg[0] == "error":
-            raise EngineDied(f"rollout engine {i} failed to start: {msg[1]}")
+            raise rollout_engine.EngineDied(f"rollout engine {i} failed to start: {msg[1]}")
         s.engine_stats[i] = msg[1]
     for i in range(s.engines):
         threading.Thread(target=_receive, args=(s, i), daemon=True, name=f"rollout-engine-{i}").start()
@@ -293,31 +241,11 @@ def _accept(listener, k: int, timeout_s: float, procs: list) -> list:
     while not done.wait(0.5):
         dead = [p for p in procs if not p.is_alive()]
         if dead:
-            raise EngineDied(f"rollout engine process {dead[0].pid} exited with code {dead[0].exitcode} before it "
+            raise rollout_engine.EngineDied(f"rollout engine process {dead[0].pid} exited with code {dead[0].exitcode} before it "
                              f"connected (its output above says why)")
         if time.time() - t0 > timeout_s:
-            raise EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within --dist_timeout_s={timeout_s:g} s")
+            raise rollout_engine.EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within --dist_timeout_s={timeout_s:g} s")
     return conns
-
-
-def _torchrun_store():
-    return dist.PrefixStore(f"/async_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=datetime.timedelta(seconds=1800)))
-
-
-def _group(spec: Spec, rank: int, size: int, store=None):
-    """The weights group (rank 0: the trainer; 1..k: the engines), outside torch's default group (the
-    engines are not in the trainer's): NCCL between GPUs, gloo on the CPU."""
-    store = store or dist.TCPStore(spec.store[0], spec.store[1], is_master=False,
-                                   timeout=datetime.timedelta(seconds=spec.timeout_s))
-    store = dist.PrefixStore("weights", store)
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if spec.transport == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def _receive(s: Stream, i: int):
@@ -329,7 +257,9 @@ def _receive(s: Stream, i: int):
         while True:
             msg = conn.recv()
             if msg[0] == "samples":
-                s.buffer.put(msg[1], i, msg[2])
+                p = msg[2]
+                p["nbytes"] = sum(sample_bytes(len(x), len(r)) for x, r in zip(p["prompts"], p["responses"]))
+                s.buffer.put(msg[1], i, p)
             elif msg[0] == "ack":
                 s.acks[i].put(msg[1])
             elif msg[0] == "error":
@@ -352,7 +282,7 @@ def _receive(s: Stream, i: int):
 def _order(s: Stream, step: int, prompts_of):
     """Send step `step`'s prompts to the engines (a contiguous part each)."""
     prompts = prompts_of(step)
-    per = -(-len(prompts) // s.engines)
+    per = rollout_engine.prompts_per_engine(s.cfg, len(prompts))
     for i, conn in enumerate(s.conns):
         conn.send(("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
                              "seed": s.seed * 1_000_003 + step * 7919 + i,
@@ -397,10 +327,10 @@ def fill(s: Stream, step: int, prompts_of):
         s.next_order += 1
 
 
-def batch(s: Stream, samples: list, pad_id: int, eos_id: int) -> dict:
+def batch(s: Stream, samples: list) -> dict:
     """The trainer's batch (rollout.make_batch's layout) with the engine's log-probs and each sample's version."""
     rows, responses, logps, versions = zip(*samples)
-    b = rollout.samples_batch(list(rows), list(responses), list(logps), s.cfg.response_length, pad_id, eos_id,
+    b = rollout.samples_batch(list(rows), list(responses), list(logps), s.cfg.response_length, s.pad_id, s.eos_id,
                               s.device)
     b["policy_version"] = torch.tensor(versions, device=s.device)
     return b
@@ -446,14 +376,14 @@ def _send_bucket(s: Stream, b: int, buf: torch.Tensor):
         torch.cuda.synchronize(s.device)
         s.conns[0].send(("bucket_ready", b))
         if s.acks[0].get() is None:
-            raise EngineDied(s.buffer.error)
+            raise rollout_engine.EngineDied(s.buffer.error)
         return
     try:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         s.pg.broadcast([buf], opts).wait()
     except RuntimeError as e:
-        raise EngineDied(s.buffer.error or f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
+        raise rollout_engine.EngineDied(s.buffer.error or f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
 
 
 def close(s: Stream):
@@ -467,157 +397,35 @@ def close(s: Stream):
         p.join(30)
 
 
-# --------------------------------------------------------------------------- engine processes
-def spawn(address, authkey: bytes, index: int, device: torch.device):
-    """A fresh Python process (spawn: no CUDA state inherited) running `serve` on `device` alone: it
-    sees that GPU as its only one, so vLLM's own executor takes it."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    # torchrun's variables would make the engine's own process group (vLLM's, on a free port) look
-    # for torchrun's agent store instead (TORCHELASTIC_USE_AGENT_STORE): the child starts without them
-    launcher = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCHELASTIC_") or k in (
-        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    if device.type == "cuda":
-        visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index or 0]
-    try:
-        p = multiprocessing.get_context("spawn").Process(target=serve, args=(address, authkey, index),
-                                                         name=f"rollout-engine-{index}", daemon=False)
-        p.start()
-    finally:
-        os.environ.update(launcher)
-        if env is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = env
-    return p
+# --------------------------------------------------------------------------- predicted
+# The trainer's side in the planner's terms (predict.py composes them): per rank, `z` a model.Sizes,
+# `req` the engine's rollout.Request (its dtype is the push's).
+RELIEF = {"push bucket": "a smaller rollout.sync_bucket_mb"}
 
 
-def engine_rank(cfg: RolloutConfig) -> int:
-    """What an engine rank of torchrun does: start its engine process on its GPU, wait for it, return its
-    exit code. It holds no GPU memory itself (the engine process has the GPU)."""
-    nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    index = rank - trainer_world(cfg, nproc)
-    address, key = ast.literal_eval(_torchrun_store().get("rollout_async/address").decode())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
-        else torch.device("cpu")
-    p = spawn(address, bytes.fromhex(key), index, device)
-    p.join()
-    return p.exitcode or 0
+def bucket_bytes(cfg: RolloutConfig, z, req) -> int:
+    """The push's largest bucket (`weight_layout`): sync_bucket_mb, or the whole model when it is
+    smaller, or the largest tensor when that is larger."""
+    s, w = z.shapes, req.dtype_bytes
+    return max(min(cfg.sync_bucket_mb * 2 ** 20, w * s.params), w * s.largest)
 
 
-def serve(address, authkey: bytes, index: int):
-    """An engine process: connect to trainer rank 0, build the engine, then in order: receive
-    weights, take orders, generate each order once its weights are new enough, send the samples."""
-    conn = Client(address, authkey=authkey)
-    conn.send(("hello", index, os.getpid()))
-    try:
-        _serve(conn, index)
-    except (EOFError, ConnectionError):    # the trainer is gone: nothing to report to
-        pass
-    except BaseException as e:              # noqa: BLE001 (said to the trainer, then the process ends)
-        traceback.print_exc()              # the whole story on this process's stderr, one line to the trainer
-        line = (traceback.format_exception_only(type(e), e)[-1].strip())[:500]
-        try:
-            conn.send(("error", line))
-        except OSError:
-            pass
-        raise SystemExit(1)
+def predicted_states(cfg: RolloutConfig, z, req) -> dict:
+    """rollout.gpus=0: the bucket CUDA IPC shares with the engine, on rank 0's GPU all run."""
+    b = bucket_bytes(cfg, z, req)
+    return {"push bucket": (b, b, 0)} if cfg.gpus == 0 else {}
 
 
-def _serve(conn, index: int):
-    _, spec, _ = conn.recv()
-    spec.config._attn_implementation = "sdpa"   # the trainer's copy names its packed attention (packing.py)
-    device = torch.device("cuda", 0) if spec.transport != "gloo" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    shared = conn.recv()[1] if spec.transport == "ipc" else None   # the trainer's bucket, mapped here once
-    pg = _group(spec, index + 1, engines(spec.cfg) + 1) if spec.transport != "ipc" else None
-    t0 = time.perf_counter()
-    eng = _build(spec, device)
-    buf = shared if shared is not None else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device)
-    conn.send(("ready", {"build_s": time.perf_counter() - t0, "device_gb": _device_gb(device)}))
-    version, pending, idle, weight_wait = -1, [], 0.0, 0.0
-    while True:
-        t_wait = time.perf_counter()
-        msg = conn.recv()
-        waited = time.perf_counter() - t_wait
-        if pending:
-            weight_wait += waited          # an order waits for newer weights (the staleness bound)
-        else:
-            idle += waited                 # no order: the buffer is full or the trainer is behind
-        if msg[0] == "stop":
-            return
-        if msg[0] == "weights":
-            _load_weights(eng, spec, conn, pg, buf)
-            version = msg[1]
-        elif msg[0] == "order":
-            pending.append(msg[1])
-        while pending and pending[0]["min_version"] <= version:
-            order = pending.pop(0)
-            t1 = time.perf_counter()
-            rows, responses, logps = _generate(eng, spec, order, device)
-            payload = {"prompts": rows, "responses": responses, "logps": logps, "version": version,
-                       "nbytes": sum(sample_bytes(len(p), len(r)) for p, r in zip(rows, responses)),
-                       "stats": {"generate_s": time.perf_counter() - t1, "idle_s": idle,
-                                 "weight_wait_s": weight_wait, "device_gb": _device_gb(device)}}
-            conn.send(("samples", order["step"], payload))
-            idle = weight_wait = 0.0
+def predicted_push(cfg: RolloutConfig, z, policy: dict, req, lora: bool) -> list:
+    """The actor's params in (`policy`), one tensor gathered at a time in the engine's dtype and copied
+    into the bucket (allocated for the push with engines on their own GPUs); LoRA merges each target
+    in fp32 on the way."""
+    s, w = z.shapes, req.dtype_bytes
+    bucket = {"push bucket": bucket_bytes(cfg, z, req)} if cfg.gpus else {}
+    merge = {"LoRA merge (fp32)": 4 * s.hidden * s.ffn} if lora else {}
+    return [{**policy, **bucket, "gathered tensor": w * s.largest, **merge}]
 
 
-def _device_gb(device) -> float:
-    if device.type != "cuda":
-        return offload.host_rss_gb()       # the engine process's memory on the CPU
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / offload.GB
-
-
-def _build(spec: Spec, device: torch.device):
-    """vLLM awake for the whole run (its KV cache sized from its share of a step), or the HF model."""
-    cfg = spec.cfg
-    if rollout.resolve_engine(cfg, device) == "hf":
-        from transformers import AutoModelForCausalLM
-        model = AutoModelForCausalLM.from_config(spec.config, dtype=getattr(torch, spec.dtype))
-        return model.to(device).eval()
-    nbytes = torch.finfo(getattr(torch, spec.dtype)).bits // 8
-    kv = 0 if cfg.gpu_memory_utilization > 0 else rollout.kv_cache_bytes(
-        spec.config, spec.max_num_seqs, spec.max_model_len, nbytes, 1, cfg.kv_cache_margin)
-    need = rollout.engine_bytes(spec.config, kv_bytes=kv, max_num_seqs=spec.max_num_seqs, dtype_bytes=nbytes, tp=1)
-    return rollout.build_vllm(cfg, model_dir=spec.model_dir, max_model_len=spec.max_model_len, dtype=spec.dtype,
-                              seed=0, kv_bytes=kv, need=need, max_num_seqs=spec.max_num_seqs,
-                              fixed=dict(cfg=cfg, pad_id=spec.pad_id, eos_id=spec.eos_id, device=device),
-                              own_process=True)
-
-
-def _load_weights(eng, spec: Spec, conn, pg, buf: torch.Tensor):
-    """One push: each bucket into `buf` (broadcast) or read from the shared one (ipc), then into the engine."""
-    for b, entries in enumerate(spec.layout):
-        size = entries[-1][2] + entries[-1][3]
-        if pg is not None:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            pg.broadcast([buf[:size]], opts).wait()
-        else:
-            msg = conn.recv()
-            assert msg == ("bucket_ready", b), msg
-        dtype = getattr(torch, spec.dtype)
-        tensors = [(name, buf[off:off + nbytes].view(dtype).view(shape)) for name, shape, off, nbytes in entries]
-        if isinstance(eng, rollout.Engine):
-            rollout.vllm_model(eng.llm).load_weights(tensors)
-        else:
-            eng.load_state_dict(dict(tensors), strict=False)
-        if pg is None:
-            torch.cuda.synchronize()
-            conn.send(("ack", b))
-
-
-def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:
-    """(rows, responses, log-probs) of the order's prompts, n samples each, a prompt's in a row."""
-    cfg = spec.cfg
-    if not isinstance(eng, rollout.Engine):
-        return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
-                                 logprobs=True)
-    reqs, seeds, _ = tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
-    outs = rollout.sample_vllm(eng, reqs, seeds)
-    return rollout.vllm_samples(list(zip(reqs, outs)))
-
+def buffer_bytes(cfg: RolloutConfig, train_batch_size: int, prompt_len: int) -> int:
+    """The host's rollout buffer at its fullest."""
+    return buffer_limit(cfg, train_batch_size) * sample_bytes(prompt_len, cfg.response_length)

@@ -250,7 +250,7 @@ def test_param_offload_layers_moves_exactly_the_first_k_layers(dist_env):
     bytes) while every other parameter stays; a reload restores them bit for bit; the planner's
     "actor params" term takes exactly those bytes off."""
     import offload
-    import plan
+    import predict
     _, world, device = dist_env
     cfg = actor.ActorConfig(param_offload=True, param_offload_layers=1)
     torch.manual_seed(0)
@@ -269,8 +269,8 @@ def test_param_offload_layers_moves_exactly_the_first_k_layers(dist_env):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         assert torch.equal(full.detach().cpu(), before[n.replace("_fsdp_wrapped_module.", "")]), n
     opts = options.parse_args(["--actor.param_offload=true", "--actor.param_offload_layers=1"])
-    g = plan.state_groups(plan.Sizes(opts, world, 8, "hf"))
-    s = plan.shapes(plan.model_config(None))
-    assert g.off("actor params") == plan.Sizes(opts, world, 8, "hf").shard(s.layer_params, 4)
+    z = predict.sizes(opts, world, 8)
+    on, between, host = predict.states(predict.run(opts, world, 8, "hf"))["actor_params"]
+    assert on - between == host == z.shard(z.shapes.layer_params, 4)
     if world == 1:                             # one shard holds the whole layer: the plan's bytes are the stash's
-        assert g.off("actor params") == a.params.nbytes
+        assert host == a.params.nbytes

@@ -15,6 +15,7 @@ import torch
 
 import actor
 import rollout_async
+import rollout_engine
 from conftest import launches
 from rollout import RolloutConfig
 from test_train import HERE, metrics, run
@@ -38,20 +39,25 @@ def test_buffer_reserves_up_to_its_bound_and_hands_each_step_once():
     time.sleep(0.2)
     assert [len(p["responses"]) for p in got[0]] == [4, 4]          # in engine order
     b.fail("rollout engine 0 exited")
-    with pytest.raises(rollout_async.EngineDied, match="engine 0 exited"):
+    with pytest.raises(rollout_engine.EngineDied, match="engine 0 exited"):
         b.take(2, 1)
 
 
 def test_buffer_limit_defaults_to_staleness_steps_and_gpus_leave_a_trainer():
     cfg = RolloutConfig(mode="async", n=8, max_staleness=2)
     assert rollout_async.buffer_limit(cfg, 16) == 2 * 16 * 8
-    cfg.buffer_limit = 10                  # below one step: one step's worth (a step must fit)
-    assert rollout_async.buffer_limit(cfg, 16) == 16 * 8
-    assert rollout_async.trainer_world(RolloutConfig(mode="async", gpus=1), 3) == 2
+    cfg.buffer_limit = 10                  # below one step: refused, naming the value and the step's samples
+    with pytest.raises(ValueError, match=r"--rollout.buffer_limit=10 is below one step's 128 samples"):
+        rollout_engine.check(cfg, 2, 16)
+    cfg.buffer_limit = 128
+    assert rollout_async.buffer_limit(cfg, 16) == 128
+    assert rollout_engine.trainer_world(RolloutConfig(mode="async", gpus=1), 3) == 2
     with pytest.raises(ValueError, match="leaves no trainer"):
-        rollout_async.check(RolloutConfig(mode="async", gpus=2), 2)
+        rollout_engine.check(RolloutConfig(mode="async", gpus=2), 2, 16)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
-        rollout_async.check(RolloutConfig(mode="async", tensor_parallel_size=2), 4)
+        rollout_engine.check(RolloutConfig(mode="async", tensor_parallel_size=2), 4, 16)
+    with pytest.raises(ValueError, match=r"--rollout.gpus=1 is for --rollout.mode=async"):
+        rollout_engine.check(RolloutConfig(gpus=1), 2, 16)
 
 
 def test_truncated_importance_weights():

@@ -109,7 +109,7 @@ def test_vllm_allocates_the_kv_bytes_it_was_asked_for(tmp_path):
     config = tiny.qwen25_config("qwen2.5-0.5b")
     cfg = rollout.RolloutConfig(engine="vllm", n=8, response_length=512)
     engine = rollout.build(cfg, device=torch.device("cuda"), model_path=None, config=config, out_dir=str(tmp_path),
-                           max_model_len=640, max_num_seqs=64, dtype="bfloat16", seed=0, pad_id=0, eos_id=1)
+                           req=rollout.Request(64, 640, "bfloat16"), seed=0, pad_id=0, eos_id=1)
     runner = rollout.vllm_model(engine.llm)      # the model; its runner holds the KV tensors
     worker = engine.llm.llm_engine.model_executor.driver_worker.worker
     allocated = sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)

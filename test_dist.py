@@ -185,8 +185,8 @@ def test_tensor_parallel_needs_the_vllm_engine():
     """tensor_parallel_size > 1 with the HF engine is refused with a ValueError that says so."""
     with pytest.raises(ValueError, match="needs the vLLM engine"):
         rollout.build(rollout.RolloutConfig(engine="hf", tensor_parallel_size=2), device=torch.device("cpu"),
-                      model_path=None, config=None, out_dir="/tmp", max_model_len=8, max_num_seqs=1,
-                      dtype="float32", seed=0, pad_id=0, eos_id=1)
+                      model_path=None, config=None, out_dir="/tmp", req=rollout.Request(1, 8, "float32"),
+                      seed=0, pad_id=0, eos_id=1)
 
 
 if __name__ == "__main__":

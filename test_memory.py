@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import actor
+import ledger
 import offload
 import ref
 import reward_model
@@ -102,9 +103,9 @@ def test_host_mirrors_are_exact_size_and_page_locked(env):
     stash = offload.param_stash("p", model)
     rounded = sum(1 << (v.numel() - 1).bit_length() for v in stash.views)
     assert rounded > 1.2 * stash.nbytes                 # this model's sizes would show the rounding
-    rss = offload.host_rss_gb()
+    rss = ledger.host_rss_gb()
     offload.offload(stash)
-    grown = (offload.host_rss_gb() - rss) * offload.GB
+    grown = (ledger.host_rss_gb() - rss) * offload.GB
     assert all(h.is_pinned() for h in stash.host)
     start = stash.host[0].data_ptr()
     span = max(h.data_ptr() + h.numel() for h in stash.host) - start
@@ -200,7 +201,7 @@ def test_no_creep_over_20_offloaded_steps(env):
     for step in range(20):
         actor.update(a, tiny_batch(16, 32, device, seed=step, vocab=32000), 16, 1.0, {})
         alloc.append(_allocated())
-        rss.append(offload.host_rss_gb() * 1024)
+        rss.append(ledger.host_rss_gb() * 1024)
     assert max(alloc[2:]) - min(alloc[2:]) < MB, [a / MB for a in alloc]
     assert alloc[-1] - base < a.params.nbytes * 0.05    # the trainer holds (almost) nothing now
     assert rss[-1] - rss[4] < 64, rss                   # MiB: host buffers are reused, not re-made
@@ -351,7 +352,7 @@ def test_hybrid_sharding_holds_its_share_and_makes_the_one_gpu_update(dist_env):
         batch, size = (full, 16 * world) if name == "one_gpu" else (mine, 16)
         stats = actor.update_policy(model, opt, batch, cfg, size, 1.0)
         moved = torch.cat([(p.detach().full_tensor() - s).flatten() for p, s in zip(model.parameters(), start)])
-        runs[name] = held, offload.gpu_bytes(model, opt), stats, moved.sign().to(torch.int8).cpu()
+        runs[name] = held, ledger.gpu_bytes(model, opt), stats, moved.sign().to(torch.int8).cpu()
         del model, opt, start, moved
     one = runs["one_gpu"]
     assert (one[3] != 0).float().mean() > 0.5                   # the update moved most parameters
@@ -386,7 +387,7 @@ def test_critic_offload_frees_its_bytes(env, deterministic):
         critic.update(c, dict(batch), 16, 1, moved)
     assert off.adam.nbytes == _adam_bytes(off.model)
     assert all(st.nbytes() == 0 for st in off.params.storages + off.adam.storages)
-    _close(offload.gpu_bytes(kept.model, kept.optimizer) - offload.gpu_bytes(off.model, off.optimizer),
+    _close(ledger.gpu_bytes(kept.model, kept.optimizer) - ledger.gpu_bytes(off.model, off.optimizer),
            off.params.nbytes + off.adam.nbytes)
     assert moved["offload/critic_optimizer/offload_gb"] * offload.GB == off.adam.nbytes
     stats = [critic.update(c, dict(batch), 16, 1, {}) for c in twins]
@@ -568,9 +569,9 @@ def test_a_checkpoint_leaves_host_memory_where_it_was(env):
          "--rollout.response_length=16", f"--out_dir={out}", "--actor.param_offload=true",
          "--actor.optimizer_offload=true", "--ref.param_offload=true"]))
     train_grpo.train_step(t, 0)
-    rss = [offload.host_rss_gb()]
+    rss = [ledger.host_rss_gb()]
     for step in (1, 2):
         train_grpo.save(t, step)
-        rss.append(offload.host_rss_gb())
+        rss.append(ledger.host_rss_gb())
     print(f"\n[checkpoint] host RSS {rss[0]:.2f} -> {rss[1]:.2f} -> {rss[2]:.2f} GB", flush=True)
     assert rss[1] - rss[0] < 0.5 and rss[2] - rss[1] < 0.25, rss

@@ -11,24 +11,25 @@ import sys
 import pytest
 import torch
 
-import plan
-import plan_fit
+import model
 import options
+import plan
+import predict
 from conftest import launches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GB = plan.GB
+GB = predict.GB
 
 
-@pytest.mark.parametrize("model", [None, "random:qwen2.5-0.5b", "random:qwen2.5-1.5b", "random:qwen2.5-7b"])
-def test_parameter_counts_match_the_model(model):
+@pytest.mark.parametrize("path", [None, "random:qwen2.5-0.5b", "random:qwen2.5-1.5b", "random:qwen2.5-7b"])
+def test_parameter_counts_match_the_model(path):
     """Shapes.params, layer_params and largest equal the counts of the HF model built on the meta
     device from the same config (tied and untied embeddings)."""
     from transformers import Qwen2ForCausalLM
-    config = plan.model_config(model)
+    config = predict.model_config(path)
     with torch.device("meta"):
         m = Qwen2ForCausalLM(config)
-    s = plan.shapes(config)
+    s = model.shapes(config)
     assert s.params == sum(p.numel() for p in m.parameters())
     assert s.layer_params == sum(p.numel() for p in m.model.layers[0].parameters())
     assert s.largest == max(p.numel() for p in m.parameters())
@@ -57,13 +58,13 @@ def test_saved_activations_per_token_are_what_autograd_keeps():
         return t
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         layer(x, attention_mask=None, position_ids=torch.arange(T)[None], position_embeddings=(cos, sin))
-    assert sum(saved.values()) == T * plan.shapes(cfg).saved_per_token(2)
+    assert sum(saved.values()) == T * model.shapes(cfg).saved_per_token(2)
 
 
 def test_lm_head_chunk_bytes_per_element():
     """The LM head's forward + backward on one chunk, measured by PyTorch's MemTracker (bf16), peaks
     at the planner's bytes per (token, vocab) element beyond its inputs and their gradients: no more
-    than plan.HEAD_BACKWARD (the term is not missing) and more than 3/4 of it (not double-counted);
+    than packing.HEAD_BACKWARD (the term is not missing) and more than 3/4 of it (not double-counted);
     and the update stage's "LM head chunk (backward)" term is that many bytes per element."""
     from torch.distributed._tools.mem_tracker import MemTracker
     import packing
@@ -77,15 +78,15 @@ def test_lm_head_chunk_bytes_per_element():
         out[:, 0].sum().backward()
     peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     per_elt = (peak - 2 * (h.numel() + w.numel()) * 2) / (C * V)
-    assert 0.75 * plan.HEAD_BACKWARD < per_elt <= plan.HEAD_BACKWARD * 1.025, (per_elt, plan.HEAD_BACKWARD)
+    assert 0.75 * packing.HEAD_BACKWARD < per_elt <= packing.HEAD_BACKWARD * 1.025, (per_elt, packing.HEAD_BACKWARD)
     cfg = _cfg("--model=random:qwen2.5-0.5b", "--actor.logits_chunk_tokens=256", "--actor.gradient_checkpointing=false",
                "--rollout.response_length=512")
-    z = plan.Sizes(cfg, 1, 64, "vllm")
-    n = z.tokens(cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu)
-    term = plan.predict(cfg, 1, 64).stage("update").terms.get("LM head chunk (backward)")
+    z = predict.sizes(cfg, 1, 64)
+    n = z.tokens(model.make_layout(cfg.actor, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu))
+    term = predict.predict(cfg, 1, 64).stage("update").terms.get("LM head chunk (backward)")
     if term is not None:                       # the phase with the head's backward is the update's peak
-        n_resp = n * z.R // z.T
-        assert term == min(256, n_resp) * z.shapes.vocab * plan.HEAD_BACKWARD + n_resp * z.shapes.hidden * z.c
+        n_resp = n * z.response_len // z.T
+        assert term == min(256, n_resp) * z.shapes.vocab * packing.HEAD_BACKWARD + n_resp * z.shapes.hidden * z.c
 
 
 def _cfg(*args):
@@ -98,16 +99,16 @@ def test_offload_flags_take_their_bytes_out_of_the_stages_that_do_not_use_them()
     gradient checkpointing shrinks only the update."""
     base = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
             "--rollout.response_length=256", "--actor.gradient_checkpointing=false"]
-    P = plan.shapes(plan.model_config("random:qwen2.5-7b")).params
-    none = {s.name: s for s in plan.predict(_cfg(*base), 1, 128).stages}
-    opt = {s.name: s for s in plan.predict(_cfg(*base, "--actor.optimizer_offload=true"), 1, 128).stages}
-    ref = {s.name: s for s in plan.predict(_cfg(*base, "--ref.param_offload=true"), 1, 128).stages}
-    ckpt = {s.name: s for s in plan.predict(_cfg(*base, "--actor.gradient_checkpointing=true"), 1, 128).stages}
+    P = predict.shapes("random:qwen2.5-7b").params
+    none = {s.name: s for s in predict.predict(_cfg(*base), 1, 128).stages}
+    opt = {s.name: s for s in predict.predict(_cfg(*base, "--actor.optimizer_offload=true"), 1, 128).stages}
+    ref = {s.name: s for s in predict.predict(_cfg(*base, "--ref.param_offload=true"), 1, 128).stages}
+    ckpt = {s.name: s for s in predict.predict(_cfg(*base, "--actor.gradient_checkpointing=true"), 1, 128).stages}
     for name in ("generate", "reward", "ref_logp"):
-        assert none[name].total - opt[name].total == pytest.approx(8 * P * plan.ALLOC_SLACK, rel=1e-6)
+        assert none[name].total - opt[name].total == pytest.approx(8 * P * predict.ALLOC_SLACK, rel=1e-6)
         assert none[name].total == ckpt[name].total
     assert opt["update"].total == none["update"].total
-    assert none["reward"].total - ref["reward"].total == pytest.approx(2 * P * plan.ALLOC_SLACK, rel=1e-6)
+    assert none["reward"].total - ref["reward"].total == pytest.approx(2 * P * predict.ALLOC_SLACK, rel=1e-6)
     assert ref["ref_logp"].total == none["ref_logp"].total
     assert ckpt["update"].total < none["update"].total
 
@@ -122,23 +123,23 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     cfg = _cfg("--model=random:qwen2.5-3b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                "--rollout.response_length=1024", "--actor.ppo_micro_batch_size_per_gpu=64",
                "--algorithm.adv_estimator=gae", "--actor.gradient_checkpointing=false")
-    h200 = plan_fit.Target(world=1, prompt_len=256, gpu_bytes=141 * GB)
-    assert plan.predict(cfg, 1, 256).peak > h200.budget
-    best, p = plan_fit.choose(cfg, h200)
-    assert best is not None and plan_fit.changes(cfg, best)
+    h200 = plan.Target(world=1, prompt_len=256, gpu_bytes=141 * GB)
+    assert predict.predict(cfg, 1, 256).peak > h200.budget
+    best, p = plan.choose(cfg, h200)
+    assert best is not None and plan.changes(cfg, best)
     assert max(s.total for s in p.stages) <= h200.budget
     assert p.device_peak <= 0.9 * 141 * GB and p.device_peak >= max(s.total for s in p.stages)
     big7 = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                 "--rollout.response_length=512", "--actor.ppo_micro_batch_size_per_gpu=8")
-    gpu128 = plan_fit.Target(world=1, prompt_len=256, gpu_bytes=128 * GB)
-    assert plan_fit.choose(big7, gpu128) == (None, None)
-    least, lp = plan_fit.choose(big7, plan_fit.Target(1, 256, 128 * GB, margin=0.0), least_memory=True)
-    assert "--actor.optimizer_offload=true" in plan_fit.changes(big7, least) and lp.device_peak <= 128 * GB
-    assert lp.device_peak < min(plan.predict(c, 1, 256).device_peak for c in [big7])
-    assert plan_fit.choose(big7, plan_fit.Target(1, 256, 80 * GB, margin=0.0)) == (None, None)
+    gpu128 = plan.Target(world=1, prompt_len=256, gpu_bytes=128 * GB)
+    assert plan.choose(big7, gpu128) == (None, None)
+    least, lp = plan.choose(big7, plan.Target(1, 256, 128 * GB, margin=0.0), least_memory=True)
+    assert "--actor.optimizer_offload=true" in plan.changes(big7, least) and lp.device_peak <= 128 * GB
+    assert lp.device_peak < min(predict.predict(c, 1, 256).device_peak for c in [big7])
+    assert plan.choose(big7, plan.Target(1, 256, 80 * GB, margin=0.0)) == (None, None)
     big = _cfg("--model=random:qwen2.5-72b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8")
-    assert plan_fit.choose(big, plan_fit.Target(1, 256, 80 * GB)) == (None, None)
-    assert any("GPUs" in x for x in plan_fit.what_would_fit(big, plan_fit.Target(1, 256, 80 * GB)))
+    assert plan.choose(big, plan.Target(1, 256, 80 * GB)) == (None, None)
+    assert any("GPUs" in x for x in plan.what_would_fit(big, plan.Target(1, 256, 80 * GB)))
 
 
 @launches
@@ -165,23 +166,23 @@ def test_watch_warns_once_per_kind_and_names_the_change():
     line naming the stage (the first two also the change to make); the same metrics on the next
     step give nothing (rate limit); a peak within 10 % of the plan gives no plan line; host RSS
     growing after warm-up gives its own line."""
-    p = plan.predict(_cfg("--model=random:qwen2.5-0.5b"), 1, 64)
+    p = predict.predict(_cfg("--model=random:qwen2.5-0.5b"), 1, 64)
     pred = p.stage("update").total / GB
     gpu = 1.2 * pred * GB                      # a GPU where 1.3 x the plan is far over 90 %
     off = 1.3 * pred                           # the measured peak: 30 % above the plan
     m = {"step": 5, "mem/update/peak_gb": off, "mem/update/alloc_retries": 3.0,
          "mem/update/allocated_gb": 1.0, "mem/update/reserved_gb": 2.0, "host_rss_gb": 10.0}
     seen = {}
-    lines = plan_fit.watch(m, seen, p, gpu, 0)
+    lines = plan.watch(m, seen, p, gpu, 0)
     assert any(f"update peaked at {off:.1f} GB, over 90 %" in x and "--" in x for x in lines), lines
     assert any("retried 3 times" in x and "--" in x for x in lines), lines
     assert any(f"update peaked at {off:.2f} GB, the plan predicted {pred:.2f} GB (+30%)" in x for x in lines), lines
     assert len(lines) == 3
-    assert plan_fit.watch({**m, "step": 6}, seen, p, gpu, 0) == []
-    close = plan_fit.watch({**m, "step": 5, "mem/update/peak_gb": 1.05 * pred, "mem/update/alloc_retries": 0.0},
+    assert plan.watch({**m, "step": 6}, seen, p, gpu, 0) == []
+    close = plan.watch({**m, "step": 5, "mem/update/peak_gb": 1.05 * pred, "mem/update/alloc_retries": 0.0},
                            {}, p, 100 * GB, 0)
     assert not any("the plan predicted" in x for x in close), close
-    grown = plan_fit.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
+    grown = plan.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
                             "mem/update/peak_gb": pred}, seen, p, gpu, 0)
     assert [x for x in grown if "host RSS grew 10.0 -> 12.0" in x]
 
@@ -189,8 +190,8 @@ def test_watch_warns_once_per_kind_and_names_the_change():
 def test_oom_message_names_stage_ledger_plan_and_change():
     """explain_oom says the stage, what the ledger held after the last finished stage, the plan's
     prediction for the stage and its biggest term's remedy, in one line."""
-    p = plan.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"), 1, 128)
-    msg = plan_fit.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
+    p = predict.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"), 1, 128)
+    msg = plan.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
     assert "stage update" in msg and "71.5 GB allocated after ref_logp" in msg and "--" in msg
     assert f"{p.stage('update').total / GB:.1f} GB" in msg and "\n" not in msg
 
@@ -207,7 +208,7 @@ def test_predictions_within_10_percent_of_the_recorded_h200_peaks():
     bad = []
     for row in truth["rows"]:
         cfg = options.parse_args(row["args"])
-        p = plan.predict(cfg, row["world"], row["prompt_len"], row["engine"])
+        p = predict.predict(cfg, row["world"], row["prompt_len"], row["engine"])
         for stage, measured in row["peak_gb"].items():
             pred = p.stage(stage).total / GB
             if measured > 1 and abs(pred - measured) > 0.1 * measured:
@@ -244,14 +245,14 @@ def test_vllm_start_share_asks_for_what_the_engine_needs():
 
 
 def test_step_time_within_20_percent_on_most_recorded_runs():
-    """plan.seconds ranks --offload=auto's candidates: on the recorded H200 runs (0.5B to 7B, every
+    """predict.seconds ranks --offload=auto's candidates: on the recorded H200 runs (0.5B to 7B, every
     flag, LoRA, PPO, a reward model, the default path) it is within 20 % of the measured step on at
     least 90 % of them and within 25 % on all."""
     with open(TRUTH) as f:
         rows = [r for r in json.load(f)["rows"] if r.get("step_s")]
     errors = {}
     for row in rows:
-        p = plan.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
+        p = predict.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
         errors[row["name"]] = p.seconds / row["step_s"] - 1
     assert len(rows) >= 30
     assert sum(abs(e) <= 0.2 for e in errors.values()) >= 0.9 * len(rows), errors
@@ -288,15 +289,15 @@ def test_plan_cli_answers_bad_input_in_one_line(args, expect, tmp_path, capsys):
     its own options: one `error:` line naming what to change, exit code 2, no traceback."""
     argv = [f"--model={_gpt2_dir(tmp_path)}"] if args == "gpt2" else args
     with pytest.raises(SystemExit) as e:
-        plan_fit.main(argv)
+        plan.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and expect in err[0], err
 
 
 def test_plan_cli_help_lists_its_own_options(capsys):
-    plan_fit.main(["--help"])
+    plan.main(["--help"])
     out = capsys.readouterr().out
-    assert all(f"--{k}=" in out for k in plan_fit.OWN) and "python train_grpo.py --help" in out
+    assert all(f"--{k}=" in out for k in plan.OWN) and "python train_grpo.py --help" in out
 
 
 # --------------------------------------------------------------------------- async rollout
@@ -309,15 +310,15 @@ SMALL = ["--model=random:qwen2.5-1.5b", "--train_batch_size=8", "--actor.ppo_min
                                    ["--actor.lora_rank=16"],
                                    ["--algorithm.adv_estimator=gae", "--reward_model.path=random:qwen2.5-0.5b"]])
 def test_async_stages_replace_generate_and_never_raise_a_trainer_peak(extra):
-    """Async rollout: the step starts with rollout_wait and ends with push, in offload.STAGES' order,
+    """Async rollout: the step starts with rollout_wait and ends with push, in ledger.STAGES' order,
     and has no generate; with rollout GPUs of its own (the same trainer world) every stage it shares
     with the colocated plan peaks no higher there, and no vLLM sits on the trainer's GPU."""
-    import offload
-    colocated = plan.predict(_cfg(*SMALL, *extra), 2, 256)
-    p = plan.predict(_cfg(*SMALL, *extra, *ASYNC, "--rollout.gpus=1"), 2, 256)
+    import ledger
+    colocated = predict.predict(_cfg(*SMALL, *extra), 2, 256)
+    p = predict.predict(_cfg(*SMALL, *extra, *ASYNC, "--rollout.gpus=1"), 2, 256)
     names = [s.name for s in p.stages]
     assert names == ["rollout_wait"] + [s.name for s in colocated.stages][1:] + ["push"]
-    assert "generate" not in names and [n for n in offload.STAGES if n in names] == names
+    assert "generate" not in names and [n for n in ledger.STAGES if n in names] == names
     for st in colocated.stages[1:]:
         assert p.stage(st.name).total <= st.total, st.name
     assert p.vllm_device == {} and p.beside == 0 and p.engine_device
@@ -329,26 +330,26 @@ def test_async_engine_gpu_is_the_engine_bytes_plus_its_context():
     of the step's sequences, max_num_seqs that share) plus a CUDA context: with 2 rollout GPUs each
     holds half the sequences; with none the one engine holds them all."""
     import rollout
-    config = plan.model_config("random:qwen2.5-1.5b")
+    config = predict.model_config("random:qwen2.5-1.5b")
     for gpus, seqs in ((2, 8 * 8 // 2), (0, 8 * 8)):
         cfg = _cfg(*SMALL, *ASYNC, f"--rollout.gpus={gpus}", "--rollout.kv_cache_margin=0.2")
         kv = rollout.kv_cache_bytes(config, seqs, 256 + 512, 2, 1, 0.2)
         want = {**rollout.engine_bytes(config, kv_bytes=kv, max_num_seqs=seqs, dtype_bytes=2, tp=1),
-                "CUDA context": plan.CUDA_CONTEXT}
-        assert plan.predict(cfg, 2, 256).engine_device == want
+                "CUDA context": predict.CUDA_CONTEXT}
+        assert predict.predict(cfg, 2, 256).engine_device == want
 
 
 def test_async_host_buffer_bytes():
     """The rollout buffer on the host: buffer_limit samples (0: max_staleness x train_batch_size x n),
     each prompt + 2 x response tokens of 4 bytes; the table says it, and a host too small for it
     does not fit."""
-    p = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.max_staleness=3"), 2, 256)
+    p = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.max_staleness=3"), 2, 256)
     assert p.buffer_host == 3 * 8 * 8 * (256 + 2 * 512) * 4
-    assert "rollout buffer on the host" in plan.table(p, 141 * GB)
-    q = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.buffer_limit=100"), 2, 256)
+    assert "rollout buffer on the host" in predict.table(p, 141 * GB)
+    q = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1", "--rollout.buffer_limit=100"), 2, 256)
     assert q.buffer_host == 100 * (256 + 2 * 512) * 4
-    assert plan.predict(_cfg(*SMALL), 2, 256).buffer_host == 0
-    assert not plan_fit.Target(2, 256, 141 * GB, host_bytes=p.buffer_host).fits(p)
+    assert predict.predict(_cfg(*SMALL), 2, 256).buffer_host == 0
+    assert not plan.Target(2, 256, 141 * GB, host_bytes=p.buffer_host).fits(p)
 
 
 def test_async_engine_beside_rank0_adds_to_every_stage_device_level():
@@ -356,17 +357,17 @@ def test_async_engine_beside_rank0_adds_to_every_stage_device_level():
     0's GPU: each stage's device level is the rollout-GPU plan's plus the engine plus the held push
     bucket's share; the bucket is in every stage's allocator terms. With rollout GPUs, nothing empties
     the cache and no vLLM is beside: every stage sees the update's reserve plus OUTSIDE."""
-    p0 = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
-    p1 = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1"), 2, 256)
+    p0 = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
+    p1 = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=1"), 2, 256)
     assert p0.engine_device == p1.engine_device and p0.beside == sum(p0.engine_device.values())
     bucket = 512 * 2 ** 20
     for st in p0.stages:
         assert st.terms["push bucket"] == bucket
         extra = p0.device[st.name] - p1.device[st.name] - p0.beside
         assert 0 <= extra <= 1.2 * bucket, (st.name, extra)
-    top = plan.OUTSIDE + int(p1.stage("update").total * (1 + plan.UPDATE_SLACK))
+    top = predict.OUTSIDE + int(p1.stage("update").total * (1 + predict.UPDATE_SLACK))
     assert set(p1.device.values()) == {top}
-    assert "on rank 0's GPU" in plan.table(p0, 141 * GB) and "on each engine's own GPU" in plan.table(p1, 141 * GB)
+    assert "on rank 0's GPU" in predict.table(p0, 141 * GB) and "on each engine's own GPU" in predict.table(p1, 141 * GB)
 
 
 @pytest.mark.parametrize("response_length", [256, 8192])
@@ -378,15 +379,15 @@ def test_async_step_time_is_the_longer_of_engine_and_trainer_plus_the_push(respo
     long: the engine. An engine's share beyond FITTED_SEQS costs more than two engines' halves."""
     base = ["--model=random:qwen2.5-1.5b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
             f"--rollout.response_length={response_length}"]
-    P = plan.shapes(plan.model_config("random:qwen2.5-1.5b")).params
-    colocated = plan.predict(_cfg(*base), 2, 256).seconds
-    generate = response_length * (plan.DECODE_STEP + 2 * P / plan.HBM) + plan.STAGE_FIXED
-    async_s = plan.predict(_cfg(*base, *ASYNC, "--rollout.gpus=1"), 2, 256).seconds
-    push = 2 * P / plan.PUSH_BPS + plan.STAGE_FIXED
+    P = predict.shapes("random:qwen2.5-1.5b").params
+    colocated = predict.predict(_cfg(*base), 2, 256).seconds
+    generate = response_length * (predict.DECODE_STEP + 2 * P / predict.HBM) + predict.STAGE_FIXED
+    async_s = predict.predict(_cfg(*base, *ASYNC, "--rollout.gpus=1"), 2, 256).seconds
+    push = 2 * P / predict.PUSH_BPS + predict.STAGE_FIXED
     assert async_s == pytest.approx(max(generate, colocated - generate) + push, rel=1e-9)
     assert (generate > colocated - generate) == (response_length > 1024)
     big = [*base, "--train_batch_size=64", "--actor.ppo_mini_batch_size=64", *ASYNC]
-    one, two = (plan.predict(_cfg(*big, f"--rollout.gpus={k}"), 2, 256) for k in (1, 2))
+    one, two = (predict.predict(_cfg(*big, f"--rollout.gpus={k}"), 2, 256) for k in (1, 2))
     assert one.seconds > two.seconds or response_length < 1024
 
 
@@ -401,7 +402,7 @@ def test_async_suggested_when_faster_never_switched(monkeypatch, capsys):
     trainer on 1 GPU of 2 is slower than colocated on both)."""
     gen = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4",
                "--rollout.response_length=4096")
-    lines = _suggestion(plan_fit.report(gen, plan_fit.Target(2, 256, 141 * GB)))
+    lines = _suggestion(plan.report(gen, plan.Target(2, 256, 141 * GB)))
     assert len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("[plan] async with 1 rollout GPU (--rollout.mode=async --rollout.gpus=1")
@@ -409,12 +410,12 @@ def test_async_suggested_when_faster_never_switched(monkeypatch, capsys):
     asy, col = (float(x.split(" s")[0]) for x in line.split("~")[1:])
     assert asy < col
     options.parse_args(line.split("(")[1].split(")")[0].split())
-    assert not _suggestion(plan_fit.report(gen, plan_fit.Target(1, 256, 141 * GB)))
+    assert not _suggestion(plan.report(gen, plan.Target(1, 256, 141 * GB)))
     train = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
                  "--rollout.response_length=1024")
-    assert not _suggestion(plan_fit.report(train, plan_fit.Target(2, 512, 141 * GB)))
-    monkeypatch.setattr(plan_fit, "gpu_capacity", lambda device: 141 * GB)
-    chosen = plan_fit.plan_auto(gen, 2, 256, "vllm", torch.device("cuda"), 0)
+    assert not _suggestion(plan.report(train, plan.Target(2, 512, 141 * GB)))
+    monkeypatch.setattr(plan, "gpu_capacity", lambda device: 141 * GB)
+    chosen = plan.plan_auto(gen, 2, 256, "vllm", torch.device("cuda"), 0)
     out = capsys.readouterr().out
     assert len(_suggestion(out)) == 1 and chosen.rollout.mode == "colocated"
 
@@ -425,16 +426,16 @@ def test_async_engine_that_does_not_fit_is_one_line():
     changes (fewer prompts, shorter responses, the rollout GPUs that would fit)."""
     cfg = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=256", "--actor.ppo_mini_batch_size=64",
                "--rollout.response_length=4096", *ASYNC, "--rollout.gpus=1")
-    t = plan_fit.Target(4, 512, 80 * GB)
+    t = plan.Target(4, 512, 80 * GB)
     with pytest.raises(ValueError) as e:
-        plan_fit.choose(cfg, t)
+        plan.choose(cfg, t)
     msg = str(e.value)
     assert "\n" not in msg and "the rollout engine needs" in msg
     for part in ("weights", "KV cache", "workspace", "CUDA context", "--train_batch_size",
                  "--rollout.response_length", "--rollout.gpus=16 fits"):
         assert part in msg, part
-    assert plan_fit.report(cfg, t).splitlines()[-1] == f"[plan] {msg}"
-    assert not plan_fit.Target(4, 512, 80 * GB).fits(plan.predict(cfg, 4, 512))
+    assert plan.report(cfg, t).splitlines()[-1] == f"[plan] {msg}"
+    assert not plan.Target(4, 512, 80 * GB).fits(predict.predict(cfg, 4, 512))
 
 
 def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
@@ -443,16 +444,16 @@ def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
     rollout.gpus that leaves no trainer rank is one error line."""
     args = ["--model=random:qwen2.5-0.5b", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4",
             "--prompt_len=64", "--nproc=3", "--gpu_gb=80"]
-    plan_fit.main(args + ASYNC + ["--rollout.gpus=1"])
+    plan.main(args + ASYNC + ["--rollout.gpus=1"])
     out = capsys.readouterr().out
     assert out.startswith("[plan] random:qwen2.5-0.5b on 2 trainer + 1 rollout x 80 GB, async vllm rollout")
     for row in ("rollout_wait", "push", "(engine GPU)"):
         assert row in out
     with pytest.raises(SystemExit):            # colocated, the same 4 prompts do not split over 3 ranks
-        plan_fit.main(args)
+        plan.main(args)
     assert "not divisible by the world size 3" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        plan_fit.main(args + ASYNC + ["--rollout.gpus=3"])
+        plan.main(args + ASYNC + ["--rollout.gpus=3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --rollout.gpus=3 leaves no trainer rank")
 
@@ -460,14 +461,14 @@ def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
 def test_async_stage_names_in_the_run_glue():
     """record, watch and explain_oom take the async stages by name: the prediction beside rollout_wait
     and push, a push above 90 % of the GPU warned with its relief, an OOM in push explained."""
-    p = plan.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
+    p = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
     m = {"step": 5}
     for name in ("rollout_wait", "push"):
-        plan_fit.record(p, name, m)
+        plan.record(p, name, m)
         assert m[f"plan/{name}/predicted_gb"] == p.stage(name).total / GB
         assert m[f"plan/{name}/device_gb"] == p.device[name] / GB
     push = p.stage("push").total / GB
-    lines = plan_fit.watch({"step": 5, "mem/push/peak_gb": push}, {}, p, 1.05 * push * GB, 0)
+    lines = plan.watch({"step": 5, "mem/push/peak_gb": push}, {}, p, 1.05 * push * GB, 0)
     assert len(lines) == 1 and "push peaked at" in lines[0] and "--" in lines[0]
-    msg = plan_fit.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
+    msg = plan.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
     assert "stage push" in msg and "after update" in msg and f"{push:.1f} GB" in msg

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+import ledger
 import offload
 import options
 import tracker
@@ -81,7 +82,7 @@ def test_picture_from_a_run_folder(resumed, tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     memory, copies = tracker.series(metrics(out))
     rows = metrics(out)
-    assert list(memory) == [s for s in offload.STAGES if f"mem/{s}/peak_gb" in rows[0]]
+    assert list(memory) == [s for s in ledger.STAGES if f"mem/{s}/peak_gb" in rows[0]]
     assert memory["update"]["peak"] == [r["mem/update/peak_gb"] for r in rows]
     assert memory["update"]["predicted"] == [r["plan/update/predicted_gb"] for r in rows]
     assert memory["update"]["device"] == [r["mem/update/device_used_gb"] for r in rows]

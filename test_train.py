@@ -14,12 +14,13 @@ import torch
 
 import train_grpo
 import options
+import ledger
 import offload
 from model import load_model
 from conftest import launches
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-GRPO_STAGES = [s for s in offload.STAGES if s not in ("values", "critic_update", "reward_model", "rollout_wait", "push")]
+GRPO_STAGES = [s for s in ledger.STAGES if s not in ("values", "critic_update", "reward_model", "rollout_wait", "push")]
 
 
 def run(args, nproc=0, timeout=600, env=None):

@@ -20,7 +20,7 @@ import critic
 import launch
 import options
 import packing
-import plan
+import predict
 import ulysses
 from launch import init_distributed
 from model import build_mesh, forward, load_model, make_layout, shard
@@ -212,28 +212,29 @@ def test_plan_token_terms_halve_at_k2():
     micro-batches' tokens per GPU is half of k = 1's, so the activation, LM-head and forward terms
     of every stage halve; the states do not move."""
     one, two = (options.parse_args(LONG + [f"--actor.ulysses_sequence_parallel_size={k}"]) for k in (1, 2))
-    assert plan.Sizes(two, 2, 64, "hf").samples == 2 * plan.Sizes(one, 2, 64, "hf").samples
-    assert plan.Sizes(two, 2, 64, "hf").tokens(2, 0) * 2 == plan.Sizes(one, 2, 64, "hf").tokens(2, 0)
-    p1, p2 = plan.predict(one, 2, 64, "hf"), plan.predict(two, 2, 64, "hf")
+    z1, z2 = predict.sizes(one, 2, 64), predict.sizes(two, 2, 64)
+    assert z2.samples == 2 * z1.samples
+    assert z2.tokens(make_layout(two.actor, 2, 0)) * 2 == z1.tokens(make_layout(one.actor, 2, 0))
+    p1, p2 = predict.predict(one, 2, 64, "hf"), predict.predict(two, 2, 64, "hf")
     for name in ("ref_logp", "update"):
         a, b = p1.stage(name).terms, p2.stage(name).terms
         halved = [t for t in TOKEN_TERMS if a.get(t)]
         assert halved and all(b[t] == pytest.approx(a[t] / 2, rel=1e-3) for t in halved), (name, a, b)
-        assert b["actor params"] == a["actor params"]
+        assert b["actor_params"] == a["actor_params"]
 
 
 def test_search_turns_on_sequence_parallelism_when_k1_does_not_fit():
-    """plan_fit's search considers k among the world's divisors: on a GPU just too small for the best
+    """plan.py's search considers k among the world's divisors: on a GPU just too small for the best
     k = 1 configuration, the fastest that fits sets --actor.ulysses_sequence_parallel_size=2."""
-    import plan_fit
+    import plan
     cfg = options.parse_args(LONG)
-    lowest = {k: min(plan.predict(c, 2, 64, "hf").device_peak for c in plan_fit.candidates(cfg, 2)
+    lowest = {k: min(predict.predict(c, 2, 64, "hf").device_peak for c in plan.candidates(cfg, 2)
                      if c.actor.ulysses_sequence_parallel_size == k) for k in (1, 2)}
     assert lowest[2] < lowest[1]
-    t = plan_fit.Target(2, 64, int((lowest[1] + lowest[2]) / 2 / 0.9), 0.1, "hf")
-    best, _ = plan_fit.choose(cfg, t)
-    assert "--actor.ulysses_sequence_parallel_size=2" in plan_fit.changes(cfg, best)
-    assert "--actor.ulysses_sequence_parallel_size=2" in plan_fit.report(cfg, t)
+    t = plan.Target(2, 64, int((lowest[1] + lowest[2]) / 2 / 0.9), 0.1, "hf")
+    best, _ = plan.choose(cfg, t)
+    assert "--actor.ulysses_sequence_parallel_size=2" in plan.changes(cfg, best)
+    assert "--actor.ulysses_sequence_parallel_size=2" in plan.report(cfg, t)
 
 
 if __name__ == "__main__":

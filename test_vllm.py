@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import actor
+import ledger
 import offload
 import rollout
 import weights
@@ -35,7 +36,7 @@ def env(dist_env, tmp_path_factory):
     model = shard(mid_model(), mesh, device)                     # bf16 compute, fp32 master
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, gpu_memory_utilization=0.3, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config,
-                           out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), max_model_len=64, max_num_seqs=32, dtype="bfloat16",
+                           out_dir=str(tmp_path_factory.mktemp("vllm_cfg")), req=rollout.Request(32, 64, "bfloat16"),
                            seed=rank, pad_id=0, eos_id=1, rank=rank)
     print(f"\n[vllm] asleep after build: {engine.asleep_device_gb:.2f} GB stays on the GPU")
     g = torch.Generator().manual_seed(rank)
@@ -141,7 +142,7 @@ def test_param_offload_frees_the_shards_during_generate(env):
     try:
         _, off = _vllm(env, stashes=[stash])
         assert not stash.on_device                                  # the bracket put them back out
-        assert offload.gpu_bytes(model) < 0.01 * stash.nbytes
+        assert ledger.gpu_bytes(model) < 0.01 * stash.nbytes
     finally:
         offload.reload(stash)           # the module's model stays usable whatever failed here
     freed = on_gpu["rollout/generate_device_gb"] - off["rollout/generate_device_gb"]
@@ -160,7 +161,7 @@ def test_twenty_bracket_cycles_leave_memory_flat(env):
         for _ in range(20):
             _, m = _vllm(env, stashes=[stash])
             asleep.append(m["rollout/sleep_device_gb"])
-            rss.append(offload.host_rss_gb())
+            rss.append(ledger.host_rss_gb())
     finally:
         offload.reload(stash)
     print(f"\n[vllm] device used asleep over 20 cycles: {min(asleep):.3f}..{max(asleep):.3f} GB; "

@@ -44,7 +44,8 @@ def _generate(out_dir: str, tp: int):
                for _ in range(8)]
     cfg = rollout.RolloutConfig(engine="vllm", n=2, response_length=16, tensor_parallel_size=tp, sync_bucket_mb=64)
     engine = rollout.build(cfg, device=device, model_path=None, config=model.config, out_dir=out_dir,
-                           max_model_len=64, max_num_seqs=len(prompts) * cfg.n, dtype="bfloat16", seed=rank,
+                           req=rollout.request(cfg, prompts=len(prompts), prompt_len=64 - cfg.response_length,
+                                               param_dtype="bfloat16"), seed=rank,
                            pad_id=0, eos_id=1, rank=rank)
     greedy_cfg = rollout.RolloutConfig(**{**cfg.__dict__, "temperature": 0.0})
     m = {}

@@ -11,7 +11,9 @@ import random
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, Regex
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+
+import model
 
 PAD, EOS = "<pad>", "<eos>"
 VOCAB = [PAD, EOS] + list("0123456789") + list("=+# ")  # 16 tokens; pad id 0, eos id 1
@@ -26,13 +28,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    padding_side="left")
 
 
-def tiny_config() -> Qwen2Config:
+def tiny_config():
     """About 3.2M parameters: 4 layers, hidden 256, grouped-query attention (4 heads, 2 KV heads)."""
-    return Qwen2Config(vocab_size=len(VOCAB), hidden_size=256, intermediate_size=768,
-                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=64, tie_word_embeddings=True,
-                       pad_token_id=0, eos_token_id=1, bos_token_id=1, torch_dtype="float32",
-                       architectures=["Qwen2ForCausalLM"])
+    return model.size_config("tiny")
 
 
 def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
@@ -41,25 +39,14 @@ def build_tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(tiny_config())
 
 
-# Public Qwen2.5 sizes, for benchmarks with random weights (`--model=random:qwen2.5-1.5b`): the
-# memory and speed of a real checkpoint of that size, with nothing to download.
-QWEN25 = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings
-    "qwen2.5-0.5b": (896, 4864, 24, 14, 2, True),
-    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, True),
-    "qwen2.5-3b": (2048, 11008, 36, 16, 2, True),
-    "qwen2.5-7b": (3584, 18944, 28, 28, 4, False),
-    "qwen2.5-72b": (8192, 29568, 80, 64, 8, False),   # its vocabulary is 152,064; 151,936 here (0.01 % of it)
-}
+# Public Qwen2.5 sizes, for benchmarks with random weights (`--model=random:qwen2.5-1.5b`; model.SIZES)
+QWEN25 = {k: v for k, v in model.SIZES.items() if k != "tiny"}
 
 
-def qwen25_config(name: str) -> Qwen2Config:
+def qwen25_config(name: str):
     if name not in QWEN25:
         raise ValueError(f"--model=random:{name}: known sizes are {', '.join(QWEN25)}")
-    h, i, n, heads, kv, tied = QWEN25[name]
-    return Qwen2Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=n,
-                       num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=32768,
-                       tie_word_embeddings=tied, eos_token_id=1, pad_token_id=0, torch_dtype="bfloat16",
-                       architectures=["Qwen2ForCausalLM"])
+    return model.size_config(name)
 
 
 def build_random_model(name: str, seed: int = 0) -> Qwen2ForCausalLM:

@@ -10,7 +10,7 @@
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
 bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
 loads and frees the actor's params around the weight sync): this file orders the stages and keeps
-the ledger (offload.stage); options.py holds the options, each role's `describe` its set-up lines.
+the ledger (ledger.stage); options.py holds the options, each role's `describe` its set-up lines.
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
 Every metric of every step also goes to TensorBoard (`tensorboard --logdir <out_dir>/tensorboard`; or
 wandb, or none: --logger, tracker.py); a GPU run ends with <out_dir>/memory.png (tracker.picture).
@@ -60,14 +60,16 @@ import checkpoint
 import critic
 import data as data_io
 import launch
+import ledger
 import offload
 import options
 import plan
-import plan_fit
+import predict
 import ref
 import reward_model
 import rollout
 import rollout_async
+import rollout_engine
 import rundir
 import tracker
 import ulysses
@@ -98,7 +100,7 @@ class Trainer:
     critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
     chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
     reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
-    plan: plan.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
+    plan: predict.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
     stream: rollout_async.Stream | None = None   # --rollout.mode=async: the engines' side of the run (rank 0's buffer)
     data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
@@ -111,8 +113,8 @@ def preflight(cfg: Config):
     then the out_dir policy (`rundir.plan`). Returns ((prompt ids, answers, chats), the
     checkpoint to resume or None)."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))
-    rollout_async.check(cfg.rollout, nproc)
-    options.check_sizes(cfg, rollout_async.trainer_world(cfg.rollout, nproc))
+    rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
+    options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
     check_model(cfg.model)
     reward_model.check_model(cfg.reward_model)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
@@ -129,7 +131,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
     benchmark's)."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
-    rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_async.trainer_world(cfg.rollout, nproc))
+    rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
     tokenizer = data_io.load_tokenizer(cfg.model)
     prompts, answers, chats = data if data is not None else data_io.load_data(
@@ -137,27 +139,27 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     prompt_len = max(map(len, prompts))
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
-        cfg = plan_fit.plan_auto(cfg, world, prompt_len, kind, device, rank)
+        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
-    offload.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
+    predicted = predict.predict(cfg, world, prompt_len, kind)
+    ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if cfg.rollout.mode == "async":        # the engines live in their own processes (started by `train`)
-        engine = rollout.Engine(kind, cfg.rollout, pad, tokenizer.eos_token_id, device)
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
+        req = rollout.request(cfg.rollout, prompts=cfg.train_batch_size // world, prompt_len=prompt_len,
+                              param_dtype=cfg.actor.param_dtype)
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
-                               out_dir=cfg.out_dir, max_model_len=prompt_len + cfg.rollout.response_length,
-                               max_num_seqs=cfg.train_batch_size // world * cfg.rollout.n, dtype=cfg.actor.param_dtype,
-                               seed=cfg.seed + rank, pad_id=pad, eos_id=tokenizer.eos_token_id, rank=rank)
+                               out_dir=cfg.out_dir, req=req, seed=cfg.seed + rank, pad_id=pad,
+                               eos_id=tokenizer.eos_token_id, rank=rank)
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
                 order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=plan.predict(cfg, world, prompt_len, engine.kind))
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
-        print(plan.table(t.plan, plan_fit.gpu_capacity(device)), flush=True)
+        print(predict.table(t.plan, plan.gpu_capacity(device)), flush=True)
     return t
 
 
@@ -235,7 +237,7 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
 @contextlib.contextmanager
 def profiled(cfg: Config, step: int, rank: int, device):
     """A torch.profiler trace of this step when --profile_steps names it: CPU ops, CUDA kernels
-    (on a GPU), tensor shapes, every allocation and free, each stage a labelled span (offload.stage).
+    (on a GPU), tensor shapes, every allocation and free, each stage a labelled span (ledger.stage).
     Written to <out_dir>/profile/step<k>.rank<r>.pt.trace.json (Chrome trace: Perfetto,
     chrome://tracing; the .pt.trace.json suffix is what TensorBoard's profiler plugin reads).
     Any other step runs with no profiler at all."""
@@ -259,29 +261,29 @@ class StageOutOfMemory(RuntimeError):
 
 
 @contextlib.contextmanager
-def ledger(t: Trainer, m: dict, name: str):
+def in_ledger(t: Trainer, m: dict, name: str):
     """One stage in the ledger: its time and memory (vLLM's pool taken out) and the plan's prediction
     beside them; an OOM inside it is said with where, what was resident, the plan and the change."""
-    assert name in offload.STAGES, name
+    assert name in ledger.STAGES, name
     try:
-        with offload.stage(name, m, t.device, t.engine.pool_bytes):
+        with ledger.stage(name, m, t.device, t.engine.pool_bytes):
             yield
     except torch.OutOfMemoryError as e:
-        raise StageOutOfMemory(plan_fit.explain_oom(name, t.plan, m, plan_fit.gpu_capacity(t.device) / plan.GB)) from e
-    plan_fit.record(t.plan, name, m)
+        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, plan.gpu_capacity(t.device) / predict.GB)) from e
+    plan.record(t.plan, name, m)
 
 
 def train_step(t: Trainer, step: int) -> dict:
     """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
-    ranks. Each role moves its own bytes inside its call; this function only orders the stages."""
-    cfg, m, t0 = t.cfg, {"step": step}, time.perf_counter()
-    stage = lambda name: ledger(t, m, name)  # noqa: E731
+    ranks. Each role moves its own bytes inside its call; this function only orders the stages (the
+    planner walks the same order: predict.walk)."""
+    cfg, m, t0, ppo = t.cfg, {"step": step}, time.perf_counter(), t.critic is not None
+    stage = lambda name: in_ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
     idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
     if t.stream is not None:               # async: sampled while the last step trained; the next batch is ordered
         with stage("rollout_wait"):
-            samples = rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m)
-            batch = rollout_async.batch(t.stream, samples, t.engine.pad_id, t.engine.eos_id)
+            batch = rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
     else:
         with stage("generate"):            # the actor's offloaded params come in for the sync only
             batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
@@ -289,32 +291,24 @@ def train_step(t: Trainer, step: int) -> dict:
             batch = ulysses.gather_batch(batch, sp)   # Ulysses: the group's k shares on each of its ranks
         m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     with stage("reward"):                  # CPU: decode and score each response
-        scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
-                                               batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
-        m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, sp.size)   # or stop
-        scores = torch.tensor(scores, dtype=torch.float32, device=t.device)
-    if t.reward_model is not None:         # its shards in, scores, out (its position: offload.STAGES)
+        scores = rule_scores(t, batch, idx, sp.size, m)
+    if t.reward_model is not None:         # its shards in, scores, out (its position: ledger.STAGES)
         with stage("reward_model"):
             with reward_model.resident(t.reward_model, m):
                 rm_scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
             scores = reward_model.mix(scores, rm_scores, cfg.reward_model.weight, m)
     with stage("old_logp"):                # skipped on-policy: the update's first forward is the old policy
         actor.compute_old_log_probs(t.actor, batch, temperature, cfg.train_batch_size, m)
-    with stage("ref_logp"):
-        if t.ref is not None:              # the frozen ref lends its bracket: the actor's prefetch overlaps it
-            with ref.resident(t.ref, m):
-                if t.critic is None:       # GRPO: the update comes next (PPO: the critic's stages do)
-                    actor.prefetch_update(t.actor, m)
-                batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, temperature)
-        elif cfg.actor.use_kl_loss:        # LoRA (ref.needed): the actor with its adapter off is the reference
-            batch["ref_log_probs"] = actor.compute_ref_log_probs(t.actor, batch, temperature, m, t.critic is None)
-    if t.critic is not None:               # PPO: values of the rollout states
+    if cfg.actor.use_kl_loss:              # the reference's log-probs (the actor's prefetch may overlap them)
+        with stage("ref_logp"):
+            batch["ref_log_probs"] = ref_log_probs(t, batch, temperature, ppo, m)
+    if ppo:                                # values of the rollout states
         with stage("values"):
             critic.compute_values(t.critic, batch, t.actor, m)
     with stage("advantage"):               # GRPO: group-normalised scores; PPO: GAE on the critic's values
-        batch["advantages"] = critic.advantages(t.critic, batch, scores) if t.critic else actor.grpo_advantage(
+        batch["advantages"] = critic.advantages(t.critic, batch, scores) if ppo else actor.grpo_advantage(
             scores, cfg.rollout.n, batch["response_mask"].float(), cfg.algorithm.norm_adv_by_std_in_grpo)
-    if t.critic is not None:
+    if ppo:
         with stage("critic_update"):
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
     with stage("update"):
@@ -326,8 +320,30 @@ def train_step(t: Trainer, step: int) -> dict:
     return reduce_metrics(m, t.device)
 
 
+def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dict) -> torch.Tensor:
+    """The ref stage: the frozen reference lends its bracket, inside which the actor's params start coming
+    in when it `prefetches` (GRPO: the update comes next; PPO: the critic's stages do). LoRA (no ref
+    model, ref.needed): the actor with its adapter off is the reference."""
+    if t.ref is None:
+        return actor.compute_ref_log_probs(t.actor, batch, temperature, m, ppo)
+    with ref.resident(t.ref, m):
+        if actor.prefetches(t.cfg.actor, ppo):
+            actor.prefetch_update(t.actor, m)
+        return ref.compute_log_probs(t.ref, batch, temperature)
+
+
+def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
+    """The reward stage: each response decoded and scored on the CPU; a reward that fails stops the run
+    or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks)."""
+    cfg = t.cfg
+    scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
+                                           batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+    m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
+    return torch.tensor(scores, dtype=torch.float32, device=t.device)
+
+
 def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimizer state on the GPU now
-    return offload.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(r, "optimizer", None))
+    return ledger.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(r, "optimizer", None))
                                if x is not None]) / offload.GB
 
 
@@ -352,7 +368,7 @@ def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
     flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
     sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
                                 device=t.device, dtype=torch.float64)).tolist()
-    return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": offload.host_rss_gb(),
+    return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": ledger.host_rss_gb(),
             "reward/equal_groups_frac": sums[3] / sums[4]}   # groups whose samples all scored the same
 
 
@@ -375,7 +391,7 @@ def train(t: Trainer, start: int) -> bool:
                 f.write(json.dumps(m) + "\n")
             log.log(m, step)               # the same line to TensorBoard / wandb
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
-            for line in plan_fit.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+            for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
@@ -447,39 +463,21 @@ def fail(message: str, rank: int, code: int = 2):
 
 @record           # a crash's traceback reaches torchrun's summary (its "Root Cause")
 def main(argv=None):
+    """The command line: --help, the options, the engine ranks' exit (async rollout), the run, and every
+    failure as one `error:` line with its exit code."""
     argv = sys.argv[1:] if argv is None else argv
     if "--help" in argv or "-h" in argv:
         if int(os.environ.get("RANK", 0)) == 0:   # once under torchrun
             print(options.usage(options.sections(Config())))
         return
-    rank, timeout = int(os.environ.get("RANK", 0)), None
+    rank, cfg = int(os.environ.get("RANK", 0)), None
     try:
         cfg = options.parse_args(argv)
-        timeout = cfg.dist_timeout_s
-        if rollout_async.is_engine_rank(cfg.rollout):   # one of torchrun's last rollout.gpus ranks
-            launch.leave(rollout_async.engine_rank(cfg.rollout))
-        rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
-        rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
-        data, start = preflight(cfg)
-        t = setup(cfg, data=data)
-        if t.rank == 0:
-            resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
-            print(json.dumps(resolved, indent=1))
-            with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
-                json.dump(resolved, f, indent=1)
-        finished = train(t, resume(t, start) if start else 0)
-        if not finished:                   # SIGTERM or Ctrl-C: checkpointed; the same command resumes
-            line, code = rundir.stop_line(cfg)
-            if t.rank == 0:
-                print(line, flush=True)
-            sys.exit(code)
-        if t.rank == 0:
-            print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
-            if t.device.type == "cuda":
-                tracker.picture_at_end(cfg.out_dir)   # <out_dir>/memory.png (plan.py --plot draws it too)
-        if cfg.save:
-            checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
-    except rollout_async.EngineDied as e:  # async rollout: an engine process failed or exited
+        rollout_engine.check(cfg.rollout, int(os.environ.get("WORLD_SIZE", 1)), cfg.train_batch_size)  # before any rank leaves
+        if rollout_engine.is_engine_rank(cfg.rollout):   # one of torchrun's last rollout.gpus ranks
+            launch.leave(rollout_engine.engine_rank(cfg.rollout))
+        run(cfg, rank)
+    except rollout_engine.EngineDied as e:  # async rollout: an engine process failed or exited
         fail(f"error: {e}", rank, 1)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
         fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
@@ -488,10 +486,35 @@ def main(argv=None):
     except RuntimeError as e:              # a timed-out collective (gloo raises; NCCL's watchdog aborts)
         if not any(w in str(e).lower() for w in ("timed out", "timeout")):
             raise
-        fail(f"error: a collective waited more than --dist_timeout_s={timeout:g} s for the other ranks "
+        fail(f"error: a collective waited more than --dist_timeout_s={cfg.dist_timeout_s:g} s for the other ranks "
              f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run(cfg: Config, rank: int):
+    """One run once its options are read: out_dir's lock, the pre-flight, the set-up, the steps, the end."""
+    rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
+    rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
+    data, start = preflight(cfg)
+    t = setup(cfg, data=data)
+    if t.rank == 0:
+        resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
+        print(json.dumps(resolved, indent=1))
+        with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
+            json.dump(resolved, f, indent=1)
+    finished = train(t, resume(t, start) if start else 0)
+    if not finished:                       # SIGTERM or Ctrl-C: checkpointed; the same command resumes
+        line, code = rundir.stop_line(cfg)
+        if t.rank == 0:
+            print(line, flush=True)
+        sys.exit(code)
+    if t.rank == 0:
+        print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
+        if t.device.type == "cuda":
+            tracker.picture_at_end(cfg.out_dir)   # <out_dir>/memory.png (plan.py --plot draws it too)
+    if cfg.save:
+        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,11 @@ def group(k: int) -> Group:
     return _GROUPS[k]
 
 
+def once(t, k: int):
+    """A sum over all ranks counts each sample k times (a group's k ranks hold the same rows): once."""
+    return t / k if k > 1 else t
+
+
 def check(k: int, world: int, config=None):
     """A k that cannot split: one line with what to change (at parse / pre-flight time)."""
     if k < 1 or world % k:

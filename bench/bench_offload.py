@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import actor
 import launch
+import ledger
 import offload
 import options
 import rollout
@@ -39,7 +40,7 @@ import train_grpo
 from model import hf_config
 from launch import init_distributed
 
-STAGES = offload.STAGES
+STAGES = ledger.STAGES
 ALL = {"actor.param_offload": True, "actor.optimizer_offload": True, "ref.param_offload": True}
 NO_LEVERS = {"actor.prefetch_update": False, "actor.defer_param_offload": False}
 PPO = {"algorithm.adv_estimator": "gae"}
@@ -270,8 +271,8 @@ def build_engine(args, extra, hf, rank, world, device):
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  tensor_parallel_size=options.parse_args(extra).rollout.tensor_parallel_size)
     return rollout.build(rcfg, device=device, model_path=args.model, config=hf, out_dir="/tmp/bench_offload",
-                         max_model_len=args.prompt_len + args.response_len,
-                         max_num_seqs=args.prompts // world * args.n, dtype="bfloat16", seed=rank,
+                         req=rollout.request(rcfg, prompts=args.prompts // world, prompt_len=args.prompt_len,
+                                             param_dtype="bfloat16"), seed=rank,
                          pad_id=0, eos_id=1, rank=rank)    # the tiny tokenizer's: random models use it
 
 

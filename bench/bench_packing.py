@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import actor
 import launch
+import ledger
 import offload
 import options
 import ref
@@ -91,10 +92,10 @@ def run_config(t, name, args, batches, real) -> dict:
     rows = []
     for batch in batches:
         m = {}
-        with offload.stage("ref_logp", m, t.device):
+        with ledger.stage("ref_logp", m, t.device):
             with ref.resident(t.ref, m):
                 batch["ref_log_probs"] = ref.compute_log_probs(t.ref, batch, 1.0)
-        with offload.stage("update", m, t.device):
+        with ledger.stage("update", m, t.device):
             m.update(actor.update(t.actor, batch, args.samples, 1.0, m))
         rows.append(m)
     med = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[-1] if isinstance(rows[-1][k], float)}

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
 
 import launch
+import ledger
 import offload
 import rollout
 from model import build_mesh, load_model, shard
@@ -48,9 +49,10 @@ def build_engine(args, model, rank, device):
                                 gpu_memory_utilization=args.gpu_memory_utilization)
     eos = model.config.vocab_size - 1                  # rarely sampled: responses run to full length
     engine = rollout.build(cfg, device=device, model_path=args.model, config=model.config,
-                           out_dir="/tmp/bench_rollout", max_model_len=args.prompt_len + args.response_len,
-                           max_num_seqs=args.prompts * args.n,
-                           dtype="bfloat16", seed=rank, pad_id=0, eos_id=eos, rank=rank)
+                           out_dir="/tmp/bench_rollout", req=rollout.request(cfg, prompts=args.prompts,
+                                                                             prompt_len=args.prompt_len,
+                                                                             param_dtype="bfloat16"),
+                           seed=rank, pad_id=0, eos_id=eos, rank=rank)
     return engine, cfg, eos
 
 
@@ -61,7 +63,7 @@ def time_vllm(engine, model, prompts, stashes, reps: int) -> dict:
         m = {}
         b = rollout.generate(engine, model, prompts, 1, stashes, m)
         m["tokens"] = b["response_mask"].sum().item()
-        m["trainer_gpu_gb"] = offload.gpu_bytes(model) / offload.GB
+        m["trainer_gpu_gb"] = ledger.gpu_bytes(model) / offload.GB
         return m
 
     run_vllm()                                          # warm-up (first wake, allocator, graphs)
