@@ -152,7 +152,8 @@ def engine_fits(cfg, t: Target):
     parts = need(k)
     if sum(parts.values()) <= top:
         return
-    more = next((g for g in range(k + 1, 65) if sum(need(g).values()) <= top), None)   # each holds 1/g of the prompts
+    more = next((g for g in range(k + 1, 65) if cfg.train_batch_size % g == 0 and sum(need(g).values()) <= top),
+                None)                          # each holds 1/g of the prompts (an even split)
     where = f"each of the {k} rollout GPUs" if k > 1 else "its rollout GPU" if k else "rank 0's GPU beside the trainer"
     raise ValueError(f"the rollout engine needs {sum(parts.values()) / GB:.1f} GB on {where} ("
                      + ", ".join(f"{name} {v / GB:.1f} GB" for name, v in parts.items())

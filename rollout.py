@@ -57,13 +57,12 @@ class RolloutConfig:
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
-    # asynchronous rollout (rollout_async.py): the engine in its own process, one step ahead of the trainer
+    # asynchronous rollout (rollout_async.py, rollout_engine.py): engines in their own processes, a step ahead
     mode: str = "colocated"                # colocated: generate, then train, on the same GPUs (the bracket) |
-                                           # async: engine process(es) fill a bounded host buffer while the
+                                           # async: engine processes fill a bounded host buffer while the
                                            # trainer trains on the previous batch (one-step-off-policy)
-    gpus: int = 0                          # async: the last k of the ranks torchrun starts are engines, one per
-                                           # GPU (the trainer gets the other N - k); 0: one engine process on
-                                           # rank 0's GPU beside the trainer, with a fixed KV budget
+    gpus: int = 0                          # async: the last k of the ranks torchrun starts are engines, one a
+                                           # GPU; 0: one engine process beside rank 0's trainer on its GPU
     max_staleness: int = 1                 # async: a batch is sampled by a policy at most this many updates
                                            # older than the one it trains (1: one-step-off-policy)
     buffer_limit: int = 0                  # async: samples ordered or waiting on the host at most; the engine
@@ -225,11 +224,9 @@ def weight_count(config) -> int:
 def engine_bytes(config, *, kv_bytes: int, max_num_seqs: int, dtype_bytes: int, tp: int) -> dict:
     """What one GPU of an awake engine takes, by part: its weights (1/tp of them), the KV budget, and
     the workspace (the profiling forward of VLLM_BATCHED_TOKENS tokens through the widest layer, the
-    sampler's fp32 logits of every sequence, CUDA graphs and buffers). vLLM 0.26 refuses to start
-    unless the free memory is at least gpu_memory_utilization x the GPU, even when the KV cache is
-    given in bytes (kv_cache_memory_bytes then sizes the cache, the share is only that check):
-    build_vllm passes the sum of these parts as that share, so the check asks for what the engine
-    will take and no more."""
+    sampler's fp32 logits of every sequence, CUDA graphs and buffers). vLLM 0.26 starts only if the
+    free memory is at least gpu_memory_utilization x the GPU, also with the KV cache given in bytes:
+    new_llm passes these parts' sum as that share, so the check asks for what the engine will take."""
     h, ffn = config.hidden_size, config.intermediate_size
     act = VLLM_BATCHED_TOKENS * dtype_bytes * (4 * h + 3 * ffn) // tp
     logits = max_num_seqs * config.vocab_size * 4 * 2
@@ -379,12 +376,10 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
 def new_llm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, kv: int, need: dict, **engine_args):
     """A vllm.LLM in this process. `model_dir` needs only a config.json: the weights are random until
     the first sync (nothing is read from disk twice). `kv` > 0: vLLM's KV cache on each GPU is exactly
-    that; vLLM still checks at start-up that the free memory is at least gpu_memory_utilization x the
-    GPU, so the share passed beside it is `need` (engine_bytes: weights, KV, workspace) over the GPU's
-    size. Whether the engine fits is checked here first, against what is free now, so a run that cannot
-    start stops with one line naming the numbers, not inside vLLM. `kv` == 0:
-    cfg.gpu_memory_utilization sizes weights + KV, and that share must be free. `engine_args`: the
-    launcher and sleep mode (colocated), nothing for the async engine's process (vLLM's own executor)."""
+    that, and the share passed beside it is `need` (engine_bytes) over the GPU, checked here first
+    against what is free (one line naming the numbers, not a failure inside vLLM); `kv` == 0:
+    cfg.gpu_memory_utilization sizes weights + KV. `engine_args`: the launcher and sleep mode
+    (colocated), nothing for the async engine's process (vLLM's own executor)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -503,7 +498,8 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     # the stage's device-level high point: the sync (actor params beside vLLM's weights) or generation
     metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
                                             and k.endswith("_device_gb"))
-    return vllm_batch(engine, [(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
+    rows, responses, logps = vllm_samples([(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
+    return samples_batch(rows, responses, logps, cfg.response_length, engine.pad_id, engine.eos_id, engine.device)
 
 
 def sample_vllm(engine: Engine, reqs: list[list[int]], seeds: list[int]) -> list:
@@ -526,14 +522,6 @@ def vllm_samples(mine: list) -> tuple[list, list, list]:
             responses.append(list(o.token_ids))
             logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
     return rows, responses, logps
-
-
-def vllm_batch(engine: Engine, mine: list) -> dict:
-    """This rank's batch from its (prompt ids, vLLM output) pairs (tensor parallel: the other ranks'
-    prompts are left out), with the sampled tokens' log-probs as batch["rollout_log_probs"]."""
-    rows, responses, logps = vllm_samples(mine)
-    return samples_batch(rows, responses, logps, engine.cfg.response_length, engine.pad_id, engine.eos_id,
-                         engine.device)
 
 
 def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int, eos_id: int, device) -> dict:

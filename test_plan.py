@@ -455,7 +455,7 @@ def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
     with pytest.raises(SystemExit) as e:
         plan.main(args + ASYNC + ["--rollout.gpus=3"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --rollout.gpus=3 leaves no trainer rank")
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --rollout.gpus=3 leaves no trainer among the 3 rank(s)")
 
 
 def test_async_stage_names_in_the_run_glue():
