@@ -31,6 +31,16 @@ def host_rss_gb() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / GB
 
 
+def gpu_capacity(device) -> int:
+    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
+
+
+def host_bytes_per_rank() -> int:
+    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+
+
 def memory(device: torch.device, external: int = 0) -> dict:
     """Allocated / peak / reserved by PyTorch's allocator for the trainer, and the whole device's
     use from `mem_get_info` (the only figure that sees vLLM's mapped pool). `external`: bytes of

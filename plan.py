@@ -11,18 +11,20 @@ builds no model, and it names no role's flag: the roles declare them (SEARCH, NE
     python plan.py --templates                  # the size table: 0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB
     python plan.py --plot=out                   # out/memory.png from a run's metrics.jsonl (tracker.picture)
 """
+import dataclasses
 import itertools
-import os
 import sys
 from dataclasses import dataclass, replace
 
 import actor
 import critic
+import ledger
 import ref
 import reward_model
 import rollout
 import rollout_async
 import rollout_engine
+import ulysses
 from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, Stage, predict, shapes, table
 
 
@@ -53,11 +55,14 @@ def relief_of() -> dict:
 
 
 def with_options(cfg, changes: dict):
-    """A copy of `cfg` with {"section.option": value} set (the sections it changes copied, the rest shared;
-    copied field by field: the search makes thousands, dataclasses.replace would run each __init__)."""
+    """A copy of `cfg` with {"section.option" or "option": value} set (what it changes copied, the rest
+    shared; field by field: the search makes thousands, dataclasses.replace would run each __init__)."""
     out, copied = _copy(cfg), {}
     for key, v in changes.items():
-        section, name = key.split(".")
+        section, _, name = key.rpartition(".")
+        if not section:
+            setattr(out, name, v)
+            continue
         if section not in copied:
             copied[section] = _copy(getattr(cfg, section))
             setattr(out, section, copied[section])
@@ -84,14 +89,12 @@ class Target:
     host_bytes: int = 0
 
     @property
-    def budget(self) -> int:
-        """What PyTorch may allocate on one GPU (colocated): the GPU less the margin, the CUDA context
-        and (with vLLM) what the sleeping engine keeps."""
+    def budget(self) -> int:                   # what PyTorch may allocate on one GPU, colocated
         return self.room(VLLM_RESIDENT if self.engine == "vllm" else 0)
 
     def room(self, beside: int) -> int:
-        """What PyTorch may allocate on one GPU where `beside` bytes lie outside its count besides the
-        CUDA context (plan.beside: a sleeping vLLM's, or an async engine's on rank 0's GPU)."""
+        """The GPU less the margin, the CUDA context and `beside` (plan.beside: a sleeping vLLM's, or an
+        async engine's on rank 0's GPU): what PyTorch may allocate."""
         return int(self.gpu_bytes * (1 - self.margin) - CUDA_CONTEXT - beside)
 
     def fits(self, p: Plan) -> bool:
@@ -105,13 +108,10 @@ class Target:
 
 
 def sequence_parallel_sizes(cfg, world: int) -> list[int]:
-    """The Ulysses sizes the search may take (from the one given up): divisors of the world and of
-    the model's heads and KV heads, that leave the mini-batch divisible over world / k groups."""
+    """The Ulysses sizes the search may take (ulysses.sizes); none but the given one unpacked (it splits packed rows)."""
     s, a = shapes(cfg.model), cfg.actor
-    if not a.remove_padding:               # Ulysses splits packed rows only
-        return [a.ulysses_sequence_parallel_size]
-    return [k for k in (1, 2, 4, 8) if k >= a.ulysses_sequence_parallel_size and world % k == 0
-            and s.heads % k == 0 and s.kv_heads % k == 0 and a.ppo_mini_batch_size * cfg.rollout.n % (world // k) == 0]
+    k = a.ulysses_sequence_parallel_size
+    return ulysses.sizes(k, world, s.heads, s.kv_heads, a.ppo_mini_batch_size * cfg.rollout.n) if a.remove_padding else [k]
 
 
 def candidates(cfg, world: int, frugal: bool = False):
@@ -227,11 +227,8 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         kind = label.split("=")[0] if "=" in label.split(" ")[0] else "GPUs"
         if kind in kinds:
             continue
-        top = {k: v for k, v in change.items() if "." not in k}
-        c = with_options(replace(cfg, **top), {k: v for k, v in change.items() if "." in k})
-        if (c.train_batch_size * c.rollout.n) % w or c.train_batch_size % w:
-            continue
-        if fits_at_all(c, replace(t, world=w)):
+        c = with_options(cfg, change)
+        if c.train_batch_size % w == 0 and fits_at_all(c, replace(t, world=w)):
             found.append(label)
             kinds.add(kind)
     return found
@@ -284,9 +281,12 @@ def report(cfg, t: Target) -> str:
     budget = t.room(plan.beside)               # the same for every candidate: it follows the rollout mode
     if best is None:
         fits = what_would_fit(cfg, t)
-        out.append(f"[plan] nothing fits under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin) with any "
-                   f"combination of offload flags, checkpointing, micro-batch and sequence-parallel sizes; what would: "
-                   + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
+        room = (f"under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin)" if budget > 0 else
+                f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
+                f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'a sleeping vLLM'}) "
+                f"leave it no room")
+        out.append(f"[plan] nothing fits {room} with any combination of offload flags, checkpointing, micro-batch and "
+                   f"sequence-parallel sizes; what would: " + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
     else:
         flags = changes(cfg, best)
         out.append(f"[plan] fastest that fits under {budget / GB:.1f} GB ({t.margin:.0%} margin): "
@@ -384,49 +384,43 @@ def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
             f"Or let the planner choose: --offload=auto.")
 
 
-OWN = {  # plan.py's own options: default, range, meaning (everything else is a train_grpo.py option)
-    "nproc": (1, ">= 1", "GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)"),
-    "gpu_gb": (80.0, "> 0", "memory of one GPU, GB"),
-    "margin": (0.1, "[0, 1)", "share of each GPU kept free at the device level"),
-    "prompt_len": (0, ">= 0", "the longest prompt in tokens (0: read from --data, or the copy task's)"),
-    "engine": ("vllm", "vllm | hf", "the rollout engine"),
-    "host_gb": (0.0, ">= 0", "host RAM per node, GB (0: pinned memory not checked)"),
-    "nproc_per_node": (0, ">= 0", "ranks per node (0: min(nproc, 8))"),
-}
-RULES = {">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0, "[0, 1)": lambda v: 0 <= v < 1,
-         ">= 0": lambda v: v >= 0, "vllm | hf": lambda v: v in ("vllm", "hf")}
+@dataclass
+class PlanConfig:                          # plan.py's own options (everything else is a train_grpo.py option)
+    nproc: int = 1                         # GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)
+    gpu_gb: float = 80.0                   # memory of one GPU, GB
+    margin: float = 0.1                    # share of each GPU kept free at the device level
+    prompt_len: int = 0                    # the longest prompt in tokens (0: read from --data, or the copy task's)
+    engine: str = "vllm"                   # the rollout engine
+    host_gb: float = 0.0                   # host RAM per node, GB (0: pinned memory not checked)
+    nproc_per_node: int = 0                # ranks per node (0: min(nproc, 8))
 
 
-def _own(argv: list) -> tuple[dict, list]:
-    """plan.py's own options out of argv (--key=value or --key value), typed and range-checked;
-    the rest are train_grpo.py's. Raises ValueError with what to pass."""
-    own, rest, args = {k: d for k, (d, _, _) in OWN.items()}, [], list(argv)
+RANGES = {"nproc": ">= 1", "gpu_gb": "> 0", "margin": "[0, 1)", "prompt_len": ">= 0", "host_gb": ">= 0",
+          "nproc_per_node": ">= 0"}
+CHOICES = {"engine": ("vllm", "hf")}
+
+
+def _own(argv: list) -> tuple:
+    """(plan.py's own options, typed and checked as train_grpo.py's are, the rest of argv)."""
+    import options
+    names, own, rest, args = {f.name for f in dataclasses.fields(PlanConfig)}, [], [], list(argv)
     while args:
         arg = args.pop(0)
-        key, eq, value = arg[2:].partition("=")
-        if not arg.startswith("--") or key not in OWN:
-            rest.append(arg)
-            continue
-        if not eq:
-            if not args:
-                raise ValueError(f"--{key} needs a value ({OWN[key][1]})")
-            value = args.pop(0)
-        kind = type(OWN[key][0])
-        try:
-            own[key] = kind(value)
-        except ValueError:
-            raise ValueError(f"--{key}={value}: not a {kind.__name__}; pass a value {OWN[key][1]}") from None
-        if not RULES[OWN[key][1]](own[key]):
-            raise ValueError(f"--{key}={value}: out of range; pass a value {OWN[key][1]}")
-    return own, rest
+        mine = arg.startswith("--") and arg[2:].partition("=")[0] in names
+        (own if mine else rest).append(arg)
+        if mine and "=" not in arg and args:   # --key value
+            own.append(args.pop(0))
+    cfg = options.apply(own, PlanConfig())
+    options.check({"": (cfg, RANGES, CHOICES)})
+    return cfg, rest
 
 
 def usage() -> str:
-    lines = ["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
-             "  --templates             the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
-             "  --plot=RUN              RUN/memory.png from its metrics.jsonl"]
-    lines += [f"  --{k}={d}".ljust(26) + f"{r:<11}{m}" for k, (d, r, m) in OWN.items()]
-    return "\n".join(lines)
+    import options
+    return "\n".join(["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
+                      "  --templates  the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
+                      "  --plot=RUN   RUN/memory.png from its metrics.jsonl",
+                      options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3].replace("[run]", "plan.py's own options:")])
 
 
 def main(argv=None):
@@ -434,31 +428,28 @@ def main(argv=None):
     batch arithmetic on --nproc ranks, the model's resolution), plus its own options; a mistake is
     one `error:` line and exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--help" in argv or "-h" in argv:
-        print(usage())
+    if "--help" in argv or "-h" in argv or "--templates" in argv:
+        print(usage() if "--templates" not in argv else templates())
         return
     if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # the picture is tracker.py's
         import tracker
         sys.exit(tracker.plot_command(argv))
-    if "--templates" in argv:
-        print(templates())
-        return
     import model
     import options
     try:
         own, rest = _own(argv)
         cfg = options.parse_args(rest)
         model.check_model(cfg.model)           # a local directory: config, weights, a layout this code shards
-        rollout_engine.check(cfg.rollout, own["nproc"], cfg.train_batch_size)
-        world = rollout_engine.trainer_world(cfg.rollout, own["nproc"])   # async: less the engine ranks
+        rollout_engine.check(cfg.rollout, own.nproc, cfg.train_batch_size)
+        world = rollout_engine.trainer_world(cfg.rollout, own.nproc)   # async: less the engine ranks
         options.check_sizes(cfg, world)
-        prompt_len = own["prompt_len"] or _prompt_len(cfg)
+        prompt_len = own.prompt_len or _prompt_len(cfg)
     except (ValueError, OSError) as e:     # FileNotFoundError included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    per_node = own["nproc_per_node"] or min(own["nproc"], 8)
-    print(report(cfg, Target(world, prompt_len, int(own["gpu_gb"] * GB), own["margin"], own["engine"],
-                             int(own["host_gb"] * GB / per_node))))
+    per_node = own.nproc_per_node or min(own.nproc, 8)
+    print(report(cfg, Target(world, prompt_len, int(own.gpu_gb * GB), own.margin, own.engine,
+                             int(own.host_gb * GB / per_node))))
 
 
 def _prompt_len(cfg) -> int:
@@ -472,17 +463,6 @@ def _prompt_len(cfg) -> int:
 # --------------------------------------------------------------------------- the run's glue
 # What train_grpo.py asks of the planner while it runs: the device's size, --offload=auto's choice,
 # the prediction beside each stage's measurement, and the warnings that compare the two.
-def gpu_capacity(device) -> int:
-    """The GPU's total memory (what the plan is measured against; 80 GB stands in on a CPU run)."""
-    import torch
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
-
-
-def host_bytes_per_rank() -> int:
-    """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
-
-
 def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
     """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config.
     When nothing keeps plan_margin free at the device level, the one that needs the least device
@@ -493,7 +473,7 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     if device.type != "cuda":
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
-    target = Target(world, prompt_len, gpu_capacity(device), cfg.plan_margin, engine_kind, host_bytes_per_rank())
+    target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind, ledger.host_bytes_per_rank())
     best, p = choose(cfg, target)
     if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
         best, p = choose(cfg, replace(target, margin=0.0), least_memory=True)
@@ -516,6 +496,27 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     return best
 
 
+def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:
+    """The set-up report's line when a stage's predicted device level is inside the margin --offload=auto
+    keeps (plan_margin) or over the GPU: near the top the allocator frees its cache and retries (slower),
+    or runs out. Said before any model is built, with what --offload=auto would choose."""
+    if device.type != "cuda":
+        return None
+    gpu = ledger.gpu_capacity(device)
+    worst = max(p.device, key=p.device.get)
+    if p.device[worst] <= gpu * (1 - cfg.plan_margin):
+        return None
+    where = "over the GPU's" if p.device[worst] > gpu else f"inside the {cfg.plan_margin:.0%} margin of the GPU's"
+    auto = ""
+    if cfg.offload != "auto":
+        best, bp = choose(cfg, Target(world, prompt_len, gpu, cfg.plan_margin, engine, ledger.host_bytes_per_rank()))
+        auto = (f"; --offload=auto would choose {' '.join(changes(cfg, best)) or 'the flags as given'} "
+                f"({bp.device_peak / GB:.1f} GB device-level)" if best else
+                "; --offload=auto finds nothing that keeps the margin (it would take the least device memory)")
+    return (f"[plan] warning: {worst}'s predicted device level, {p.device[worst] / GB:.1f} GB, is {where} "
+            f"{gpu / GB:.1f} GB: the allocator will free its cache and retry there (slower), or run out{auto}")
+
+
 def record(p: Plan | None, name: str, metrics: dict):
     """The plan's prediction for stage `name`, beside the ledger's measurement in the step's metrics:
     the allocator's peak (vs mem/<stage>/peak_gb) and the device level (vs mem/<stage>/device_used_gb;
@@ -528,7 +529,7 @@ def record(p: Plan | None, name: str, metrics: dict):
 
 def step_warnings(m: dict, seen: dict, p: Plan, device) -> list[str]:
     """On a GPU: this step's early warnings (`watch`: near the limit, retries, off the plan, creep)."""
-    return watch(m, seen, p, gpu_capacity(device), host_bytes_per_rank()) if device.type == "cuda" else []
+    return watch(m, seen, p, ledger.gpu_capacity(device), ledger.host_bytes_per_rank()) if device.type == "cuda" else []
 
 
 if __name__ == "__main__":

@@ -106,6 +106,14 @@ class Buffer:
             self.error = self.error or message
             self.cv.notify_all()
 
+    def died(self, fallback: str, wait_s: float = 5.0) -> "rollout_engine.EngineDied":
+        """The error to stop with when a send to an engine failed: the receiver thread's line (it says
+        which engine exited and how; given `wait_s` to see the closed connection), or `fallback`."""
+        with self.cv:
+            self.cv.wait_for(lambda: self.error is not None, timeout=wait_s)
+            self.handled.set()
+            return rollout_engine.EngineDied(self.error or fallback)
+
     def take(self, step: int, parts: int) -> list:
         """The `parts` payloads of `step`, waiting for them; EngineDied when an engine failed."""
         with self.cv:
@@ -279,45 +287,61 @@ def _receive(s: Stream, i: int):
         os._exit(1)
 
 
+def _send(s: Stream, i: int, msg: tuple):
+    """One message to engine i; a closed connection (an engine killed: EPIPE, ECONNRESET) stops the
+    run with the line the receiver thread writes for it."""
+    try:
+        s.conns[i].send(msg)
+    except OSError as e:
+        raise s.buffer.died(f"rollout engine {i} exited: its connection closed ({e.strerror})") from None
+
+
 def _order(s: Stream, step: int, prompts_of):
     """Send step `step`'s prompts to the engines (a contiguous part each)."""
     prompts = prompts_of(step)
     per = rollout_engine.prompts_per_engine(s.cfg, len(prompts))
-    for i, conn in enumerate(s.conns):
-        conn.send(("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
-                             "seed": s.seed * 1_000_003 + step * 7919 + i,
-                             "min_version": step - s.cfg.max_staleness}))
+    for i in range(s.engines):
+        _send(s, i, ("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
+                               "seed": s.seed * 1_000_003 + step * 7919 + i, "min_version": step - s.cfg.max_staleness}))
 
 
 def take(s: Stream, step: int, prompts_of, metrics: dict) -> list:
     """This rank's samples of `step` as (prompt, response, log-probs, version) per sample, a prompt's
     n in a row. Rank 0 first orders what the bound allows (this step's if not yet ordered, then the
     next ones up to step + max_staleness), waits for this step's parts and scatters them.
-    `prompts_of(j)`: step j's prompts, all data-parallel groups in order."""
+    `prompts_of(j)`: step j's prompts, all data-parallel groups in order. A dead engine reaches every
+    rank through the same broadcast: each stops with rank 0's line, none waits in a collective."""
+    scatter = [None]
     if s.rank == 0:
-        t0 = time.perf_counter()
-        fill(s, step, prompts_of)
-        parts = s.buffer.take(step, s.engines)
-        waited = time.perf_counter() - t0
-        fill(s, step, prompts_of)          # the room this step freed: the engines start the next batch now
-        samples = [smp for p in parts for smp in zip(p["prompts"], p["responses"], p["logps"],
-                                                     [p["version"]] * len(p["responses"]))]
-        per = len(samples) // s.dp
-        shares = [samples[r * per:(r + 1) * per] for r in range(s.dp)]
-        staleness = [step - p["version"] for p in parts]
-        engine = {k: max(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
-        stats = {"rollout/staleness_max": max(staleness), "rollout/staleness_mean": sum(staleness) / len(staleness),
-                 "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting,
-                 "rollout/buffer_ordered": s.buffer.ordered, "rollout/buffer_gb": s.buffer.nbytes / offload.GB,
-                 **{f"rollout/engine_{k}": v for k, v in engine.items()}}
-        scatter = [(shares, stats)]
-    else:
-        scatter = [None]
+        try:
+            scatter = [_taken(s, step, prompts_of)]
+        except rollout_engine.EngineDied as e:
+            scatter = [str(e)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(scatter, src=0)    # token ids only: a few MB
+    if isinstance(scatter[0], str):
+        raise rollout_engine.EngineDied(scatter[0])
     shares, stats = scatter[0]
     metrics.update(stats)
     return shares[s.dp_rank]
+
+
+def _taken(s: Stream, step: int, prompts_of) -> tuple:
+    """Rank 0: (each data-parallel group's samples of `step`, the step's rollout figures)."""
+    t0 = time.perf_counter()
+    fill(s, step, prompts_of)
+    parts = s.buffer.take(step, s.engines)
+    waited = time.perf_counter() - t0
+    fill(s, step, prompts_of)              # the room this step freed: the engines start the next batch now
+    samples = [smp for p in parts for smp in zip(p["prompts"], p["responses"], p["logps"],
+                                                 [p["version"]] * len(p["responses"]))]
+    per = len(samples) // s.dp
+    staleness = [step - p["version"] for p in parts]
+    engine = {k: max(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
+    return [samples[r * per:(r + 1) * per] for r in range(s.dp)], {
+        "rollout/staleness_max": max(staleness), "rollout/staleness_mean": sum(staleness) / len(staleness),
+        "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting, "rollout/buffer_ordered": s.buffer.ordered,
+        "rollout/buffer_gb": s.buffer.nbytes / offload.GB, **{f"rollout/engine_{k}": v for k, v in engine.items()}}
 
 
 def fill(s: Stream, step: int, prompts_of):
@@ -340,15 +364,14 @@ def batch(s: Stream, samples: list) -> dict:
 def push(s: Stream, model, stashes: list, version: int, metrics: dict):
     """The new weights to the engines as `version`: every trainer rank gathers each tensor (FSDP2
     all-gathers in `weights.hf_weights` order), rank 0 packs them into a bucket and sends each full
-    bucket. The actor's `stashes` are in for the gather (a no-op when the update left them there)."""
-    t0 = time.perf_counter()
-    cuda = s.device.type == "cuda"
+    bucket. The actor's `stashes` are in for the gather (a no-op when the update left them there). An
+    engine that died stops rank 0's sends, not the gathers (the other ranks are in them); then every
+    rank stops with rank 0's line."""
+    t0, cuda, died = time.perf_counter(), s.device.type == "cuda", [None]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
-    if s.rank == 0:
-        for conn in s.conns:
-            conn.send(("weights", version))
+    died[0] = _each(s, lambda i: _send(s, i, ("weights", version))) if s.rank == 0 else None
     with offload.loaded(stashes, metrics):
         it = weights.hf_weights(model, s.device, s.dtype)
         for b, entries in enumerate(s.layout):
@@ -361,9 +384,13 @@ def push(s: Stream, model, stashes: list, version: int, metrics: dict):
                 if s.rank == 0:
                     buf[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
                 del t
-            if s.rank == 0:
-                _send_bucket(s, b, buf[:entries[-1][2] + entries[-1][3]])
+            if s.rank == 0 and died[0] is None:
+                died[0] = _each(s, lambda i: _send_bucket(s, b, buf[:entries[-1][2] + entries[-1][3]]), once=True)
         assert next(it, None) is None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(died, src=0)
+    if died[0] is not None:
+        raise rollout_engine.EngineDied(died[0])
     s.version = version
     metrics["rollout/push_s"] = time.perf_counter() - t0
     metrics["rollout/push_gb"] = sum(e[3] for bk in s.layout for e in bk) / offload.GB
@@ -371,19 +398,30 @@ def push(s: Stream, model, stashes: list, version: int, metrics: dict):
         metrics["rollout/push_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
 
 
+def _each(s: Stream, send, once: bool = False) -> str | None:
+    """Run `send(i)` for every engine (or once, for a bucket every engine takes together); the line of
+    the first engine found dead, or None."""
+    try:
+        for i in range(1 if once else s.engines):
+            send(i)
+    except rollout_engine.EngineDied as e:
+        return str(e)
+    return None
+
+
 def _send_bucket(s: Stream, b: int, buf: torch.Tensor):
     if s.bucket is not None:               # ipc: the engine reads the shared buffer, then says so
         torch.cuda.synchronize(s.device)
-        s.conns[0].send(("bucket_ready", b))
+        _send(s, 0, ("bucket_ready", b))
         if s.acks[0].get() is None:
-            raise rollout_engine.EngineDied(s.buffer.error)
+            raise s.buffer.died("rollout engine 0 exited during a weight push")
         return
     try:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         s.pg.broadcast([buf], opts).wait()
     except RuntimeError as e:
-        raise rollout_engine.EngineDied(s.buffer.error or f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
+        raise s.buffer.died(f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
 
 
 def close(s: Stream):

@@ -18,6 +18,7 @@ import ast
 import datetime
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -162,14 +163,25 @@ def engine_rank(cfg: RolloutConfig) -> int:
     address, key = ast.literal_eval(torchrun_store().get("rollout_async/address").decode())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
+    _deaf()                                # the trainer decides when the engine stops (its "stop")
     p = spawn(address, bytes.fromhex(key), index, device)
     p.join()
     return p.exitcode or 0
 
 
+def _deaf():
+    """Ctrl-C and SIGTERM are the trainer's to handle: the terminal sends Ctrl-C to the whole process group
+    (with plain python the engine process is in it), torchrun forwards both to each worker's group (the
+    engine process is in its rank's). The trainer finishes its step, checkpoints and sends "stop"; an
+    engine whose trainer is gone sees its connection close and ends (torchrun's SIGKILL, 30 s on, too)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def serve(address, authkey: bytes, index: int):
     """An engine process: connect to trainer rank 0, build the engine, then in order: receive
     weights, take orders, generate each order once its weights are new enough, send the samples."""
+    _deaf()
     conn = Client(address, authkey=authkey)
     conn.send(("hello", index, os.getpid()))
     try:

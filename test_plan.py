@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+import ledger
 import model
 import options
 import plan
@@ -414,7 +415,7 @@ def test_async_suggested_when_faster_never_switched(monkeypatch, capsys):
     train = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
                  "--rollout.response_length=1024")
     assert not _suggestion(plan.report(train, plan.Target(2, 512, 141 * GB)))
-    monkeypatch.setattr(plan, "gpu_capacity", lambda device: 141 * GB)
+    monkeypatch.setattr(ledger, "gpu_capacity", lambda device: 141 * GB)
     chosen = plan.plan_auto(gen, 2, 256, "vllm", torch.device("cuda"), 0)
     out = capsys.readouterr().out
     assert len(_suggestion(out)) == 1 and chosen.rollout.mode == "colocated"

@@ -142,6 +142,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
+    if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
+        print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -159,7 +161,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
                 ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
-        print(predict.table(t.plan, plan.gpu_capacity(device)), flush=True)
+        print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)
     return t
 
 
@@ -269,7 +271,7 @@ def in_ledger(t: Trainer, m: dict, name: str):
         with ledger.stage(name, m, t.device, t.engine.pool_bytes):
             yield
     except torch.OutOfMemoryError as e:
-        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, plan.gpu_capacity(t.device) / predict.GB)) from e
+        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, ledger.gpu_capacity(t.device) / predict.GB)) from e
     plan.record(t.plan, name, m)
 
 
@@ -383,6 +385,7 @@ def train(t: Trainer, start: int) -> bool:
     t_start, seen = time.time(), {}
     if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
         start_stream(t, start)
+    step = start - 1
     for step in range(start, cfg.steps):
         with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
@@ -403,12 +406,11 @@ def train(t: Trainer, start: int) -> bool:
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
             save(t, step + 1)
         if stop and step + 1 < cfg.steps:
-            log.close()
-            return False
+            break
     log.close()
-    if t.stream is not None:
+    if t.stream is not None:               # the engines stop once told (Ctrl-C and SIGTERM are the trainer's)
         rollout_async.close(t.stream)
-    return True
+    return step + 1 == cfg.steps
 
 
 def start_stream(t: Trainer, step: int):

@@ -70,6 +70,13 @@ def check(k: int, world: int, config=None):
                          f"(each rank attends with heads / k of them); use a divisor of both")
 
 
+def sizes(k: int, world: int, heads: int, kv_heads: int, mini_samples: int) -> list[int]:
+    """The sizes from k up that can split (--offload=auto's search): divisors of the world and of the
+    heads and KV heads that leave a mini-batch's samples divisible over world / size groups."""
+    return [j for j in (1, 2, 4, 8) if j >= k and world % j == 0 and heads % j == 0 and kv_heads % j == 0
+            and mini_samples % (world // j) == 0]
+
+
 def describe(k: int, config) -> str:
     """The set-up report's line: what the split moves off each rank, and what it costs."""
     world = dist.get_world_size() if dist.is_initialized() else 1
