@@ -140,8 +140,9 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     return path
 
 
-# what a run writes into out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
-WRITES = ("tensorboard", "wandb", "profile", "memory.png", "final.tmp", "final.old")
+# what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
+# (the loggers' folders are not here: a logger adds files of its own, it never replaces one)
+WRITES = ("memory.png", "final.tmp", "final.old")
 
 
 def run_config(out: str) -> str | None:
