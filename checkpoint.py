@@ -21,7 +21,8 @@ The loop hands in the trained roles and the run's figures; `load` returns the ch
 (the step, the data position): nothing here reads or writes the loop's own state.
 A resume verifies the recorded sizes and checksums: a damaged checkpoint is named, and with
 --resume=auto the newest intact one is used instead (the damaged one is left for inspection).
-Free space is checked before each write; a full disk is one line, and no partial files are left.
+Free space is checked before each write; a full disk is one line that says what the same command
+then does (`after_failure`), and no partial files are left.
 """
 import datetime
 import errno

@@ -9,11 +9,14 @@ lines, and how a run stops on a preemption or Ctrl-C.
 - The out_dir policy (`plan`, checked before any model is built): an out_dir with an unfinished
   run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run that
   left no checkpoint, is refused with a line that says what to pass instead. Nothing of an earlier
-  run is overwritten except by resuming it. A run's own checkpoint resumes in place.
+  run is overwritten except by resuming it, and nothing that no run wrote (a foreign
+  run_config.json). A run's own checkpoint resumes in place.
 - One run per out_dir (`lock_out_dir`): global rank 0 holds an flock on out_dir/.run.lock for the
   run's life; a second run stops at once naming the holder (pid, host, since when).
 - Disk (`disk_report`): what the run writes (checkpoints x keep + final, from the shapes) against
-  what is free, said at start; a run that cannot fit is refused.
+  what is free, said at start; a run that cannot fit is refused. With --save_freq=0 final/'s room
+  is set aside for the run's length (`reserve_final`). metrics.jsonl holds whole lines only
+  (`write_step`), and a full disk anywhere is one line with the path, the bytes and the way on.
 - Stopping: SIGTERM (a preemption) and a first Ctrl-C finish the step, checkpoint and exit with one
   line; a second Ctrl-C stops at once.
 """

@@ -226,6 +226,49 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
 
 
+def _limited(disk) -> dict:
+    """The writes a small_disk limits: {(module, name): what replaces it}, each passing through
+    unchanged outside disk.root."""
+    import builtins
+    import errno
+    import io
+    import safetensors.torch
+    root = disk.root + "/"
+    real = {"write": os.write, "fallocate": os.posix_fallocate, "open": builtins.open,
+            "save_file": safetensors.torch.save_file, "free_bytes": checkpoint.free_bytes}
+    inside = lambda path: os.path.realpath(path).startswith(root)  # noqa: E731
+    full = lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # noqa: E731
+
+    def write(fd, data):
+        room = disk.free() if inside(f"/proc/self/fd/{fd}") else len(data)
+        if data and not room:
+            raise full()
+        return real["write"](fd, memoryview(data)[:room])   # what fits, as a filling disk takes it
+
+    class Raw(io.FileIO):                  # what open() writes through, under root
+        def write(self, data):
+            return write(self.fileno(), data)
+
+    def open_(file, mode="r", buffering=-1, encoding=None, *a, **k):
+        if not isinstance(file, (str, os.PathLike)) or not inside(file) or not set(mode) & set("wax+"):
+            return real["open"](file, mode, buffering, encoding, *a, **k)
+        f = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(Raw(file, mode.replace("b", "").replace("t", "")))
+        return f if "b" in mode else io.TextIOWrapper(f, encoding or "utf-8")
+
+    def fallocate(fd, offset, length):
+        if inside(f"/proc/self/fd/{fd}") and offset + length - os.fstat(fd).st_size > disk.free():
+            raise full()
+        real["fallocate"](fd, offset, length)
+
+    def save_file(sd, path, metadata=None):
+        if inside(path) and sum(t.nbytes for t in sd.values()) > disk.free():
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real["save_file"](sd, path, metadata=metadata)
+    return {(os, "write"): write, (builtins, "open"): open_, (os, "posix_fallocate"): fallocate,
+            (safetensors.torch, "save_file"): save_file,
+            (checkpoint, "free_bytes"): lambda path: disk.free() if inside(path) else real["free_bytes"](path)}
+
+
 @pytest.fixture
 def small_disk(tmp_path, monkeypatch):
     """A folder standing in for a filesystem of `disk.limit` bytes (a tmpfs needs root): free_bytes
@@ -233,59 +276,19 @@ def small_disk(tmp_path, monkeypatch):
     os.posix_fallocate) or safetensors' save_file fails with ENOSPC past the limit, a write first
     taking what fits, as a full disk does. `disk.fill(n)` leaves n bytes, as another process
     filling the disk would. DCP's and torch.save's own writes are not limited (the test above)."""
-    import builtins
-    import errno
-    import io
     import types
-    import safetensors.torch
     root = os.path.realpath(tmp_path / "disk")
     os.makedirs(root)
     disk = types.SimpleNamespace(root=root, limit=2**30)
     used = lambda: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)  # noqa: E731
     disk.free = lambda: max(disk.limit - used(), 0)
-    full = lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # noqa: E731
 
     def fill(n):
         with open(os.path.join(root, "filler"), "ab") as f:
             f.truncate(os.path.getsize(f.name) + disk.free() - n)
     disk.fill = fill
-    under = lambda fd: os.readlink(f"/proc/self/fd/{fd}").startswith(root + "/")  # noqa: E731
-    real = types.SimpleNamespace(write=os.write, fallocate=os.posix_fallocate, open=builtins.open,
-                                 save_file=safetensors.torch.save_file, free_bytes=checkpoint.free_bytes)
-
-    def write(fd, data):
-        room = disk.free() if under(fd) else len(data)
-        if data and not room:
-            raise full()
-        return real.write(fd, memoryview(data)[:room])
-
-    class Raw(io.FileIO):                  # what open() writes through, under root
-        def write(self, data):
-            return write(self.fileno(), data)
-
-    def open_(file, mode="r", buffering=-1, encoding=None, *a, **k):
-        if not isinstance(file, (str, os.PathLike)) or not os.path.realpath(file).startswith(root + "/") \
-                or not set(mode) & set("wax+"):
-            return real.open(file, mode, buffering, encoding, *a, **k)
-        raw = Raw(file, mode.replace("b", "").replace("t", ""))
-        f = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(raw)
-        return f if "b" in mode else io.TextIOWrapper(f, encoding or "utf-8")
-
-    def fallocate(fd, offset, length):
-        if under(fd) and offset + length - os.fstat(fd).st_size > disk.free():
-            raise full()
-        real.fallocate(fd, offset, length)
-
-    def save_file(sd, path, metadata=None):
-        if os.path.realpath(path).startswith(root + "/") and sum(t.nbytes for t in sd.values()) > disk.free():
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        real.save_file(sd, path, metadata=metadata)
-    monkeypatch.setattr(os, "write", write)
-    monkeypatch.setattr(builtins, "open", open_)
-    monkeypatch.setattr(os, "posix_fallocate", fallocate)
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
-    monkeypatch.setattr(checkpoint, "free_bytes",
-                        lambda path: disk.free() if os.path.realpath(path).startswith(root) else real.free_bytes(path))
+    for (module, name), f in _limited(disk).items():
+        monkeypatch.setattr(module, name, f)
     return disk
 
 
