@@ -244,12 +244,21 @@ def reserve_final(cfg, policy, rank: int):
     one without that room stops the run here, with one line."""
     if rank != 0 or not cfg.save or cfg.save_freq:
         return
-    need, path = checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model), os.path.join(cfg.out_dir, checkpoint.RESERVE)
+    need = checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
+    path = os.path.join(cfg.out_dir, checkpoint.RESERVE)
     try:
-        with open(path, "ab") as f:        # an earlier attempt's is reused
-            os.posix_fallocate(f.fileno(), 0, need)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)   # an earlier attempt's is reused; not O_APPEND,
+        try:                                                # which glibc's fallback for fallocate refuses
+            os.posix_fallocate(fd, 0, need)
+        finally:
+            os.close(fd)
     except OSError as e:
         _remove(path)
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            print(f"[disk] warning: {path} cannot be allocated ahead on this filesystem ({e.strerror}): final/'s "
+                  f"room is not set aside, and a disk that fills during this --save_freq=0 run loses the weights",
+                  flush=True)
+            return
         if checkpoint.no_space(e):
             raise checkpoint.space_error("setting final/'s room aside in", path, need,
                                          "with --save_freq=0 final/ is the only copy of the trained weights: free "

@@ -318,7 +318,7 @@ def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, in_process):
     assert rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4"]), "abc") is None
     (out / "run_config.json").unlink()
     (out / "final.tmp").mkdir()
-    with pytest.raises(ValueError, match=rf"holds final.tmp and memory.png, which no run wrote.*or move them"):
+    with pytest.raises(ValueError, match=r"holds final.tmp and memory.png, which no run wrote.*or move them"):
         rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4"]), "abc")
 
 

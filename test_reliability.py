@@ -18,7 +18,8 @@ import checkpoint
 import options
 import rundir
 from dataclasses import asdict
-from test_checkpoint import OFFLOAD, SMALL, in_process, launch, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
+from test_checkpoint import (OFFLOAD, SMALL, in_process, launch, numbers, uninterrupted,  # noqa: F401
+                             wait_for_lines, workers)
 from test_train import HERE, metrics, run
 
 
@@ -262,7 +263,8 @@ def _limited(disk) -> dict:
 
     def save_file(sd, path, metadata=None):
         if inside(path) and sum(t.nbytes for t in sd.values()) > disk.free():
-            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device "
+                                              "(os error 28)")
         real["save_file"](sd, path, metadata=metadata)
     return {(os, "write"): write, (builtins, "open"): open_, (os, "posix_fallocate"): fallocate,
             (safetensors.torch, "save_file"): save_file,
@@ -314,7 +316,8 @@ def test_save_freq_0_keeps_final_room_through_a_full_disk_and_says_true_advice(s
     the first step (final/ needs ~13 MB), and final/ is still written, from the room set aside at
     the start, mode 0666 less the umask like any new file (not safetensors' 0600); a CPU run says
     how to draw memory.png. When another process takes that room as soon as it is freed, the line
-    says the weights are lost and to start again elsewhere, and the same command is indeed refused."""
+    says the weights are lost and to start again elsewhere, and the same command is indeed refused;
+    a disk without final/'s room at the start stops the run there."""
     out = os.path.join(small_disk.root, "run")
     args = [f"--out_dir={out}", "--steps=1", "--save_freq=0"] + TINY
     with monkeypatch.context() as m:
@@ -343,6 +346,13 @@ def test_save_freq_0_keeps_final_room_through_a_full_disk_and_says_true_advice(s
     with pytest.raises(SystemExit):
         in_process(args)
     assert "holds an earlier run (metrics.jsonl) but no checkpoint" in capsys.readouterr().err
+    import types
+    import torch
+    policy = types.SimpleNamespace(model=torch.nn.Linear(1024, 1024), lora=None)   # 4 MB of weights
+    with pytest.raises(OSError, match=rf"^setting final/'s room aside in {lost}/.final.reserve failed: no space left "
+                                      rf"on device \(it needs ~0.005 GB, 0 bytes free\); with --save_freq=0 final/ "
+                                      rf"is the only copy of the trained weights: free space, or pass --save_freq=N"):
+        rundir.reserve_final(options.parse_args([f"--out_dir={lost}", "--save_freq=0"]), policy, 0)
 
 
 def test_a_full_disk_mid_run_is_one_line_and_metrics_jsonl_keeps_whole_lines(small_disk, in_process, monkeypatch,
