@@ -66,7 +66,7 @@ def check_dir(kind: str, out_dir: str):
     """The pre-flight's look at the logger's folder (<out_dir>/tensorboard or /wandb): a file of
     that name, or a folder this user cannot write, raises one line naming --logger=none (found
     later, it was a writer thread's traceback after the models were built)."""
-    kind = resolve(kind)
+    asked, kind = kind, resolve(kind)
     if kind == "none":
         return
     path = os.path.join(out_dir, kind)
@@ -79,7 +79,8 @@ def check_dir(kind: str, out_dir: str):
         except OSError as e:
             reason = e.strerror
     if reason:
-        raise ValueError(f"--logger={kind}: {path} is not a writable folder ({reason}); fix it, or pass "
+        raise ValueError(f"--logger={asked}{f' ({kind})' if asked != kind else ''}: {path} is not a writable "
+                         f"folder ({reason}); fix it, or pass "
                          f"--logger=none (metrics.jsonl holds every step)")
 
 
