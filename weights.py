@@ -105,8 +105,8 @@ def save_adapter(model, peft_config, tokenizer, path: str, rank: int, device):
 
 def save_safetensors(sd: dict, file: str):
     """safetensors' save_file, then the mode a plain open() gives a new file (0o666 less the umask):
-    save_file writes a private temporary file (0600) and renames it, so a final/ shared with a group
-    or served by another user's vLLM would not be readable."""
+    save_file makes its file 0600 whatever the umask (0.8.0), so a final/ shared with a group or
+    served by another user's vLLM could not be read."""
     from safetensors.torch import save_file
     save_file(sd, file, metadata={"format": "pt"})
     os.chmod(file, 0o666 & ~_umask())
