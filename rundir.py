@@ -223,7 +223,8 @@ def disk_report(cfg, roles: list, policy) -> str:
     kept = sum(os.path.getsize(os.path.join(d, f)) for n_ in checkpoint.step_dirs(root)
                for d, _, fs in os.walk(os.path.join(root, n_)) for f in fs)   # replaced as new ones come
     reserve = os.path.join(cfg.out_dir, checkpoint.RESERVE)
-    kept += os.path.getsize(reserve) if os.path.isfile(reserve) else 0       # an earlier attempt's, reused
+    if cfg.save and not cfg.save_freq and os.path.isfile(reserve):
+        kept += os.path.getsize(reserve)   # an earlier attempt's, reused by reserve_final
     need = max(n * ckpt + (final if cfg.save else 0) - kept, 0)
     free = checkpoint.free_bytes(cfg.out_dir)
     what = (f"{n} checkpoint(s) of ~{ckpt / GB:.3f} GB" if n else "no checkpoints") + \
@@ -241,11 +242,13 @@ def reserve_final(cfg, policy, rank: int):
     """With --save_freq=0 final/ is the only copy of the trained weights, so rank 0 sets its bytes
     aside before the first step: out_dir/.final.reserve, allocated (not sparse), which save_final
     frees just before it writes. A disk that fills during the run then cannot take final/'s room;
-    one without that room stops the run here, with one line."""
+    one without that room stops the run here, with one line. Any other run only drops a leftover."""
+    path = os.path.join(cfg.out_dir, checkpoint.RESERVE)
+    if rank == 0 and (not cfg.save or cfg.save_freq):
+        _remove(path)                      # an earlier --save_freq=0 attempt's: checkpoints keep this run
     if rank != 0 or not cfg.save or cfg.save_freq:
         return
     need = checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
-    path = os.path.join(cfg.out_dir, checkpoint.RESERVE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)   # an earlier attempt's is reused; not O_APPEND,
         try:                                                # which glibc's fallback for fallocate refuses
