@@ -21,7 +21,8 @@ The loop hands in the trained roles and the run's figures; `load` returns the ch
 (the step, the data position): nothing here reads or writes the loop's own state.
 A resume verifies the recorded sizes and checksums: a damaged checkpoint is named, and with
 --resume=auto the newest intact one is used instead (the damaged one is left for inspection).
-Free space is checked before each write; a full disk is one line, and no partial files are left.
+Free space is checked before each write; a full disk is one line that says what the same command
+then does (`after_failure`), and no partial files are left.
 """
 import datetime
 import errno
@@ -41,14 +42,24 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import actor
 import offload
+import weights
+from model import is_dir
 
 GB = 2**30
+FIX = "free space (or lower --keep_checkpoints)"   # what a full disk at a checkpoint asks for
+RESERVE = ".final.reserve"                # final/'s room, set aside while a --save_freq=0 run trains
 
 
 # --------------------------------------------------------------------------- finding checkpoints
+_said: set = set()                        # say_once's lines already printed by this process
+
+
 def say_once(line: str):
-    """A warning from code that runs on every rank before the process group: said once, by rank 0."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    """A warning from code that runs on every rank before the process group: said once, by rank 0,
+    and once per process (a later look for the newest checkpoint, at a save, passes the same
+    damaged one again)."""
+    if int(os.environ.get("RANK", 0)) == 0 and line not in _said:
+        _said.add(line)
         print(line, flush=True)
 
 
@@ -230,14 +241,41 @@ def no_space(e: BaseException) -> bool:
     return any(w in text for w in ("No space left", "Disk quota exceeded", "unexpected pos", "os error 28"))
 
 
+def size(n: int) -> str:
+    """Bytes as the error lines say them: GB from 1 MiB up, bytes below."""
+    return f"{n / GB:.3f} GB" if n >= 2**20 else f"{n} bytes"
+
+
 def space_error(what: str, path: str, need: int, kept: str) -> OSError:
+    """A full disk's one line: what failed at `path`, the bytes it needs and those free, then `kept`
+    (what survived and what to do next: `after_failure`)."""
     where = os.path.dirname(path.rstrip("/")) or "."
     while not os.path.isdir(where):               # the partial files are gone by now
         where = os.path.dirname(where) or "."
-    free = free_bytes(where)
-    return OSError(f"{what} {path} failed: no space left on device (it needs ~{need / GB:.3f} GB, "
-                   f"{free / GB:.3f} GB free); {kept}: free space (or lower --keep_checkpoints), "
-                   f"then run the same command")
+    return OSError(f"{what} {path} failed: no space left on device (it needs ~{size(need)}, "
+                   f"{size(free_bytes(where))} free); {kept}")
+
+
+def earlier_run(out: str) -> list[str]:
+    """What an earlier run left in `out` that a fresh start would write over (metrics.jsonl with a
+    line in it, final/, checkpoints/): a run that failed before its first step leaves none."""
+    return [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
+            and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
+
+
+def after_failure(out_dir: str, fix: str = "free space", steps: int | None = None) -> str:
+    """The end of a failed write's line: what survived and what the same command then does (the
+    out_dir policy's answer, rundir.plan), so that the advice is true. `fix`: what to do first;
+    `steps`: --steps, from the final save (a checkpoint there is exported without training)."""
+    last = newest(out_dir)
+    if last is not None and steps is not None and read_meta(last)["step"] >= steps:
+        return f"{last} is kept: {fix}, then run the same command (it writes final/ from it, without training)"
+    if last is not None:
+        return f"{last} is kept: {fix}, then run the same command (it resumes there)"
+    if not earlier_run(out_dir):
+        return f"nothing was trained yet: {fix}, then run the same command"
+    return (f"no checkpoint is kept, so the trained steps are lost and the same command would be refused: "
+            f"{fix}, then start again in another --out_dir (or remove {out_dir})")
 
 
 def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
@@ -250,10 +288,9 @@ def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
     name = f"step_{step:06d}"
     tmp = os.path.join(root, f".tmp-{name}")   # never read by a resume until renamed
     t0 = time.perf_counter()
-    need, last = write_bytes(roles), newest(out_dir) or "no earlier checkpoint"
+    need = write_bytes(roles)
     if not _agree(free_bytes(out_dir) >= need):   # checked before each write, on every rank
-        raise space_error("writing the checkpoint", tmp, need, f"nothing was written and {last} is kept")
-    kept = f"the partial {tmp} was removed and {last} is kept"
+        raise space_error("writing the checkpoint", tmp, need, "nothing was written; " + after_failure(out_dir, FIX))
     try:
         _write(tmp, roles, {"step": step, **meta, "roles": [r[0] for r in roles]})
         if dist.get_rank() == 0:
@@ -264,7 +301,8 @@ def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
             raise
         shutil.rmtree(tmp, ignore_errors=True)    # any rank may: the folder is shared
         if no_space(e):
-            raise space_error("writing the checkpoint", getattr(e, "filename", None) or tmp, need, kept) from None
+            raise space_error("writing the checkpoint", getattr(e, "filename", None) or tmp, need,
+                              f"the partial {tmp} was removed; " + after_failure(out_dir, FIX)) from None
         raise
 
 
@@ -410,16 +448,17 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None):
     """The Hugging Face policy (an actor.Actor) to out_dir/final, written aside and swapped in whole
-    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it. A full
-    disk leaves no half-written final/ and keeps the newest checkpoint (the same command then writes
-    final/ from it)."""
+    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it. Rank 0
+    first frees the room set aside at the start (--save_freq=0: rundir.reserve_final), so a disk that
+    filled during the run still holds final/. A full disk leaves no half-written final/, and its
+    line says what the same command then does (after_failure)."""
     final, rank = os.path.join(out_dir, "final"), dist.get_rank()
     tmp, old = final + ".tmp", final + ".old"
-    need, last = final_bytes(policy, config["actor"]["save_merged"]), newest(out_dir)
-    kept = (f"{final} is untouched and " if os.path.isdir(final) else "") + \
-        (f"the checkpoint {last} is kept (the same command writes final/ from it)" if last
-         else "no checkpoint was written (--save_freq=0): the weights are lost")
-    if not _agree(free_bytes(out_dir) >= need):
+    need = final_bytes(policy, config["actor"]["save_merged"], model_path)
+    if rank == 0 and os.path.exists(os.path.join(out_dir, RESERVE)):
+        os.remove(os.path.join(out_dir, RESERVE))   # its bytes are this save's room
+    kept = (f"{final} is untouched; " if os.path.isdir(final) else "") + after_failure(out_dir, steps=config["steps"])
+    if not _agree(rank != 0 or free_bytes(out_dir) >= need):   # rank 0 alone writes final/
         raise space_error("writing the final policy", tmp, need, kept)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -431,7 +470,7 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if no_space(e):
-            raise space_error("writing the final policy", tmp, need, f"the partial {tmp} was removed, {kept}") from None
+            raise space_error("writing the final policy", tmp, need, f"the partial {tmp} was removed; {kept}") from None
         raise
     if rank == 0:
         shutil.rmtree(old, ignore_errors=True)
@@ -443,11 +482,15 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
     dist.barrier()
 
 
-def final_bytes(policy, save_merged: bool) -> int:
+def final_bytes(policy, save_merged: bool, model_path: str | None = None) -> int:
     """The final save's bytes: the policy's params in their own dtype (LoRA: the adapter, and the
-    merged model with save_merged)."""
+    merged model with save_merged), and per model folder written its config, the tokenizer and
+    the files copied from a local `model_path` (1 MiB for the first two, generously)."""
     params = list(policy.model.parameters())
+    files = 2**20 + (sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
+                         if os.path.isfile(os.path.join(model_path, n)) and not n.endswith(weights.NOT_COPIED))
+                     if is_dir(model_path) else 0)
     if policy.lora is None:
-        return sum(p.numel() * p.element_size() for p in params)
-    n = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return n + (sum(p.numel() * p.element_size() for p in params if not p.requires_grad) if save_merged else 0)
+        return sum(p.numel() * p.element_size() for p in params) + files
+    n = sum(p.numel() * p.element_size() for p in params if p.requires_grad) + files
+    return n + (sum(p.numel() * p.element_size() for p in params if not p.requires_grad) + files if save_merged else 0)

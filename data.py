@@ -14,13 +14,32 @@ import os
 import re
 
 
+# a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE (vocab.json + merges.txt), WordPiece
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
 def load_tokenizer(path):
+    """The tokenizer of --model (in the pre-flight, before any model). A folder without one, a
+    tokenizer that does not load (a damaged tokenizer.json) or holds no vocabulary raise one line
+    naming the folder: transformers would otherwise make an empty one, and the data took the blame."""
     import model
     if not model.is_dir(path):             # built-in or random weights: the tiny tokenizer's ids suffice
         import tiny
         return tiny.build_tokenizer()
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES) and \
+            not any(n.endswith(".tiktoken") for n in os.listdir(path)):
+        raise FileNotFoundError(f"--model {path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}; "
+                                f"transformers would make an empty one); copy the model's tokenizer files into it")
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:                 # noqa: BLE001 - json, tokenizers and sentencepiece raise their own kinds
+        raise ValueError(f"--model {path}: its tokenizer does not load ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200] if str(e) else ''}); copy its tokenizer files again") from None
+    if len(tokenizer) < 2:
+        raise ValueError(f"--model {path}: its tokenizer has no vocabulary ({len(tokenizer)} token); copy the "
+                         f"model's tokenizer files (tokenizer.json, or vocab.json + merges.txt) into it")
+    return tokenizer
 
 
 def read_rows(path: str) -> list[dict]:

@@ -262,7 +262,10 @@ def field_comments(cls) -> dict:
     for node in ast.parse(src).body[0].body:
         if isinstance(node, ast.AnnAssign):
             text, n = [by_line.get(node.lineno, "")], node.lineno + 1
-            while n in by_line and lines[n - 1].lstrip().startswith("#"):   # continuation lines
+            # continuation lines sit under the field's comment, indented past the field; a comment
+            # at the field's own indent heads the next group of fields and is not this one's
+            while n in by_line and lines[n - 1].lstrip().startswith("#") and \
+                    len(lines[n - 1]) - len(lines[n - 1].lstrip()) > node.col_offset:
                 text.append(by_line[n])
                 n += 1
             out[node.target.id] = " ".join(t for t in text if t)

@@ -9,14 +9,18 @@ lines, and how a run stops on a preemption or Ctrl-C.
 - The out_dir policy (`plan`, checked before any model is built): an out_dir with an unfinished
   run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run that
   left no checkpoint, is refused with a line that says what to pass instead. Nothing of an earlier
-  run is overwritten except by resuming it. A run's own checkpoint resumes in place.
+  run is overwritten except by resuming it, and nothing that no run wrote (a foreign
+  run_config.json). A run's own checkpoint resumes in place.
 - One run per out_dir (`lock_out_dir`): global rank 0 holds an flock on out_dir/.run.lock for the
   run's life; a second run stops at once naming the holder (pid, host, since when).
 - Disk (`disk_report`): what the run writes (checkpoints x keep + final, from the shapes) against
-  what is free, said at start; a run that cannot fit is refused.
+  what is free, said at start; a run that cannot fit is refused. With --save_freq=0 final/'s room
+  is set aside for the run's length (`reserve_final`). metrics.jsonl holds whole lines only
+  (`write_step`), and a full disk anywhere is one line with the path, the bytes and the way on.
 - Stopping: SIGTERM (a preemption) and a first Ctrl-C finish the step, checkpoint and exit with one
   line; a second Ctrl-C stops at once.
 """
+import contextlib
 import datetime
 import fcntl
 import errno
@@ -104,9 +108,11 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
     latest = checkpoint.newest(out)
-    # what an earlier run leaves (a run that failed before its first step leaves none of these)
-    earlier = [n for n in ("metrics.jsonl", "final", "checkpoints") if os.path.exists(os.path.join(out, n))
-               and not (n == "metrics.jsonl" and os.path.getsize(os.path.join(out, n)) == 0)]
+    earlier = checkpoint.earlier_run(out)   # a run that failed before its first step leaves none of these
+    foreign = _foreign(out, fresh=latest is None and not earlier)
+    if foreign:
+        raise ValueError(f"--out_dir={out} holds {' and '.join(foreign)}, which no run wrote, and a run writes "
+                         f"there: pass another --out_dir, or move {'it' if len(foreign) == 1 else 'them'}")
     if cfg.resume == "never" and earlier:
         raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) and --resume=never "
                          f"starts only in an empty one: pass another --out_dir, or remove {out}")
@@ -135,6 +141,46 @@ def plan(cfg, data_fingerprint: str) -> str | None:
                              f"{cfg.resume} into an empty --out_dir")
     _check_resumable(cfg, path, latest, data_fingerprint)
     return path
+
+
+# what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
+# (the loggers' folders are not here: a logger adds files of its own, it never replaces one)
+WRITES = ("memory.png", "final.tmp", "final.old")
+
+
+def run_config(out: str) -> str | None:
+    """out/run_config.json when a run wrote it (a JSON object with the run's resolved_config), else None."""
+    path = os.path.join(out, "run_config.json")
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return path if isinstance(obj, dict) and "resolved_config" in obj else None
+
+
+def _foreign(out: str, fresh: bool) -> list[str]:
+    """What in `out` a run would write over though no run wrote it: a run_config.json that is not a
+    run's; on a fresh start without a run's run_config.json (which every later file of a run
+    follows), any of the other names a run writes (WRITES, OOM snapshots)."""
+    if os.path.exists(os.path.join(out, "run_config.json")):
+        return [] if run_config(out) else ["a run_config.json"]
+    if not fresh:
+        return []                          # a checkpoint or metrics vouch for the run
+    return [n for n in sorted(os.listdir(out)) if n in WRITES
+            or (n.startswith("oom_snapshot.rank") and n.endswith(".pickle"))]
+
+
+def write_run_config(out: str, resolved: dict):
+    """out/run_config.json (the pre-flight refused one that a run did not write), whole or not there."""
+    path = os.path.join(out, "run_config.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump(resolved, f, indent=1)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        _remove(path + ".tmp")
+        raise _failed(e, "writing", path, len(json.dumps(resolved, indent=1)), out) from None
 
 
 def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
@@ -170,16 +216,21 @@ def disk_report(cfg, roles: list, policy) -> str:
     """The set-up report's line on disk space: what the run will write into out_dir at most (the
     newest keep_checkpoints, one more while a new one is written, and final/) against what is
     free. Raises OSError (one line, what to change) when it cannot fit."""
-    ckpt, final = checkpoint.write_bytes(roles), checkpoint.final_bytes(policy, cfg.actor.save_merged)
+    ckpt, final = checkpoint.write_bytes(roles), checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
     saves = len({s for s in range(1, cfg.steps + 1) if s % cfg.save_freq == 0} | {cfg.steps}) if cfg.save_freq else 0
     n = min(cfg.keep_checkpoints + 1, saves)
     root = os.path.join(cfg.out_dir, "checkpoints")
     kept = sum(os.path.getsize(os.path.join(d, f)) for n_ in checkpoint.step_dirs(root)
                for d, _, fs in os.walk(os.path.join(root, n_)) for f in fs)   # replaced as new ones come
+    reserve = os.path.join(cfg.out_dir, checkpoint.RESERVE)
+    if cfg.save and not cfg.save_freq and os.path.isfile(reserve):
+        kept += os.path.getsize(reserve)   # an earlier attempt's, reused by reserve_final
     need = max(n * ckpt + (final if cfg.save else 0) - kept, 0)
     free = checkpoint.free_bytes(cfg.out_dir)
     what = (f"{n} checkpoint(s) of ~{ckpt / GB:.3f} GB" if n else "no checkpoints") + \
-        (f" + final/ ~{final / GB:.3f} GB" if cfg.save else "")
+        (f" + final/ ~{final / GB:.3f} GB" if cfg.save else "") + \
+        (f", set aside now in {checkpoint.RESERVE}: with --save_freq=0 it is the only copy of the weights"
+         if cfg.save and not cfg.save_freq else "")
     if need > free:
         raise OSError(f"{cfg.out_dir} has {free / GB:.3f} GB free but this run writes ~{need / GB:.3f} GB there "
                       f"({what}): free space, pass an --out_dir on a larger disk, or lower --keep_checkpoints "
@@ -187,10 +238,54 @@ def disk_report(cfg, roles: list, policy) -> str:
     return f"[disk] writes up to ~{need / GB:.3f} GB to {cfg.out_dir} ({what}); {free / GB:.3f} GB free"
 
 
+def reserve_final(cfg, policy, rank: int):
+    """With --save_freq=0 final/ is the only copy of the trained weights, so rank 0 sets its bytes
+    aside before the first step: out_dir/.final.reserve, allocated (not sparse), which save_final
+    frees just before it writes. A disk that fills during the run then cannot take final/'s room;
+    one without that room stops the run here, with one line. Any other run only drops a leftover."""
+    path = os.path.join(cfg.out_dir, checkpoint.RESERVE)
+    if rank == 0 and (not cfg.save or cfg.save_freq):
+        _remove(path)                      # an earlier --save_freq=0 attempt's: checkpoints keep this run
+    if rank != 0 or not cfg.save or cfg.save_freq:
+        return
+    need = checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)   # an earlier attempt's is reused; not O_APPEND,
+        try:                                                # which glibc's fallback for fallocate refuses
+            os.posix_fallocate(fd, 0, need)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        _remove(path)
+        if e.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            print(f"[disk] warning: {path} cannot be allocated ahead on this filesystem ({e.strerror}): final/'s "
+                  f"room is not set aside, and a disk that fills during this --save_freq=0 run loses the weights",
+                  flush=True)
+            return
+        if checkpoint.no_space(e):
+            raise checkpoint.space_error("setting final/'s room aside in", path, need,
+                                         "with --save_freq=0 final/ is the only copy of the trained weights: free "
+                                         "space, or pass --save_freq=N to keep checkpoints instead") from None
+        raise OSError(f"setting final/'s room aside in {path} failed: {e.strerror or e}") from None
+
+
+def _remove(path: str):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def _failed(e: OSError, what: str, path: str, need: int, out: str) -> OSError:
+    """A failed write's one line: on a full disk the path, the bytes needed and free, and what the
+    same command then does (checkpoint.after_failure); otherwise the path and the reason."""
+    if checkpoint.no_space(e):
+        return checkpoint.space_error(what, path, need, checkpoint.after_failure(out))
+    return OSError(f"{what} {path} failed ({e.strerror or e}); " + checkpoint.after_failure(out, "fix that"))
+
+
 # --------------------------------------------------------------------------- metrics.jsonl and the end of a run
 def keep_metrics(out_dir: str, step: int, rank: int) -> str:
-    """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut
-    by a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
+    """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut by
+    a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
     path = os.path.join(out_dir, "metrics.jsonl")
     if rank == 0 and step:
         kept = []
@@ -200,12 +295,43 @@ def keep_metrics(out_dir: str, step: int, rank: int) -> str:
                     try:
                         if json.loads(line)["step"] < step:
                             kept.append(line if line.endswith("\n") else line + "\n")
-                    except (json.JSONDecodeError, KeyError):
+                    except (json.JSONDecodeError, KeyError, TypeError):
                         pass
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        try:
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            _remove(path + ".tmp")
+            raise _failed(e, "rewriting", path, sum(map(len, kept)), out_dir) from None
     return path
+
+
+def write_step(path: str, log, m: dict, step: int):
+    """Rank 0's record of a step: its line appended to metrics.jsonl whole or not at all (a write cut
+    short by a full disk is cut back off), then the logger's copy (tracker.open). Either failing is
+    one line naming the path, with the bytes needed and free on a full disk."""
+    line = (json.dumps(m) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        size, rest = os.fstat(fd).st_size, memoryview(line)
+        try:
+            while rest:                    # a full disk first takes what fits, then refuses the rest
+                rest = rest[os.write(fd, rest):]
+        except OSError as e:
+            os.ftruncate(fd, size)         # no partial line stays behind
+            raise _failed(e, f"writing step {step}'s line to", path, len(line), os.path.dirname(path)) from None
+    finally:
+        os.close(fd)
+    try:
+        log.log(m, step)
+    except Exception as e:                 # noqa: BLE001 - a logger's own errors (tensorboard's thread) are any kind
+        if not checkpoint.no_space(e):
+            fix = f"fix {log.path} (or add --logger=none: metrics.jsonl holds every step)"
+            raise OSError(f"the logger's copy of step {step} to {log.path} failed ({type(e).__name__}: {e}); "
+                          + checkpoint.after_failure(os.path.dirname(path), fix)) from None
+        raise checkpoint.space_error(f"the logger's copy of step {step} to", log.path, len(line),
+                                     checkpoint.after_failure(os.path.dirname(path))) from None
 
 
 def summary(metrics_path: str) -> list[str]:

@@ -74,6 +74,19 @@ def uninterrupted(tmp_path_factory):
     return metrics(out)
 
 
+@pytest.fixture
+def in_process(monkeypatch, dist_env):
+    """train_grpo.main in this process: its signal handlers are put back after, and the process
+    group it would destroy at the end is kept for the other tests."""
+    import torch.distributed as dist
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: None)
+    import train_grpo
+    yield train_grpo.main
+    for s, h in handlers.items():
+        signal.signal(s, h)
+
+
 @launches
 def test_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path, uninterrupted):
     """SIGKILL the whole 2-rank job ~0.3 s into step 4 (3 metrics lines written, the last checkpoint
@@ -265,7 +278,7 @@ def test_out_dir_policy(tmp_path):
         plan(tmp_path / "run4", f"--resume={tmp_path / 'nothing'}")
     (tmp_path / "failed").mkdir()                  # a run that failed before its first step's line
     (tmp_path / "failed" / "metrics.jsonl").write_text("")
-    (tmp_path / "failed" / "run_config.json").write_text("{}")
+    (tmp_path / "failed" / "run_config.json").write_text('{"resolved_config": {}}')   # as a run writes it
     assert plan(tmp_path / "failed") is None
     (tmp_path / "crashed").mkdir()
     (tmp_path / "crashed" / "metrics.jsonl").write_text('{"step": 0}\n')
@@ -280,6 +293,98 @@ def test_out_dir_policy(tmp_path):
     (tmp_path / "f" / "final").write_text("x")
     with pytest.raises(ValueError, match="final is a file"):
         plan(tmp_path / "f")
+
+
+def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, in_process):
+    """The issue's `mkdir runs/nonrun; echo '{"mine":1}' > runs/nonrun/run_config.json`: the run stops
+    in the pre-flight with one line naming the file, which keeps its bytes (a resume into such a
+    folder too); on a fresh start the other names a run writes over (memory.png, final.tmp/, ...)
+    are refused when no run's run_config.json vouches for them. A run's own run_config.json (one that
+    failed before its first step) is no obstacle."""
+    out = tmp_path / "nonrun"
+    out.mkdir()
+    (out / "run_config.json").write_text('{"mine":1}\n')
+    with pytest.raises(SystemExit) as e:
+        in_process([f"--out_dir={out}", "--steps=2", "--train_batch_size=4", "--rollout.n=4",
+                         "--actor.ppo_mini_batch_size=4"])
+    assert e.value.code == 2 and (out / "run_config.json").read_text() == '{"mine":1}\n'
+    line = f"--out_dir={out} holds a run_config.json, which no run wrote, and a run writes there"
+    other = _fake_checkpoint(str(tmp_path / "other"), 2, "abc")
+    for extra in ([], [f"--resume={other}"]):
+        with pytest.raises(ValueError, match=line):
+            rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4", *extra]), "abc")
+    (out / "run_config.json").write_text('{"resolved_config": {}}')
+    (out / "memory.png").write_text("a picture of mine")
+    assert rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4"]), "abc") is None
+    (out / "run_config.json").unlink()
+    (out / "final.tmp").mkdir()
+    with pytest.raises(ValueError, match=r"holds final.tmp and memory.png, which no run wrote.*or move them"):
+        rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4"]), "abc")
+
+
+def _model_dir(tmp_path, name):
+    """The embedded model saved as a user's checkpoint (safetensors, config, tokenizer files)."""
+    import tiny
+    d = tmp_path / name
+    tiny.build_tiny_model().save_pretrained(d)
+    tiny.build_tokenizer().save_pretrained(d)
+    return d
+
+
+def test_bad_model_folders_are_one_line_in_the_preflight(tmp_path):
+    """A truncated model.safetensors, a folder without tokenizer files (transformers made an empty
+    tokenizer and the data got the blame) and a cut tokenizer.json are each one line of the
+    pre-flight that names the file or folder and what is wrong; an index naming a missing shard too."""
+    import train_grpo
+    d = _model_dir(tmp_path, "m")
+    weights = d / "model.safetensors"
+    size = weights.stat().st_size
+
+    def preflight():
+        return train_grpo.preflight(options.parse_args([f"--model={d}", f"--out_dir={tmp_path / 'o'}"]))
+    assert preflight()[1] is None
+    os.truncate(weights, size // 2)
+    with pytest.raises(ValueError, match=rf"^--model {d}: {weights} is {size // 2} bytes but its header describes "
+                                         rf"{size}: truncated; copy it again$"):
+        preflight()
+    os.truncate(weights, 5)
+    with pytest.raises(ValueError, match=rf"{weights} is truncated or not a safetensors file \(5 bytes"):
+        preflight()
+    d = _model_dir(tmp_path, "sharded")
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors is missing \(model.safetensors.index"):
+        preflight()
+    d = _model_dir(tmp_path, "notok")
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"^--model {d}: no tokenizer there \(none of tokenizer.json, "):
+        preflight()
+    d = _model_dir(tmp_path, "cut")
+    os.truncate(d / "tokenizer.json", 300)
+    with pytest.raises(ValueError, match=rf"^--model {d}: its tokenizer does not load \(JSONDecodeError: "):
+        preflight()
+
+
+def test_an_unwritable_logger_folder_is_one_line_in_the_preflight(tmp_path):
+    """<out_dir>/tensorboard that cannot take the events (a file of that name; a folder without
+    write permission, when not root) stops the pre-flight with one line naming --logger=none,
+    not a writer thread's traceback after the models are built; --logger=none then runs."""
+    import train_grpo
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "tensorboard").write_text("x")
+    cfg = lambda *a: options.parse_args([f"--out_dir={out}", "--logger=tensorboard", *a])  # noqa: E731
+    with pytest.raises(ValueError, match=rf"^--logger=tensorboard: {out}/tensorboard is not a writable folder "
+                                         rf"\(it is a file\); fix it, or pass --logger=none"):
+        train_grpo.preflight(cfg())
+    assert train_grpo.preflight(cfg("--logger=none"))[1] is None
+    if os.geteuid() != 0:                  # root writes anywhere
+        (out / "tensorboard").unlink()
+        (out / "tensorboard").mkdir(mode=0o500)
+        with pytest.raises(ValueError, match=r"is not a writable folder \(Permission denied\)"):
+            train_grpo.preflight(cfg())
 
 
 @launches

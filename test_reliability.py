@@ -18,7 +18,8 @@ import checkpoint
 import options
 import rundir
 from dataclasses import asdict
-from test_checkpoint import OFFLOAD, SMALL, launch, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
+from test_checkpoint import (OFFLOAD, SMALL, in_process, launch, numbers, uninterrupted,  # noqa: F401
+                             wait_for_lines, workers)
 from test_train import HERE, metrics, run
 
 
@@ -120,6 +121,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, three)
     assert f"[resume] warning: {_step(out, 3)}/actor/__0_0.distcp is damaged (" in r.stdout, r.stdout[-3000:]
     assert f"[resume] warning: {name} is damaged (its checksum differs" in r.stdout
     assert f"falling back to {_step(out, 1)}" in r.stdout and "step_000001: step 1" in r.stdout
+    assert r.stdout.count(f"{_step(out, 3)}/actor/__0_0.distcp is damaged") == 1   # not again at the next save
     assert numbers(metrics(out))[:3] == numbers(metrics(three)) and [m["step"] for m in metrics(out)] == [0, 1, 2, 3]
     assert os.path.isdir(_step(out, 3) + ".damaged")
 
@@ -197,7 +199,7 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     tmp = os.path.join(out, "checkpoints", ".tmp-step_000001")
     assert str(e.value).startswith(f"writing the checkpoint {tmp}/actor failed: no space left on device (it needs "
                                    f"~0.03"), str(e.value)     # DCP's own torch.save (its .metadata) hit it
-    assert "the partial" in str(e.value) and "no earlier checkpoint is kept" in str(e.value)
+    assert "the partial" in str(e.value) and "no checkpoint is kept" in str(e.value)
     assert os.listdir(os.path.join(out, "checkpoints")) == []
     train_grpo.save(t, 1)                          # the disk freed: complete
     assert checkpoint.newest(out) == _step(out, 1)
@@ -215,14 +217,188 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
         m.setattr(safetensors.torch, "save_file", full_final)
         with pytest.raises(OSError, match=rf"writing the final policy {out}/final.tmp failed: no space left on "
                                           rf"device \(it needs ~0.01\d GB, [\d.]+ GB free\); the partial .* "
-                                          rf"removed, the checkpoint {_step(out, 1)} is kept \(the same command "
-                                          rf"writes final/ from it\)"):
+                                          rf"removed; {_step(out, 1)} is kept: free space, then run the same "
+                                          rf"command \(it writes final/ from it, without training\)"):
             checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model)
     assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]      # no final/, no final.tmp
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "was never written (a final save that failed): writing it" in r.stdout
     assert os.path.isfile(os.path.join(out, "final", "model.safetensors"))
+
+
+def _limited(disk) -> dict:
+    """The writes a small_disk limits: {(module, name): what replaces it}, each passing through
+    unchanged outside disk.root."""
+    import builtins
+    import errno
+    import io
+    import safetensors.torch
+    root = disk.root + "/"
+    real = {"write": os.write, "fallocate": os.posix_fallocate, "open": builtins.open,
+            "save_file": safetensors.torch.save_file, "free_bytes": checkpoint.free_bytes}
+    inside = lambda path: os.path.realpath(path).startswith(root)  # noqa: E731
+    full = lambda: OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # noqa: E731
+
+    def write(fd, data):
+        room = disk.free() if inside(f"/proc/self/fd/{fd}") else len(data)
+        if data and not room:
+            raise full()
+        return real["write"](fd, memoryview(data)[:room])   # what fits, as a filling disk takes it
+
+    class Raw(io.FileIO):                  # what open() writes through, under root
+        def write(self, data):
+            return write(self.fileno(), data)
+
+    def open_(file, mode="r", buffering=-1, encoding=None, *a, **k):
+        if not isinstance(file, (str, os.PathLike)) or not inside(file) or not set(mode) & set("wax+"):
+            return real["open"](file, mode, buffering, encoding, *a, **k)
+        f = (io.BufferedRandom if "+" in mode else io.BufferedWriter)(Raw(file, mode.replace("b", "").replace("t", "")))
+        return f if "b" in mode else io.TextIOWrapper(f, encoding or "utf-8")
+
+    def fallocate(fd, offset, length):
+        if inside(f"/proc/self/fd/{fd}") and offset + length - os.fstat(fd).st_size > disk.free():
+            raise full()
+        real["fallocate"](fd, offset, length)
+
+    def save_file(sd, path, metadata=None):
+        if inside(path) and sum(t.nbytes for t in sd.values()) > disk.free():
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device "
+                                              "(os error 28)")
+        real["save_file"](sd, path, metadata=metadata)
+    return {(os, "write"): write, (builtins, "open"): open_, (os, "posix_fallocate"): fallocate,
+            (safetensors.torch, "save_file"): save_file,
+            (checkpoint, "free_bytes"): lambda path: disk.free() if inside(path) else real["free_bytes"](path)}
+
+
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """A folder standing in for a filesystem of `disk.limit` bytes (a tmpfs needs root): free_bytes
+    says what is left in it, and every write under it that Python makes (open(), os.write,
+    os.posix_fallocate) or safetensors' save_file fails with ENOSPC past the limit, a write first
+    taking what fits, as a full disk does. `disk.fill(n)` leaves n bytes, as another process
+    filling the disk would. DCP's and torch.save's own writes are not limited (the test above)."""
+    import types
+    root = os.path.realpath(tmp_path / "disk")
+    os.makedirs(root)
+    disk = types.SimpleNamespace(root=root, limit=2**30)
+    used = lambda: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)  # noqa: E731
+    disk.free = lambda: max(disk.limit - used(), 0)
+
+    def fill(n):
+        with open(os.path.join(root, "filler"), "ab") as f:
+            f.truncate(os.path.getsize(f.name) + disk.free() - n)
+    disk.fill = fill
+    for (module, name), f in _limited(disk).items():
+        monkeypatch.setattr(module, name, f)
+    return disk
+
+
+def _after(monkeypatch, module, name, calls, then):
+    """module.name runs as before; after its `calls`-th call, then() (a disk filling up meanwhile)."""
+    real, n = getattr(module, name), []
+
+    def wrapped(*a, **k):
+        out = real(*a, **k)
+        n.append(1)
+        if len(n) == calls:
+            then()
+        return out
+    monkeypatch.setattr(module, name, wrapped)
+
+
+TINY = ["--train_batch_size=2", "--rollout.n=2", "--actor.ppo_mini_batch_size=2", "--logger=none"]   # ~1 s a step
+
+
+def test_save_freq_0_keeps_final_room_through_a_full_disk_and_says_true_advice(small_disk, in_process, monkeypatch,
+                                                                                capsys):
+    """--save_freq=0, where final/ is the only copy of the weights: the disk fills to 1 MB free after
+    the first step (final/ needs ~13 MB), and final/ is still written, from the room set aside at
+    the start, mode 0666 less the umask like any new file (not safetensors' 0600); a CPU run says
+    how to draw memory.png. When another process takes that room as soon as it is freed, the line
+    says the weights are lost and to start again elsewhere, and the same command is indeed refused;
+    a disk without final/'s room at the start stops the run there."""
+    out = os.path.join(small_disk.root, "run")
+    args = [f"--out_dir={out}", "--steps=1", "--save_freq=0"] + TINY
+    with monkeypatch.context() as m:
+        _after(m, rundir, "write_step", 1, lambda: small_disk.fill(2**20))
+        in_process(args)
+    assert not os.path.exists(os.path.join(out, checkpoint.RESERVE))
+    weights = os.path.join(out, "final", "model.safetensors")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert os.stat(weights).st_mode & 0o777 == 0o666 & ~umask
+    from safetensors.torch import load_file
+    assert "model.embed_tokens.weight" in load_file(weights)
+    assert f"python plan.py --plot={out} draws it" in capsys.readouterr().out
+    os.remove(os.path.join(small_disk.root, "filler"))
+    lost = os.path.join(small_disk.root, "lost")
+    args = [f"--out_dir={lost}", "--steps=1", "--save_freq=0"] + TINY
+    real_remove = os.remove
+    with monkeypatch.context() as m:          # the room freed for final/ goes to another process at once
+        m.setattr(os, "remove", lambda p: (real_remove(p), p.endswith(checkpoint.RESERVE) and small_disk.fill(0)))
+        with pytest.raises(SystemExit):
+            in_process(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: writing the final policy {lost}/final.tmp failed: no space left on device (it needs "
+                   f"~0.013 GB, 0 bytes free); no checkpoint is kept, so the trained steps are lost and the same "
+                   f"command would be refused: free space, then start again in another --out_dir (or remove {lost})"]
+    with pytest.raises(SystemExit):
+        in_process(args)
+    assert "holds an earlier run (metrics.jsonl) but no checkpoint" in capsys.readouterr().err
+    import types
+    import torch
+    policy = types.SimpleNamespace(model=torch.nn.Linear(1024, 1024), lora=None)   # 4 MB of weights
+    with pytest.raises(OSError, match=rf"^setting final/'s room aside in {lost}/.final.reserve failed: no space left "
+                                      rf"on device \(it needs ~0.005 GB, 0 bytes free\); with --save_freq=0 final/ "
+                                      rf"is the only copy of the trained weights: free space, or pass --save_freq=N"):
+        rundir.reserve_final(options.parse_args([f"--out_dir={lost}", "--save_freq=0"]), policy, 0)
+
+
+def test_a_full_disk_mid_run_is_one_line_and_metrics_jsonl_keeps_whole_lines(small_disk, in_process, monkeypatch,
+                                                                              capsys):
+    """The disk fills to 1000 bytes free after step 0's checkpoint: step 1's metrics line (~2.4 KB)
+    is one line naming metrics.jsonl, the bytes needed and free, and that the same command resumes
+    from step 1's checkpoint; the file keeps whole lines only (the cut-off bytes are removed). A
+    line cut by a kill is dropped by the resume, which then runs steps 1 and 2 once each."""
+    out = os.path.join(small_disk.root, "run")
+    args = [f"--out_dir={out}", "--steps=3", "--save_freq=1", "--keep_checkpoints=1", "--save=false"] + TINY
+    with monkeypatch.context() as m:
+        _after(m, checkpoint, "save", 1, lambda: small_disk.fill(1000))
+        with pytest.raises(SystemExit):
+            in_process(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: writing step 1's line to {out}/metrics.jsonl failed: no "
+                                               f"space left on device (it needs ~2"), err
+    assert err[0].endswith(f" bytes, 1000 bytes free); {_step(out, 1)} is kept: free space, then run the same "
+                           f"command (it resumes there)"), err
+    assert [m["step"] for m in metrics(out)] == [0]     # every line whole (json.loads of each)
+    os.remove(os.path.join(small_disk.root, "filler"))
+    with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 1, "reward_mean": 0.')      # as a kill in the middle of a write leaves it
+    in_process(args)
+    assert [m["step"] for m in metrics(out)] == [0, 1, 2]
+
+
+def test_a_logger_on_a_full_disk_is_one_line_without_its_thread_traceback(tmp_path, monkeypatch):
+    """TensorBoard's writer thread hits the full disk: its error never reaches the hook that prints
+    a thread's traceback ("Exception in thread ..."), and the step's record ends in one OSError
+    naming the events folder and the bytes."""
+    import errno
+    import threading
+    import tracker
+    printed = []
+    monkeypatch.setattr(threading, "excepthook", printed.append)   # stands in for the printing default
+    log = tracker.open("tensorboard", str(tmp_path), "{}", 0)
+
+    def full(data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    log.writer.file_writer.event_writer._async_writer._writer.write = full
+    with pytest.raises(OSError, match=rf"the logger's copy of step 0 to {log.path} failed: no space left on device "
+                                      rf"\(it needs ~\d+ bytes, [\d.]+ GB free\); no checkpoint is kept"):
+        rundir.write_step(str(tmp_path / "metrics.jsonl"), log, {"step": 0, "reward_mean": 0.5}, 0)
+    log.writer.file_writer.event_writer._async_writer._worker.join()
+    assert printed == []
 
 
 # --------------------------------------------------------------------------- 5. Ctrl-C
@@ -276,6 +452,17 @@ def test_reward_without_a_colon_says_module_function():
     import data as data_io
     with pytest.raises(ValueError, match=r"--reward mymod: give module:function \(e.g. --reward=mymod:reward\)"):
         data_io.load_reward("mymod", None)
+
+
+def test_help_entries_carry_only_their_own_comment():
+    """A comment line at a field's indent heads the next group of fields (LoRA, packing, async
+    rollout): --help gives it to none of them, while a field's own continuation lines stay its."""
+    lines = {line.split("=")[0].strip(): line for line in options.usage(options.sections(options.Config())).splitlines()
+             if line.startswith("  --")}
+    assert lines["--actor.gradient_checkpointing"].endswith("--offload=auto turns it off where memory allows")
+    assert lines["--actor.param_dtype"].endswith("master weights stay fp32 (CPU: fp32)")
+    assert lines["--rollout.dtype"].endswith("auto = the actor's compute dtype")
+    assert lines["--reward_error"].endswith("zero (it scores 0, counted)")     # a continuation line
 
 
 def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(tmp_path):

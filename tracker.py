@@ -21,13 +21,18 @@ The picture (`picture`): per stage over the steps, the allocator's measured peak
 (mem_get_info: vLLM's pool and the CUDA context included), the plan's prediction (and its
 device-level figure when the plan gives one); below, every offload copy's GB and GB/s.
 """
+import errno
+import functools
 import io
 import json
 import math
 import os
 import re
 import secrets
+import shutil
 import sys
+import tempfile
+import threading
 
 KINDS = ("auto", "tensorboard", "wandb", "none")
 
@@ -57,6 +62,36 @@ def resolve(kind: str) -> str:
     return kind
 
 
+def check_dir(kind: str, out_dir: str):
+    """The pre-flight's look at the logger's folder (<out_dir>/tensorboard or /wandb): a file of
+    that name, or a folder this user cannot write, raises one line naming --logger=none (found
+    later, it was a writer thread's traceback after the models were built)."""
+    asked, kind = kind, resolve(kind)
+    if kind == "none":
+        return
+    path = os.path.join(out_dir, kind)
+    reason = "it is a file" if os.path.exists(path) and not os.path.isdir(path) else None
+    if os.path.isdir(path):
+        try:
+            fd, probe = tempfile.mkstemp(dir=path, prefix=".write-test-")
+            os.close(fd)
+            os.remove(probe)
+        except OSError as e:
+            reason = e.strerror
+    if reason:
+        raise ValueError(f"--logger={asked}{f' ({kind})' if asked != kind else ''}: {path} is not a writable "
+                         f"folder ({reason}); fix it, or pass "
+                         f"--logger=none (metrics.jsonl holds every step)")
+
+
+def _quiet_writer_thread(args, then=threading.excepthook):
+    """tensorboard's writer thread keeps its error and the next log() raises it again, where the run
+    says it in one line (rundir.write_step): its own traceback is not printed as well. Set by
+    TensorBoard; every other thread's error goes to the hook that was there before (`then`)."""
+    if type(args.thread).__name__ != "_AsyncWriterThread":
+        then(args)
+
+
 def scalars(metrics: dict) -> dict:
     """The numbers of a metrics line, by their metrics.jsonl names (`step` is the x axis, not a curve)."""
     return {k: float(v) for k, v in metrics.items() if k != "step" and isinstance(v, (int, float))}
@@ -80,6 +115,8 @@ class TensorBoard:
     def __init__(self, out_dir: str, config_text: str, resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
         self.path = os.path.join(out_dir, "tensorboard")
+        if getattr(threading.excepthook, "func", None) is not _quiet_writer_thread:
+            threading.excepthook = functools.partial(_quiet_writer_thread, then=threading.excepthook)
         # purge_step: what an earlier run wrote at or after the step this one starts at is dropped
         # by the reader (a fresh run passes 0: an attempt that died before its first line leaves nothing)
         self.writer = SummaryWriter(log_dir=self.path, purge_step=resume_step)
@@ -136,8 +173,16 @@ def open(kind: str, out_dir: str, config_text: str, rank: int, resume_step: int 
             print("[logger] none: tensorboard is not installed (pip install -r requirements.txt); "
                   "metrics.jsonl holds every step", flush=True)
         return Nothing()
-    logger = TensorBoard(out_dir, config_text, resume_step) if kind == "tensorboard" else \
-        Wandb(out_dir, config_text, resume_step)
+    try:
+        logger = TensorBoard(out_dir, config_text, resume_step) if kind == "tensorboard" else \
+            Wandb(out_dir, config_text, resume_step)
+    except Exception as e:                 # noqa: BLE001 - a writer's own errors are of any kind
+        path = os.path.join(out_dir, kind)
+        full = "No space left" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+        why = (f"no space left on device: it needs ~{len(config_text)} bytes, {shutil.disk_usage(out_dir).free} "
+               f"bytes free" if full else f"{type(e).__name__}: {e}")
+        raise ValueError(f"--logger={kind}: writing {path} failed ({why}): {'free space' if full else 'fix it'}, "
+                         f"or pass --logger=none (metrics.jsonl holds every step)") from None
     where = (f"tensorboard --logdir {logger.path}" if kind == "tensorboard" else
              f"wandb sync {logger.path}/offline-run-*" if logger.mode in ("offline", "dryrun") else
              f"WANDB_MODE={logger.mode}")
@@ -267,8 +312,13 @@ def picture(run_dir: str, path: str | None = None) -> str:
     return path
 
 
-def picture_at_end(run_dir: str):
-    """The end of a GPU run: the picture, or one [warn] line (a picture never fails a trained run)."""
+def picture_at_end(run_dir: str, device_type: str = "cuda"):
+    """The end of a run: on a GPU the picture, or one [warn] line (a picture never fails a trained
+    run); on the CPU, where the memory is the host's, one line saying how to draw it anyway."""
+    if device_type != "cuda":
+        print(f"[picture] no memory.png on the CPU; python plan.py --plot={run_dir} draws it from "
+              f"metrics.jsonl", flush=True)
+        return
     try:
         print(f"[picture] {picture(run_dir)}: memory per stage, the plan, the offload copies", flush=True)
     except Exception as e:             # noqa: BLE001 - the run's results are already written

@@ -123,7 +123,9 @@ def preflight(cfg: Config):
     data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
     data_io.load_reward(cfg.reward, cfg.data)
     tracker.resolve(cfg.logger)            # a logger asked for but not installed: one line, now
-    return data, rundir.plan(cfg, data_io.fingerprint(*data[:2]))
+    start = rundir.plan(cfg, data_io.fingerprint(*data[:2]))
+    tracker.check_dir(cfg.logger, cfg.out_dir)   # after the policy made out_dir: its folder is writable
+    return data, start
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
@@ -390,9 +392,7 @@ def train(t: Trainer, start: int) -> bool:
         with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
         if t.rank == 0:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            log.log(m, step)               # the same line to TensorBoard / wandb
+            rundir.write_step(metrics_path, log, m, step)   # whole lines only; the logger gets the same
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
             for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
@@ -500,11 +500,11 @@ def run(cfg: Config, rank: int):
     rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
     data, start = preflight(cfg)
     t = setup(cfg, data=data)
+    rundir.reserve_final(cfg, t.actor, t.rank)   # --save_freq=0: final/'s room, before the first step
     if t.rank == 0:
         resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
         print(json.dumps(resolved, indent=1))
-        with open(os.path.join(cfg.out_dir, "run_config.json"), "w") as f:
-            json.dump(resolved, f, indent=1)
+        rundir.write_run_config(cfg.out_dir, resolved)
     finished = train(t, resume(t, start) if start else 0)
     if not finished:                       # SIGTERM or Ctrl-C: checkpointed; the same command resumes
         line, code = rundir.stop_line(cfg)
@@ -513,8 +513,7 @@ def run(cfg: Config, rank: int):
         sys.exit(code)
     if t.rank == 0:
         print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
-        if t.device.type == "cuda":
-            tracker.picture_at_end(cfg.out_dir)   # <out_dir>/memory.png (plan.py --plot draws it too)
+        tracker.picture_at_end(cfg.out_dir, t.device.type)   # <out_dir>/memory.png on a GPU
     if cfg.save:
         checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
 

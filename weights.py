@@ -89,7 +89,6 @@ def save_adapter(model, peft_config, tokenizer, path: str, rank: int, device):
     adapter_model.safetensors with each target's lora_A / lora_B under the names peft saves
     (`base_model.model.<module>.lora_A.weight`), adapter_config.json, the tokenizer. Each matrix is
     gathered on its own to rank 0's host memory."""
-    from safetensors.torch import save_file
     sd = {}
     for name, p in model.named_parameters():
         if p.requires_grad:                # the adapters: everything else is the frozen base
@@ -99,9 +98,30 @@ def save_adapter(model, peft_config, tokenizer, path: str, rank: int, device):
             del full
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        save_file(sd, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(sd, os.path.join(path, "adapter_model.safetensors"))
         peft_config[ADAPTER].save_pretrained(path)
         tokenizer.save_pretrained(path)
+
+
+def save_safetensors(sd: dict, file: str):
+    """safetensors' save_file, then the mode a plain open() gives a new file (0o666 less the umask):
+    save_file makes its file 0600 whatever the umask (0.8.0), so a final/ shared with a group or
+    served by another user's vLLM could not be read."""
+    from safetensors.torch import save_file
+    save_file(sd, file, metadata={"format": "pt"})
+    os.chmod(file, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, racing any thread that
+    creates a file meanwhile); where /proc does not say, set and restored."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
 
 
 # files of an input model directory that are not copied to the output: the weights (written anew)
@@ -118,7 +138,6 @@ def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype |
     From a local `model_path` every other file is copied as it was (tokenizer files,
     generation_config.json, chat template, license): re-serialising the tokenizer can change its
     class and how it splits text. The embedded model's tokenizer is saved with save_pretrained."""
-    from safetensors.torch import save_file
     tied = getattr(model.config, "tie_word_embeddings", False)
     sd = {}
     for name, full in hf_weights(model, device):   # collectives: all ranks
@@ -127,7 +146,7 @@ def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype |
         del full
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        save_file(sd, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(sd, os.path.join(path, "model.safetensors"))
         # fully_shard swaps the class for "FSDP<Name>"; the checkpoint names the plain HF class.
         hf_class = next(c for c in type(model).__mro__ if not c.__name__.startswith("FSDP"))
         model.config.architectures = [hf_class.__name__]
