@@ -107,11 +107,12 @@ def check_config(cfg: Config):
         raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
                          f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
                          f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
-    if cfg.actor.rollout_is == "auto":     # the lag of an async batch is corrected; colocated, nothing changes
-        cfg.actor.rollout_is = "token" if r.mode == "async" else "none"
+    if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
+        fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
+        cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"
     if cfg.actor.rollout_is == "token" and (r.top_p < 1 or r.top_k > 0):
         cut = f"--rollout.top_p={r.top_p}" if r.top_p < 1 else f"--rollout.top_k={r.top_k}"
-        raise ValueError(f"{cut} with the rollout correction (actor.rollout_is=token{', on with async' if r.mode == 'async' else ''}): "
+        raise ValueError(f"{cut} with the rollout correction (actor.rollout_is=token, on with async and FP8): "
                          f"the engine's log-probs are those of the truncated, renormalised distribution, so every "
                          f"importance weight would be off by the kept probability mass; sample from the whole "
                          f"distribution (top_p=1, top_k=0) or turn the correction off (--actor.rollout_is=none)")

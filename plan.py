@@ -219,9 +219,10 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", t.world, {"rollout.n": max(1, cfg.rollout.n // k)}))
         length = max(1, cfg.rollout.response_length // k)
         tries.append((f"rollout.response_length={length}", t.world, {"rollout.response_length": length}))
-    for name, (value, why) in actor.RESCUE.items():
-        if getattr(cfg.actor, name) != value and not (name == "lora_rank" and cfg.actor.lora_rank):
-            tries.append((f"actor.{name}={str(value).lower()} ({why})", t.world, {f"actor.{name}": value}))
+    for section, mod in (("rollout", rollout), ("actor", actor)):   # each role's last resorts (RESCUE)
+        for name, (value, why) in mod.RESCUE.items():
+            if getattr(getattr(cfg, section), name) != value and not (name == "lora_rank" and cfg.actor.lora_rank):
+                tries.append((f"{section}.{name}={str(value).lower()} ({why})", t.world, {f"{section}.{name}": value}))
     found, kinds = [], set()
     for label, w, change in tries:
         kind = label.split("=")[0] if "=" in label.split(" ")[0] else "GPUs"

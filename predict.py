@@ -302,10 +302,10 @@ def _engine_seconds(r: Run) -> float:
 
 
 def _generate_seconds(r: Run) -> float:
-    """One decoding step per response token, each reading this GPU's slice of the weights (and two
-    all-reduces per layer with a tensor-parallel engine)."""
+    """One decoding step per response token, each reading this GPU's slice of the weights (FP8: the linear
+    ones at a byte) and two all-reduces per layer with a tensor-parallel engine."""
     s, tp = r.z.shapes, r.cfg.rollout.tensor_parallel_size
-    step = DECODE_STEP + 2 * s.params / tp / HBM + (2 * s.layers * TP_ALLREDUCE if tp > 1 else 0)
+    step = DECODE_STEP + r.req.weight_bytes(s) / tp / HBM + (2 * s.layers * TP_ALLREDUCE if tp > 1 else 0)
     return r.z.response_len * step + STAGE_FIXED
 
 

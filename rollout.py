@@ -37,8 +37,8 @@ from torch.distributed.fsdp import FSDPModule
 
 import offload
 import tensor_parallel
-import weights
-from model import head_dim, is_dir
+import vllm_engine
+from model import head_dim, is_dir, shapes
 
 
 @dataclass
@@ -57,6 +57,10 @@ class RolloutConfig:
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
+    kv_cache_dtype: str = "auto"           # vLLM's KV cache: auto (the weights' dtype) | fp8 (one byte an element:
+                                           # half bf16's; the rollout correction turns on, actor.rollout_is)
+    quantization: str = "none"             # vLLM's linear weights: none | fp8 (vLLM's online FP8, per tensor,
+                                           # from the pushed bf16 weights at each sync; the trainer stays bf16)
     # asynchronous rollout (rollout_async.py, rollout_engine.py): engines in their own processes, a step ahead
     mode: str = "colocated"                # colocated: generate, then train, on the same GPUs (the bracket) |
                                            # async: engine processes fill a bounded host buffer while the
@@ -74,7 +78,9 @@ RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p"
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
           "sync_bucket_mb": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
-           "dtype": ("auto", "bfloat16", "float16", "float32")}
+           "dtype": ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype": ("auto", "fp8"),
+           "quantization": ("none", "fp8")}
+RESCUE = {"kv_cache_dtype": ("fp8", "the KV cache at one byte an element, the rollout correction on")}   # plan.py
 RELIEF = {  # its terms in a stage's prediction -> the change that shrinks them
     "sync bucket": "a smaller rollout.sync_bucket_mb", "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) "
     "or more GPUs", "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)"}
@@ -130,23 +136,35 @@ class Request:
     seqs: int
     length: int
     dtype: str                             # the engine's weights and KV cache (auto: the actor's compute dtype)
+    kv_dtype: str = "auto"                 # fp8: the KV cache at one byte an element
+    quantization: str = "none"             # fp8: the linear layers' weights at one byte
 
     @property
-    def dtype_bytes(self) -> int:
+    def dtype_bytes(self) -> int:          # the pushed weights' (the sync, the push), and the engine's unquantized ones
         return torch.finfo(getattr(torch, self.dtype)).bits // 8
+
+    @property
+    def kv_element_bytes(self) -> int:
+        return 1 if self.kv_dtype == "fp8" else self.dtype_bytes
+
+    def weight_bytes(self, s) -> int:
+        """The engine's weights on one GPU (before tensor parallel) for model.Shapes `s`: FP8 turns the
+        decoder's linear weights to one byte; embeddings, the LM head, norms and biases stay."""
+        linear = s.layers * (s.layer_params - 2 * s.hidden - s.heads * s.head_dim - 2 * s.kv_dim)
+        return s.params * self.dtype_bytes - (linear * (self.dtype_bytes - 1) if self.quantization == "fp8" else 0)
 
 
 def request(cfg: RolloutConfig, *, prompts: int, prompt_len: int, param_dtype: str) -> Request:
     """The request of an engine whose ranks each sample `prompts` prompts per call (n sequences each)."""
     return Request(prompts * cfg.n * cfg.tensor_parallel_size, prompt_len + cfg.response_length,
-                   param_dtype if cfg.dtype == "auto" else cfg.dtype)
+                   param_dtype if cfg.dtype == "auto" else cfg.dtype, cfg.kv_cache_dtype, cfg.quantization)
 
 
 def kv_bytes(cfg: RolloutConfig, config, req: Request) -> int:
     """The KV budget one GPU of the engine is given (0: cfg.gpu_memory_utilization sizes it instead)."""
     if cfg.gpu_memory_utilization > 0:
         return 0
-    return kv_cache_bytes(config, req.seqs, req.length, req.dtype_bytes, cfg.tensor_parallel_size, cfg.kv_cache_margin)
+    return kv_cache_bytes(config, req.seqs, req.length, req.kv_element_bytes, cfg.tensor_parallel_size, cfg.kv_cache_margin)
 
 
 def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, config, out_dir: str, req: Request,
@@ -172,7 +190,7 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
     group = tensor_parallel.tp_group(tp)
     seed = tensor_parallel.gather(group, seed)[0][0]       # one seed per engine: its ranks must schedule and sample alike
     kv = kv_bytes(cfg, config, req)
-    need = engine_bytes(config, kv_bytes=kv, max_num_seqs=req.seqs, dtype_bytes=req.dtype_bytes, tp=tp)
+    need = engine_bytes(config, kv_bytes=kv, req=req, tp=tp)
     return build_vllm(cfg, model_dir=model_dir(model_path, config, out_dir, rank), req=req, seed=seed, kv=kv,
                       need=need, group=group, fixed=fixed)
 
@@ -221,17 +239,17 @@ def weight_count(config) -> int:
     return _COUNTS[id(config)][1]
 
 
-def engine_bytes(config, *, kv_bytes: int, max_num_seqs: int, dtype_bytes: int, tp: int) -> dict:
-    """What one GPU of an awake engine takes, by part: its weights (1/tp of them), the KV budget, and
-    the workspace (the profiling forward of VLLM_BATCHED_TOKENS tokens through the widest layer, the
-    sampler's fp32 logits of every sequence, CUDA graphs and buffers). vLLM 0.26 starts only if the
-    free memory is at least gpu_memory_utilization x the GPU, also with the KV cache given in bytes:
-    new_llm passes these parts' sum as that share, so the check asks for what the engine will take."""
-    h, ffn = config.hidden_size, config.intermediate_size
-    act = VLLM_BATCHED_TOKENS * dtype_bytes * (4 * h + 3 * ffn) // tp
-    logits = max_num_seqs * config.vocab_size * 4 * 2
-    return {"weights": weight_count(config) * dtype_bytes // tp, "KV cache": kv_bytes,
-            "workspace": act + logits + VLLM_GRAPHS}
+def engine_bytes(config, *, kv_bytes: int, req: Request, tp: int) -> dict:
+    """What one GPU of an awake engine takes, by part: its weights (1/tp of them; FP8: the linear ones at
+    a byte), the KV budget, and the workspace (the profiling forward of VLLM_BATCHED_TOKENS tokens through
+    the widest layer, the sampler's fp32 logits of every sequence, CUDA graphs and buffers). vLLM 0.26
+    starts only if the free memory is at least gpu_memory_utilization x the GPU, also with the KV cache
+    given in bytes: new_llm passes these parts' sum as that share, so the check asks for what it takes."""
+    h, ffn, s = config.hidden_size, config.intermediate_size, shapes(config)
+    act = VLLM_BATCHED_TOKENS * req.dtype_bytes * (4 * h + 3 * ffn) // tp
+    logits = req.seqs * config.vocab_size * 4 * 2
+    weights = weight_count(config) * req.dtype_bytes - (s.params * req.dtype_bytes - req.weight_bytes(s))
+    return {"weights": weights // tp, "KV cache": kv_bytes, "workspace": act + logits + VLLM_GRAPHS}
 
 
 def model_dir(model_path: str | None, config, out_dir: str, rank: int = 0) -> str:
@@ -261,7 +279,7 @@ def predicted_generate(cfg: RolloutConfig, z, policy: dict, kind: str, req: Requ
 def predicted_awake(cfg: RolloutConfig, z, config, req: Request) -> dict:
     """Device-level bytes of an awake colocated engine on one GPU: its weights' slice, the KV budget, and
     the CUDA graphs and buffers it keeps even asleep."""
-    return {"vLLM weights": req.dtype_bytes * z.shapes.params // cfg.tensor_parallel_size,
+    return {"vLLM weights": req.weight_bytes(z.shapes) // cfg.tensor_parallel_size,
             "vLLM KV cache": kv_bytes(cfg, config, req), "vLLM graphs + buffers": VLLM_GRAPHS}
 
 
@@ -358,7 +376,7 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
     `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device)."""
     torch.cuda.empty_cache()
     before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
-    llm = new_llm(cfg, model_dir=model_dir, req=req, seed=seed, kv=kv, need=need,
+    llm = vllm_engine.new_llm(cfg, model_dir=model_dir, req=req, seed=seed, kv=kv, need=need,
                   distributed_executor_backend="external_launcher", enable_sleep_mode=True)
     if group is not None:                  # the prompts are pooled over `group`: it must be vLLM's TP group
         from vllm.distributed.parallel_state import get_tp_group
@@ -371,85 +389,6 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
     return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, req.dtype), asleep_device_gb=_used_gb() - before,
                   pool_bytes=torch.cuda.memory_allocated() - alloc_before, build_s=time.perf_counter() - t0,
                   kv_cache_bytes=kv, group=group)
-
-
-def new_llm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, kv: int, need: dict, **engine_args):
-    """A vllm.LLM in this process. `model_dir` needs only a config.json: the weights are random until
-    the first sync (nothing is read from disk twice). `kv` > 0: vLLM's KV cache on each GPU is exactly
-    that, and the share passed beside it is `need` (engine_bytes) over the GPU, checked here first
-    against what is free (one line naming the numbers, not a failure inside vLLM); `kv` == 0:
-    cfg.gpu_memory_utilization sizes weights + KV. `engine_args`: the launcher and sleep mode
-    (colocated), nothing for the async engine's process (vLLM's own executor)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
-    os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
-    os.environ.setdefault("LOCAL_RANK", "0")
-    if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to
-        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
-                         "vLLM's sleep pool; unset it")
-    from vllm import LLM
-    rng = torch.get_rng_state(), torch.cuda.get_rng_state()
-    torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
-    share = start_share(cfg, kv, need, *torch.cuda.mem_get_info())
-    budget = {"kv_cache_memory_bytes": kv} if kv else {}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", tensor_parallel_size=cfg.tensor_parallel_size,
-              dtype=req.dtype, enforce_eager=cfg.enforce_eager, max_model_len=req.length, max_num_seqs=req.seqs,
-              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, **budget, **engine_args)
-    torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
-    return llm
-
-
-def start_share(cfg: RolloutConfig, kv_bytes: int, need: dict, free: int, total: int) -> float:
-    """The gpu_memory_utilization to build the engine with, or a ValueError that says what to change
-    when the engine cannot fit in the `free` bytes of this GPU (of `total`)."""
-    gib = lambda b: f"{b / 2 ** 30:.1f} GiB"  # noqa: E731
-    held = f"the trainer's states and the CUDA contexts take {gib(total - free)} of {gib(total)}"
-    if not kv_bytes:                           # the user's share sizes weights + KV: that much must be free
-        if cfg.gpu_memory_utilization * total > free:
-            raise ValueError(f"--rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
-                             f"{gib(cfg.gpu_memory_utilization * total)} but {gib(free)} is free when the engine is "
-                             f"built ({held}); use at most {max(free / total - 0.01, 0):.2f}, or 0 to size the "
-                             f"KV cache from the batch")
-        return cfg.gpu_memory_utilization
-    want = sum(need.values())
-    if want > free:
-        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
-        raise ValueError(f"the vLLM engine needs {gib(want)} on each GPU ({parts}) but {gib(free)} is free when "
-                         f"it is built ({held}); free the GPU with --actor.param_offload=true / "
-                         f"--ref.param_offload=true / --critic.param_offload=true, or shrink the KV cache with fewer "
-                         f"prompts per GPU, a shorter --rollout.response_length or a larger "
-                         f"--rollout.tensor_parallel_size")
-    return want / total
-
-
-def vllm_model(llm):
-    """The engine's nn.Module. Engine internals: checked on vLLM 0.26.0 (V1 engine, in-process)."""
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-
-
-@torch.no_grad()
-def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
-    """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
-    buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
-    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself).
-    Tensor parallel: every rank sends the whole tensor; each parameter's vLLM weight_loader keeps
-    this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint.
-    With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
-    on the way (`weights.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
-    (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
-    weights it drops must be re-sent anyway.)"""
-    target, bucket, size, sent = vllm_model(llm), [], 0, 0
-    for name, t in weights.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_mb * 2 ** 20:
-            target.load_weights(bucket)
-            sent, bucket, size = sent + size, [], 0
-    if bucket:
-        target.load_weights(bucket)
-        sent += size
-    return sent
 
 
 @contextlib.contextmanager
@@ -480,7 +419,7 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     with _phase("sync", metrics):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        sent = sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, engine.device)
+        sent = vllm_engine.sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, engine.device)
         metrics["rollout/sync_gb"] = sent / offload.GB
         torch.cuda.synchronize()
         metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
@@ -491,37 +430,15 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     with _phase("wake_kv", metrics):
         llm.wake_up(tags=["kv_cache"])
     with _phase("generate", metrics):
-        outs = sample_vllm(engine, reqs, seeds)
+        outs = vllm_engine.sample_vllm(engine, reqs, seeds)
     with _phase("sleep", metrics):
         llm.sleep(level=cfg.sleep_level)
         torch.cuda.empty_cache()
     # the stage's device-level high point: the sync (actor params beside vLLM's weights) or generation
     metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
                                             and k.endswith("_device_gb"))
-    rows, responses, logps = vllm_samples([(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
+    rows, responses, logps = vllm_engine.vllm_samples([(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
     return samples_batch(rows, responses, logps, cfg.response_length, engine.pad_id, engine.eos_id, engine.device)
-
-
-def sample_vllm(engine: Engine, reqs: list[list[int]], seeds: list[int]) -> list:
-    """vLLM's outputs for the requests (tensor_parallel.requests: n samples each, or one when greedy),
-    each sampled token with its log-prob under the processed distribution."""
-    from vllm import SamplingParams
-    cfg = engine.cfg
-    params = [SamplingParams(n=1 if cfg.temperature == 0 else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
-                             stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
-    return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
-
-
-def vllm_samples(mine: list) -> tuple[list, list, list]:
-    """(rows, responses, log-probs) from (prompt ids, vLLM output) pairs: a prompt's n samples in a row."""
-    rows, responses, logps = [], [], []
-    for p, out in mine:
-        for o in out.outputs:                     # n samples of this prompt, kept together (a group)
-            rows.append(p)
-            responses.append(list(o.token_ids))
-            logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
-    return rows, responses, logps
 
 
 def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int, eos_id: int, device) -> dict:

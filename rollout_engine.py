@@ -30,6 +30,7 @@ import torch.distributed as dist
 import ledger
 import rollout
 import tensor_parallel
+import vllm_engine
 from rollout import RolloutConfig
 
 
@@ -87,8 +88,7 @@ def request(cfg: RolloutConfig, train_batch_size: int, prompt_len: int, dtype: s
 def predicted(cfg: RolloutConfig, config, req: rollout.Request) -> dict:
     """What an engine's GPU holds all run (it never sleeps), by part: its weights, the KV budget of its
     request, the workspace (rollout.engine_bytes; its CUDA context is the planner's)."""
-    return rollout.engine_bytes(config, kv_bytes=rollout.kv_bytes(cfg, config, req), max_num_seqs=req.seqs,
-                                dtype_bytes=req.dtype_bytes, tp=1)
+    return rollout.engine_bytes(config, kv_bytes=rollout.kv_bytes(cfg, config, req), req=req, tp=1)
 
 
 # --------------------------------------------------------------------------- what an engine is told
@@ -254,7 +254,7 @@ def _build(spec: Spec, device: torch.device):
         return model.to(device).eval()
     kv = rollout.kv_bytes(cfg, spec.config, req)
     need = predicted(cfg, spec.config, req)
-    llm = rollout.new_llm(cfg, model_dir=spec.model_dir, req=req, seed=0, kv=kv, need=need)
+    llm = vllm_engine.new_llm(cfg, model_dir=spec.model_dir, req=req, seed=0, kv=kv, need=need)
     return rollout.Engine("vllm", cfg, spec.pad_id, spec.eos_id, device, llm=llm, dtype=getattr(torch, req.dtype),
                           kv_cache_bytes=kv)
 
@@ -273,7 +273,7 @@ def _load_weights(eng, spec: Spec, conn, pg, buf: torch.Tensor):
         dtype = getattr(torch, spec.req.dtype)
         tensors = [(name, buf[off:off + nbytes].view(dtype).view(shape)) for name, shape, off, nbytes in entries]
         if isinstance(eng, rollout.Engine):
-            rollout.vllm_model(eng.llm).load_weights(tensors)
+            vllm_engine.vllm_model(eng.llm).load_weights(tensors)
         else:
             eng.load_state_dict(dict(tensors), strict=False)
         if pg is None:
@@ -288,6 +288,6 @@ def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:
         return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
                                  logprobs=True)
     reqs, seeds, _ = tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
-    outs = rollout.sample_vllm(eng, reqs, seeds)
-    return rollout.vllm_samples(list(zip(reqs, outs)))
+    outs = vllm_engine.sample_vllm(eng, reqs, seeds)
+    return vllm_engine.vllm_samples(list(zip(reqs, outs)))
 

@@ -1,0 +1,131 @@
+"""vLLM in this process: building an engine, the few of its internals this project touches (checked on
+vLLM 0.26.0 with torch 2.11, V1 engine, in-process), the weight sync into it (FP8 weights re-quantized
+at each), and sampling with the sampled tokens' log-probs. rollout.py runs the colocated bracket around
+these; rollout_engine.py's engine process calls them too. Nothing here imports vLLM until it is used.
+
+    python -m pytest -q test_vllm.py          # GPU + vLLM: parity after a sync, FP8, sleep/wake, memory
+"""
+import importlib.util
+import os
+
+import torch
+
+import weights
+
+
+def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, **engine_args):
+    """A vllm.LLM in this process. `model_dir` needs only a config.json: the weights are random until
+    the first sync (nothing is read from disk twice). `kv` > 0: vLLM's KV cache on each GPU is exactly
+    that, and the share passed beside it is `need` (engine_bytes) over the GPU, checked here first
+    against what is free (one line naming the numbers, not a failure inside vLLM); `kv` == 0:
+    cfg.gpu_memory_utilization sizes weights + KV. FP8 (rollout.kv_cache_dtype, rollout.quantization):
+    vLLM's own online FP8, from the random bf16 weights at build, again at each sync (`sync_weights`).
+    `engine_args`: the launcher and sleep mode (colocated), nothing for the async engine's process."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
+    os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
+    os.environ.setdefault("LOCAL_RANK", "0")
+    if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
+                         "vLLM's sleep pool; unset it")
+    from vllm import LLM
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state()
+    torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
+    share = start_share(cfg, kv, need, *torch.cuda.mem_get_info())
+    budget = {"kv_cache_memory_bytes": kv} if kv else {}
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", tensor_parallel_size=cfg.tensor_parallel_size,
+              dtype=req.dtype, enforce_eager=cfg.enforce_eager, max_model_len=req.length, max_num_seqs=req.seqs,
+              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, kv_cache_dtype=cfg.kv_cache_dtype,
+              quantization=None if cfg.quantization == "none" else cfg.quantization, **budget, **engine_args)
+    torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
+    return llm
+
+
+def start_share(cfg, kv_bytes: int, need: dict, free: int, total: int) -> float:
+    """The gpu_memory_utilization to build the engine with, or a ValueError that says what to change
+    when the engine cannot fit in the `free` bytes of this GPU (of `total`)."""
+    gib = lambda b: f"{b / 2 ** 30:.1f} GiB"  # noqa: E731
+    held = f"the trainer's states and the CUDA contexts take {gib(total - free)} of {gib(total)}"
+    if not kv_bytes:                           # the user's share sizes weights + KV: that much must be free
+        if cfg.gpu_memory_utilization * total > free:
+            raise ValueError(f"--rollout.gpu_memory_utilization={cfg.gpu_memory_utilization} asks vLLM for "
+                             f"{gib(cfg.gpu_memory_utilization * total)} but {gib(free)} is free when the engine is "
+                             f"built ({held}); use at most {max(free / total - 0.01, 0):.2f}, or 0 to size the "
+                             f"KV cache from the batch")
+        return cfg.gpu_memory_utilization
+    want = sum(need.values())
+    if want > free:
+        parts = ", ".join(f"{k} {gib(v)}" for k, v in need.items())
+        raise ValueError(f"the vLLM engine needs {gib(want)} on each GPU ({parts}) but {gib(free)} is free when "
+                         f"it is built ({held}); free the GPU with --actor.param_offload=true / "
+                         f"--ref.param_offload=true / --critic.param_offload=true, or shrink the KV cache with fewer "
+                         f"prompts per GPU, a shorter --rollout.response_length or a larger "
+                         f"--rollout.tensor_parallel_size")
+    return want / total
+
+
+def vllm_model(llm):
+    """The engine's nn.Module. Engine internals: checked on vLLM 0.26.0 (V1 engine, in-process)."""
+    return vllm_runner(llm).model
+
+
+def vllm_runner(llm):
+    """The engine's GPU model runner (its model_config, its reload). Internals: vLLM 0.26.0, in-process."""
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+@torch.no_grad()
+def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
+    """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
+    buckets of at most `bucket_mb` plus one tensor: the transient is one bucket, not the model.
+    HF names go straight into Qwen2/Llama `load_weights` (it fuses q/k/v and gate/up itself).
+    Tensor parallel: every rank sends the whole tensor; each parameter's vLLM weight_loader keeps
+    this rank's slice (`narrow` by its TP rank), as when it reads a full checkpoint.
+    With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
+    on the way (`weights.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
+    (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
+    weights it drops must be re-sent anyway.)
+    FP8 weights (rollout.quantization=fp8): the bf16 tensors go through vLLM's layerwise reload, which
+    re-runs its online quantization on each layer once all of the layer's tensors have come (a layer's
+    bf16 weights are the transient) and copies the FP8 weights and scales into the engine's own tensors
+    (CUDA graphs keep pointing at them): what a fresh FP8 engine makes of the same bf16 weights."""
+    target, bucket, size, sent = vllm_model(llm), [], 0, 0
+    quantized = vllm_runner(llm).model_config.quantization is not None
+    if quantized:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        initialize_layerwise_reload(target)
+    for name, t in weights.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
+        bucket.append((name, t))
+        size += t.numel() * t.element_size()
+        if size >= bucket_mb * 2 ** 20:
+            target.load_weights(bucket)
+            sent, bucket, size = sent + size, [], 0
+    if bucket:
+        target.load_weights(bucket)
+        sent += size
+    if quantized:
+        finalize_layerwise_reload(target, vllm_runner(llm).model_config)
+    return sent
+
+
+def sample_vllm(engine, reqs: list[list[int]], seeds: list[int]) -> list:
+    """vLLM's outputs for the requests (tensor_parallel.requests: n samples each, or one when greedy),
+    each sampled token with its log-prob under the processed distribution."""
+    from vllm import SamplingParams
+    cfg = engine.cfg
+    params = [SamplingParams(n=1 if cfg.temperature == 0 else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
+                             top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
+                             stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
+    return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
+
+
+def vllm_samples(mine: list) -> tuple[list, list, list]:
+    """(rows, responses, log-probs) from (prompt ids, vLLM output) pairs: a prompt's n samples in a row."""
+    rows, responses, logps = [], [], []
+    for p, out in mine:
+        for o in out.outputs:                     # n samples of this prompt, kept together (a group)
+            rows.append(p)
+            responses.append(list(o.token_ids))
+            logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
+    return rows, responses, logps
