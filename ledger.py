@@ -10,6 +10,7 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 
 GB = 1024 ** 3
 
@@ -119,3 +120,81 @@ def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = 
     def dump(*_):                          # called by the allocator at the moment it gives up
         torch.cuda.memory._dump_snapshot(path)
     torch._C._cuda_attach_out_of_memory_observer(dump)
+
+
+def reduce(m: dict, device) -> dict:
+    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank).
+    Several ranks: also `time_min/<stage>`, the fastest rank's time. A rank that finishes a stage
+    early waits for the others in the next stage's first collective, so a stage's time can hold
+    the previous stage's imbalance: max - min shows where the ranks drift apart."""
+    keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload", "rollout") or k == "host_rss_gb")
+    if dist.get_world_size() > 1 and keys:
+        times = [k for k in keys if k.startswith("time/")]
+        t = torch.tensor([float(m[k]) for k in keys] + [-float(m[k]) for k in times], device=device,
+                         dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)            # one collective: max, and min as -max(-x)
+        t = t.tolist()
+        m.update(zip(keys, t))
+        m.update({"time_min/" + k[5:]: -v for k, v in zip(times, t[len(keys):])})
+    return m
+
+
+# --------------------------------------------------------------------------- throughput
+HBM = {"H200": 4.8e12, "H100": 3.35e12, "H20": 4.0e12, "A100": 2.0e12, "B200": 8.0e12}   # bytes/s, the vendor's
+_PEAK: dict = {}
+
+
+def matmul_peak(device) -> float:
+    """The bf16 FLOP/s a dense 8192^3 matmul reaches on this GPU, measured once (the MFU's denominator; the
+    H200 here: ~742e12, 75 % of its 989e12 spec)."""
+    if device.type != "cuda":
+        return 0.0
+    if device not in _PEAK:
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+        for _ in range(3):                     # warm-up: cuBLAS's heuristics, the clocks
+            a @ a
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ a
+        end.record()
+        torch.cuda.synchronize(device)
+        _PEAK[device] = 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3)
+        del a
+    return _PEAK[device]
+
+
+def throughput(m: dict, flops: dict, peak: float, decode: tuple | None = None) -> dict:
+    """perf/<stage>_tflops and perf/<stage>_mfu of each stage that computed (`flops`: its model FLOPs on
+    this GPU; `m`: the step's times), and the decode's figures when `decode` = (response tokens this GPU
+    sampled, decoding steps, the engine's weight bytes per GPU, the device's name): tokens/s, the step's
+    time and its weight-read bound (the weights read once per step at the HBM's bandwidth)."""
+    out = {}
+    for stage, f in flops.items():
+        seconds = m.get(f"time/{stage}", 0)
+        if f and seconds > 0:
+            out[f"perf/{stage}_tflops"] = f / seconds / 1e12
+            if peak:
+                out[f"perf/{stage}_mfu"] = f / seconds / peak
+    if decode and m.get("rollout/generate_s"):
+        tokens, steps, weight_bytes, name = decode
+        gen = m["rollout/generate_s"]
+        out.update({"perf/generate_tokens_per_s": tokens / gen, "perf/decode_step_ms": 1e3 * gen / max(steps, 1),
+                    "perf/bracket_frac": 1 - gen / m["time/generate"] if m.get("time/generate") else 0.0})
+        bw = next((v for k, v in HBM.items() if k in name), 0)
+        if bw:
+            out["perf/decode_bound_ms"] = 1e3 * weight_bytes / bw
+    return out
+
+
+def perf_line(m: dict, peak: float) -> str | None:
+    """The step's throughput in one line (the set-up report's, after the first step)."""
+    stages = [f"{k[5:-7]} {m[k]:.3g} TFLOP/s" + (f" ({100 * m[k[:-7] + '_mfu']:.0f} % MFU)" if k[:-7] + "_mfu" in m else "")
+              for k in m if k.startswith("perf/") and k.endswith("_tflops")]
+    if "perf/generate_tokens_per_s" in m:
+        bound = f", weight-read bound {m['perf/decode_bound_ms']:.2f} ms" if "perf/decode_bound_ms" in m else ""
+        stages.append(f"generate {m['perf/generate_tokens_per_s'] / 1e3:.1f}k tokens/s, decode step "
+                      f"{m['perf/decode_step_ms']:.2f} ms{bound}, the bracket {100 * m['perf/bracket_frac']:.0f} % of the stage")
+    return ("[perf] " + "; ".join(stages) + (f" (MFU against the measured bf16 matmul peak, {peak / 1e12:.0f} TFLOP/s; "
+                                             f"model FLOPs: 6 x params a token trained, 2 forward)" if peak else "")) \
+        if stages else None

@@ -326,6 +326,24 @@ def _compute_seconds(r: Run) -> float:
     return seconds
 
 
+def stage_flops(cfg, tokens: int) -> dict:
+    """Each compute stage's model FLOPs on one GPU for the `tokens` it ran through the model: 2 x params a
+    token for a forward, 6 with its backward (LoRA 4: the frozen base's weight grads are not computed);
+    gradient checkpointing's recompute is not counted (model FLOPs: the MFU convention), nor attention's
+    T^2 term. The stages the step-time estimate counts passes for (`_compute_seconds`)."""
+    a, P = cfg.actor, shapes(cfg.model).params
+    out = {"ref_logp": 2 * P * tokens, "update": (4 if a.lora_rank else 6) * P * tokens * a.ppo_epochs}
+    if not actor.on_policy(a, cfg.train_batch_size):
+        out["old_logp"] = 2 * P * tokens
+    if cfg.algorithm.adv_estimator == "gae":
+        out["values"] = 2 * P * tokens
+        if cfg.critic.mode == "separate":
+            out["critic_update"] = 6 * P * tokens * a.ppo_epochs
+    if cfg.reward_model.path:
+        out["reward_model"] = 2 * shapes(cfg.reward_model.path).params * tokens
+    return out
+
+
 # --------------------------------------------------------------------------- the table
 def table(plan: Plan, gpu_bytes: int) -> str:
     lines = [f"{'stage':<14}{'predicted GB':>13}{'device GB':>10}   what is on the GPU at the stage's peak (GB)"]

@@ -103,6 +103,7 @@ class Trainer:
     plan: predict.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
     stream: rollout_async.Stream | None = None   # --rollout.mode=async: the engines' side of the run (rank 0's buffer)
     data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
+    peak: float = 0.0                      # the GPU's bf16 matmul FLOP/s, measured at set-up (MFU's denominator)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
 
 
@@ -147,6 +148,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
+    peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -160,7 +162,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
                 order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted)
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
         print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)
@@ -196,6 +198,7 @@ def report(t: Trainer) -> list[str]:
     lines.append(rundir.disk_report(cfg, trained(t), t.actor))   # raises when the disk cannot hold the run
     lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
     lines += rollout.describe(t.engine)
+    lines += [f"[perf] the GPU's bf16 matmul peak, measured (8192^3): {t.peak / 1e12:.0f} TFLOP/s (MFU's base)"] if t.peak else []
     if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
                                       if isinstance(s, offload.Stash)):
         lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
@@ -206,23 +209,6 @@ def report(t: Trainer) -> list[str]:
 
 
 # --------------------------------------------------------------------------- logging
-def reduce_metrics(m: dict, device) -> dict:
-    """Stage times, memory and offload figures: the max over ranks (the slowest / fullest rank).
-    Several ranks: also `time_min/<stage>`, the fastest rank's time. A rank that finishes a stage
-    early waits for the others in the next stage's first collective, so a stage's time can hold
-    the previous stage's imbalance: max - min shows where the ranks drift apart."""
-    keys = sorted(k for k in m if k.split("/")[0] in ("time", "mem", "offload", "rollout") or k == "host_rss_gb")
-    if dist.get_world_size() > 1 and keys:
-        times = [k for k in keys if k.startswith("time/")]
-        t = torch.tensor([float(m[k]) for k in keys] + [-float(m[k]) for k in times], device=device,
-                         dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)            # one collective: max, and min as -max(-x)
-        t = t.tolist()
-        m.update(zip(keys, t))
-        m.update({"time_min/" + k[5:]: -v for k, v in zip(times, t[len(keys):])})
-    return m
-
-
 def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
     """The step's one line; `first`: the step this process started at (a resume), for the eta."""
     done = (step + 1) / steps
@@ -321,7 +307,9 @@ def train_step(t: Trainer, step: int) -> dict:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
             rollout_async.push(t.stream, t.actor.model, [t.actor.base, t.actor.params], step + 1, m)
     m.update(step_figures(t, scores, batch["response_mask"]), **{"time/step": time.perf_counter() - t0})
-    return reduce_metrics(m, t.device)
+    m = ledger.reduce(m, t.device)
+    m.update(perf(t, batch, m))            # throughput from the reduced (slowest rank's) times
+    return m
 
 
 def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dict) -> torch.Tensor:
@@ -334,6 +322,19 @@ def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dic
         if actor.prefetches(t.cfg.actor, ppo):
             actor.prefetch_update(t.actor, m)
         return ref.compute_log_probs(t.ref, batch, temperature)
+
+
+def perf(t: Trainer, batch: dict, m: dict) -> dict:
+    """Each compute stage's throughput on this GPU (ledger.throughput): the model FLOPs of the tokens it ran
+    through the model (packed: the real ones; a Ulysses group's k ranks each run 1/k of its rows), and the
+    decode's against reading the engine's weights (the plan's) once a step."""
+    cfg, k = t.cfg, t.cfg.actor.ulysses_sequence_parallel_size
+    mask, resp = batch["attention_mask"], batch["response_mask"]
+    tokens = (int(mask.sum()) if cfg.actor.remove_padding else mask.numel()) // k
+    decode = (int(resp.sum()) * cfg.rollout.tensor_parallel_size // k, int(resp.sum(-1).max()),
+              t.plan.vllm_device.get("vLLM weights", 0), torch.cuda.get_device_name(t.device)) \
+        if t.engine.kind == "vllm" and t.stream is None else None
+    return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
 
 
 def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
@@ -395,6 +396,8 @@ def train(t: Trainer, start: int) -> bool:
             rundir.write_step(metrics_path, log, m, step)   # whole lines only; the logger gets the same
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
             for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+                print(line, flush=True)
+            if step == start and (line := ledger.perf_line(m, t.peak)):    # each compute stage's throughput
                 print(line, flush=True)
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
