@@ -123,6 +123,7 @@ SEARCH = {  # what --offload=auto may turn (plan.py), cheapest first; NEEDS: a f
     "gradient_checkpointing": (False, True), "param_offload": (False, True), "optimizer_offload": (False, True),
     "optimizer_load_at_step": (False, True)}
 NEEDS = {"optimizer_load_at_step": "optimizer_offload"}
+LIFTED = ("gradient_checkpointing",)    # on by default, off when the run fits without it (plan.relax)
 RESCUE = {  # what plan.py names when no combination of SEARCH fits
     "lora_rank": (64, "train adapters only: no ref model, grads and Adam for the adapters"),
     "offload_policy": (True, "FSDP2 CPUOffloadPolicy: ~10x slower step")}

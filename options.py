@@ -122,6 +122,7 @@ def parse_args(argv: list[str]) -> Config:
     """`--key=value` or `--key value`, with dotted keys for the role sections (`--actor.lr=1e-6`),
     typed and range-checked."""
     cfg = apply(argv, Config())
+    cfg._given = {a[2:].partition("=")[0] for a in argv if a.startswith("--")}   # what was set (plan.relax reads it)
     check_config(cfg)
     return cfg
 

@@ -1,7 +1,8 @@
 """The planner fitted to a GPU: the fastest set of the flags each role declares (its SEARCH), with
 checkpointing, micro-batch sizes, vLLM tensor-parallel size and Ulysses sequence-parallel size, that
-fits (`choose`); what would fit when nothing does; `--offload=auto`; the warnings that compare the
-prediction (predict.py) with each step's measurement; an OOM explained in one line; the command line.
+fits (`choose`); what would fit when nothing does; `--offload=auto`; the default levers it lifts when
+the run fits without them (`relax`); the set-up's verdict near the GPU; the command line. The warnings
+that compare the prediction with each step's measurement are predict.py's.
 With async rollout the engine's GPU must fit too (`engine_fits`); a colocated run on 2+ GPUs is told
 when async rollout would be faster (`async_suggestion`), never switched to it. It moves nothing and
 builds no model, and it names no role's flag: the roles declare them (SEARCH, NEEDS, RESCUE, RELIEF).
@@ -22,10 +23,9 @@ import ledger
 import ref
 import reward_model
 import rollout
-import rollout_async
 import rollout_engine
 import ulysses
-from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, Stage, predict, shapes, table
+from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, predict, shapes, table
 
 
 # --------------------------------------------------------------------------- choosing flags
@@ -45,13 +45,6 @@ def _needless(cfg, flags: dict) -> bool:
     """A flag on whose partner (its role's NEEDS) is off: it would change nothing."""
     needs = {f"{n}.{k}": f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "NEEDS", {}).items()}
     return any(flags[k] and not flags[need] for k, need in needs.items())
-
-
-def relief_of() -> dict:
-    """A term of a stage's prediction -> the change that removes or shrinks it (each role's RELIEF)."""
-    return {**actor.RELIEF, **ref.RELIEF, **critic.RELIEF, **reward_model.RELIEF, **rollout.RELIEF,
-            **rollout_async.RELIEF, "forward transient": "a smaller *.log_prob_micro_batch_size_per_gpu (or "
-            "actor.logits_chunk_tokens)"}
 
 
 def with_options(cfg, changes: dict):
@@ -322,69 +315,6 @@ def templates() -> str:
     return "\n".join(rows)
 
 
-# --------------------------------------------------------------------------- during the run
-def relief(st: Stage) -> str:
-    """The cheapest change for a stage: the one that removes its biggest term."""
-    name = max(st.terms, key=st.terms.get) if st.terms else ""
-    return f"{name} is its biggest term ({st.terms.get(name, 0) / GB:.1f} GB): {relief_of().get(name, 'more GPUs')}"
-
-
-def watch(m: dict, seen: dict, p: Plan, gpu_bytes: int, host_bytes: int, every: int = 50) -> list[str]:
-    """This step's early warnings, one line each, each kind at most once per `every` steps: a stage
-    above 90 % of the GPU; allocator retries; a measured peak off the plan by more than 10 % and
-    0.25 GB; reserved memory growing while allocated does not; host RSS growing; pinned host memory
-    short."""
-    out = []
-
-    def warn(kind, text):
-        if m["step"] - seen.get(kind, -every) >= every:
-            seen[kind] = m["step"]
-            out.append("[memory] warning: " + text)
-
-    for st in p.stages:
-        peak = m.get(f"mem/{st.name}/peak_gb")
-        if peak is None:
-            continue
-        if peak * GB > 0.9 * gpu_bytes:
-            warn(f"high/{st.name}", f"{st.name} peaked at {peak:.1f} GB, over 90 % of the GPU's "
-                                    f"{gpu_bytes / GB:.0f} GB; {relief(st)}")
-        if m.get(f"mem/{st.name}/alloc_retries", 0) > 0:
-            warn(f"retries/{st.name}", f"{st.name}: the allocator freed its cache and retried "
-                                       f"{m[f'mem/{st.name}/alloc_retries']:.0f} times (it runs at the memory "
-                                       f"limit, and pays in time); {relief(st)}")
-        pred = st.total / GB                   # off by 10 %, and by more than the model's resolution
-        if m["step"] >= 1 and abs(peak - pred) > max(0.1 * pred, 0.25):   # (a 30 MB stage is no news)
-            warn(f"plan/{st.name}", f"{st.name} peaked at {peak:.2f} GB, the plan predicted {pred:.2f} GB "
-                                    f"({peak / pred - 1:+.0%}); plan.py's terms for it: "
-                                    + ", ".join(f"{k} {v / GB:.2f}" for k, v in st.terms.items() if v))
-    last = p.stages[-1].name                   # after the last stage: what stays between steps
-    alloc, reserved, rss = (m.get(f"mem/{last}/allocated_gb"), m.get(f"mem/{last}/reserved_gb"), m.get("host_rss_gb"))
-    if alloc is not None and m["step"] >= 3:   # after warm-up (Adam's state, the caches)
-        a0, r0, h0 = seen.setdefault("base", (alloc, reserved, rss))
-        if reserved - r0 > 0.05 * r0 + 0.5 and alloc - a0 < 0.1:
-            warn("reserved", f"reserved memory grew {r0:.1f} -> {reserved:.1f} GB since step 3 while allocated stayed "
-                             f"at {alloc:.1f} GB: fragmentation; it will end in an OOM that more memory would not need")
-        if rss is not None and rss - h0 > 0.05 * h0 + 0.5:
-            warn("rss", f"host RSS grew {h0:.1f} -> {rss:.1f} GB since step 3: host memory creeps "
-                        f"(pinned buffers re-made, or a reference kept per step)")
-    if host_bytes and p.pinned_host > 0.9 * host_bytes:
-        warn("pinned", f"the offloaded groups need {p.pinned_host / GB:.1f} GB of pinned host memory per rank, "
-                       f"over 90 % of the {host_bytes / GB:.0f} GB this process's share of the host has")
-    return out
-
-
-def explain_oom(stage: str, p: Plan, m: dict, device_gb: float) -> str:
-    """An OOM inside a stage, in one message: where, what the ledger saw resident before it, what
-    the plan predicted, and the change to make."""
-    held = {k.split("/")[1]: v for k, v in m.items() if k.startswith("mem/") and k.endswith("/allocated_gb")}
-    before = (f"{held[list(held)[-1]]:.1f} GB allocated after {list(held)[-1]}" if held
-              else "(no stage finished this step)")
-    st = p.stage(stage)
-    pred = f"the plan predicted {st.total / GB:.1f} GB for it; {relief(st)}" if st else "the plan has no such stage"
-    return (f"out of GPU memory in stage {stage} (a {device_gb:.0f} GB GPU): {before}; {pred}. "
-            f"Or let the planner choose: --offload=auto.")
-
-
 @dataclass
 class PlanConfig:                          # plan.py's own options (everything else is a train_grpo.py option)
     nproc: int = 1                         # GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)
@@ -497,6 +427,23 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     return best
 
 
+def relax(cfg, world: int, prompt_len: int, engine: str, device, rank: int):
+    """Without --offload=auto: a role's lever that costs time and is on by default (its LIFTED: the actor's
+    gradient checkpointing, ~1/4 more update compute) is turned off when the run still keeps plan_margin
+    free without it by the plan, unless the command line set it; said in one line. A new config."""
+    if device.type != "cuda" or cfg.offload == "auto":
+        return cfg
+    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(cfg.actor, k) and f"actor.{k}" not in getattr(cfg, "_given", ())}
+    gpu = ledger.gpu_capacity(device)
+    if not off or predict(with_options(cfg, off), world, prompt_len, engine).device_peak > gpu * (1 - cfg.plan_margin):
+        return cfg
+    if rank == 0:
+        print(f"[plan] {', '.join(k + '=false' for k in off)}: the run keeps {cfg.plan_margin:.0%} of the {gpu / GB:.0f} GB "
+              f"GPU free without it by the plan, and is faster (pass {' '.join('--' + k + '=true' for k in off)} to keep it)",
+              flush=True)
+    return with_options(cfg, off)
+
+
 def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:
     """The set-up report's line when a stage's predicted device level is inside the margin --offload=auto
     keeps (plan_margin) or over the GPU: near the top the allocator frees its cache and retries (slower),
@@ -516,21 +463,6 @@ def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> s
                 "; --offload=auto finds nothing that keeps the margin (it would take the least device memory)")
     return (f"[plan] warning: {worst}'s predicted device level, {p.device[worst] / GB:.1f} GB, is {where} "
             f"{gpu / GB:.1f} GB: the allocator will free its cache and retry there (slower), or run out{auto}")
-
-
-def record(p: Plan | None, name: str, metrics: dict):
-    """The plan's prediction for stage `name`, beside the ledger's measurement in the step's metrics:
-    the allocator's peak (vs mem/<stage>/peak_gb) and the device level (vs mem/<stage>/device_used_gb;
-    generate: vs rollout/device_peak_gb)."""
-    predicted = p.stage(name) if p else None
-    if predicted is not None:
-        metrics[f"plan/{name}/predicted_gb"] = predicted.total / GB
-        metrics[f"plan/{name}/device_gb"] = p.device.get(name, 0) / GB
-
-
-def step_warnings(m: dict, seen: dict, p: Plan, device) -> list[str]:
-    """On a GPU: this step's early warnings (`watch`: near the limit, retries, off the plan, creep)."""
-    return watch(m, seen, p, ledger.gpu_capacity(device), ledger.host_bytes_per_rank()) if device.type == "cuda" else []
 
 
 if __name__ == "__main__":

@@ -143,6 +143,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
+    cfg = plan.relax(cfg, world, prompt_len, kind, device, rank)   # checkpointing off where the GPU allows
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
@@ -259,8 +260,8 @@ def in_ledger(t: Trainer, m: dict, name: str):
         with ledger.stage(name, m, t.device, t.engine.pool_bytes):
             yield
     except torch.OutOfMemoryError as e:
-        raise StageOutOfMemory(plan.explain_oom(name, t.plan, m, ledger.gpu_capacity(t.device) / predict.GB)) from e
-    plan.record(t.plan, name, m)
+        raise StageOutOfMemory(predict.explain_oom(name, t.plan, m, ledger.gpu_capacity(t.device) / predict.GB)) from e
+    predict.record(t.plan, name, m)
 
 
 def train_step(t: Trainer, step: int) -> dict:
@@ -284,9 +285,7 @@ def train_step(t: Trainer, step: int) -> dict:
         scores = rule_scores(t, batch, idx, sp.size, m)
     if t.reward_model is not None:         # its shards in, scores, out (its position: ledger.STAGES)
         with stage("reward_model"):
-            with reward_model.resident(t.reward_model, m):
-                rm_scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
-            scores = reward_model.mix(scores, rm_scores, cfg.reward_model.weight, m)
+            scores = model_scores(t, batch, idx, scores, m)
     with stage("old_logp"):                # skipped on-policy: the update's first forward is the old policy
         actor.compute_old_log_probs(t.actor, batch, temperature, cfg.train_batch_size, m)
     if cfg.actor.use_kl_loss:              # the reference's log-probs (the actor's prefetch may overlap them)
@@ -335,6 +334,13 @@ def perf(t: Trainer, batch: dict, m: dict) -> dict:
               t.plan.vllm_device.get("vLLM weights", 0), torch.cuda.get_device_name(t.device)) \
         if t.engine.kind == "vllm" and t.stream is None else None
     return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
+
+
+def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
+    """The reward_model stage: its shards in for its forward (`resident`), its scores mixed with the rule's."""
+    with reward_model.resident(t.reward_model, m):
+        scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
+    return reward_model.mix(rule, scores, t.cfg.reward_model.weight, m)
 
 
 def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
@@ -395,7 +401,7 @@ def train(t: Trainer, start: int) -> bool:
         if t.rank == 0:
             rundir.write_step(metrics_path, log, m, step)   # whole lines only; the logger gets the same
             print(log_line(m, step, cfg.steps, t_start, start), flush=True)
-            for line in plan.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+            for line in predict.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
             if step == start and (line := ledger.perf_line(m, t.peak)):    # each compute stage's throughput
                 print(line, flush=True)
