@@ -365,12 +365,12 @@ def main(argv=None):
     if any(a == "--plot" or a.startswith("--plot=") for a in argv):   # the picture is tracker.py's
         import tracker
         sys.exit(tracker.plot_command(argv))
-    import model
+    import checks
     import options
     try:
         own, rest = _own(argv)
         cfg = options.parse_args(rest)
-        model.check_model(cfg.model)           # a local directory: config, weights, a layout this code shards
+        checks.check_model(cfg.model)          # a local directory: config, weights, a layout this code shards
         rollout_engine.check(cfg.rollout, own.nproc, cfg.train_batch_size)
         world = rollout_engine.trainer_world(cfg.rollout, own.nproc)   # async: less the engine ranks
         options.check_sizes(cfg, world)

@@ -3,6 +3,7 @@ its warnings, and its predictions against the H200 measurements recorded in docs
 
     python -m pytest test_plan.py -q
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -228,21 +229,23 @@ def test_vllm_start_share_asks_for_what_the_engine_needs():
     140 GiB GPU no longer blocks a 3B engine (the default path crashed there with 0.92)."""
     import rollout
     import tiny
+    import vllm_engine
     GiB = 2 ** 30
-    need = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, max_num_seqs=64, dtype_bytes=2, tp=1)
+    req = rollout.Request(64, 640, "bfloat16")
+    need = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, req=req, tp=1)
     assert need["weights"] == rollout.weight_count(tiny.qwen25_config("qwen2.5-3b")) * 2
     total, free = int(139.8 * GiB), int(120.58 * GiB)
-    share = rollout.start_share(rollout.RolloutConfig(), GiB, need, free, total)
+    share = vllm_engine.start_share(rollout.RolloutConfig(), GiB, need, free, total)
     assert share * total == pytest.approx(sum(need.values()))       # vLLM's check: free >= share x total
     assert share * total <= free and share < 0.1
-    half = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, max_num_seqs=64, dtype_bytes=2, tp=2)
+    half = rollout.engine_bytes(tiny.qwen25_config("qwen2.5-3b"), kv_bytes=GiB, req=req, tp=2)
     assert half["weights"] == need["weights"] // 2                  # tensor parallel: a slice per GPU
     with pytest.raises(ValueError, match=r"needs 9\.\d GiB .* but 5\.0 GiB is free .*param_offload"):
-        rollout.start_share(rollout.RolloutConfig(), GiB, need, 5 * GiB, total)
+        vllm_engine.start_share(rollout.RolloutConfig(), GiB, need, 5 * GiB, total)
     user = rollout.RolloutConfig(gpu_memory_utilization=0.92)      # a share that cannot be had: one line
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.92 asks vLLM for 128\.6 GiB but 120\.6 GiB"):
-        rollout.start_share(user, 0, need, free, total)
-    assert rollout.start_share(rollout.RolloutConfig(gpu_memory_utilization=0.3), 0, need, free, total) == 0.3
+        vllm_engine.start_share(user, 0, need, free, total)
+    assert vllm_engine.start_share(rollout.RolloutConfig(gpu_memory_utilization=0.3), 0, need, free, total) == 0.3
 
 
 def test_step_time_within_20_percent_on_most_recorded_runs():
@@ -271,13 +274,13 @@ def _gpt2_dir(tmp_path):
 
 @pytest.mark.parametrize("args,expect", [
     (["--model=random:qwen9b"], "known sizes are"),
-    (["--gpu_gb=abc"], "--gpu_gb=abc: not a float; pass a value > 0"),
-    (["--nproc=0"], "--nproc=0: out of range; pass a value >= 1"),
-    (["--gpu_gb=0"], "--gpu_gb=0: out of range"),
-    (["--gpu_gb=-80"], "--gpu_gb=-80: out of range"),
-    (["--prompt_len=-5"], "--prompt_len=-5: out of range"),
-    (["--margin=1"], "--margin=1: out of range; pass a value [0, 1)"),
-    (["--engine=sglang"], "--engine=sglang: out of range; pass a value vllm | hf"),
+    (["--gpu_gb=abc"], "--gpu_gb=abc: expected float"),
+    (["--nproc=0"], "--nproc=0: must be >= 1"),
+    (["--gpu_gb=0"], "--gpu_gb=0.0: must be > 0"),
+    (["--gpu_gb=-80"], "--gpu_gb=-80.0: must be > 0"),
+    (["--prompt_len=-5"], "--prompt_len=-5: must be >= 0"),
+    (["--margin=1"], "--margin=1.0: must be [0, 1)"),
+    (["--engine=sglang"], "--engine=sglang: use one of vllm, hf"),
     (["--model=/nonexistent/model"], "no config.json there; pass a local Hugging Face model directory"),
     (["--nproc=3", "--train_batch_size=8"], "not divisible by the world size 3"),
     (["--actor.lr=fast"], "--actor.lr"),
@@ -298,7 +301,7 @@ def test_plan_cli_answers_bad_input_in_one_line(args, expect, tmp_path, capsys):
 def test_plan_cli_help_lists_its_own_options(capsys):
     plan.main(["--help"])
     out = capsys.readouterr().out
-    assert all(f"--{k}=" in out for k in plan.OWN) and "python train_grpo.py --help" in out
+    assert all(f"--{f.name}=" in out for f in dataclasses.fields(plan.PlanConfig)) and "python train_grpo.py --help" in out
 
 
 # --------------------------------------------------------------------------- async rollout
@@ -335,7 +338,7 @@ def test_async_engine_gpu_is_the_engine_bytes_plus_its_context():
     for gpus, seqs in ((2, 8 * 8 // 2), (0, 8 * 8)):
         cfg = _cfg(*SMALL, *ASYNC, f"--rollout.gpus={gpus}", "--rollout.kv_cache_margin=0.2")
         kv = rollout.kv_cache_bytes(config, seqs, 256 + 512, 2, 1, 0.2)
-        want = {**rollout.engine_bytes(config, kv_bytes=kv, max_num_seqs=seqs, dtype_bytes=2, tp=1),
+        want = {**rollout.engine_bytes(config, kv_bytes=kv, req=rollout.Request(seqs, 768, "bfloat16"), tp=1),
                 "CUDA context": predict.CUDA_CONTEXT}
         assert predict.predict(cfg, 2, 256).engine_device == want
 

@@ -74,7 +74,8 @@ import rundir
 import tracker
 import ulysses
 from launch import init_distributed
-from model import all_sum, build_mesh, check_model
+from checks import check_model
+from model import all_sum, build_mesh
 from options import Config
 
 

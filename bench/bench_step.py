@@ -1,0 +1,156 @@
+"""The real step at a Qwen2.5 shape, stage by stage: times, throughput (the run's perf/ figures), memory, and
+where the GPU's time goes (torch.profiler), for variants side by side in one process; and the rollout
+engine's modes (bf16, FP8 KV cache, FP8 weights + KV) each with the engine it needs.
+
+    python bench/bench_step.py --model=random:qwen2.5-0.5b --variants="default;--actor.gradient_checkpointing=false" \
+        --profile --out=bench/step_0.5b.json          # TRL's GRPO workload: 16 prompts x 8, 64 + 256 tokens
+    python bench/bench_step.py --model=random:qwen2.5-7b --modes=bf16,fp8kv,fp8 --variants="--actor.lora_rank=16" \
+        --out=bench/fp8_7b.json                       # the engine's device GB, generate time, mismatch per mode
+
+Every variant of a mode shares that mode's engine (train_grpo.setup with `engine=`); its steps are the loop's
+own (train_grpo.train_step), the first `--warmup` not counted: medians of the rest. The profile is of the
+last step: per stage, the GPU's busy time by kind (matmuls, attention, LM head and softmax, norms and
+elementwise, FSDP copies and collectives, the rest) and the host gap (the stage's wall time the GPU was idle).
+"""
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
+
+import launch
+import ledger
+import offload
+import options
+import train_grpo
+
+MODES = {"bf16": [], "fp8kv": ["--rollout.kv_cache_dtype=fp8"],
+         "fp8": ["--rollout.kv_cache_dtype=fp8", "--rollout.quantization=fp8"]}
+KINDS = [  # kernel name -> kind, first match wins
+    ("FSDP copies and collectives", r"nccl|allgather|reducescatter|all_gather|reduce_scatter|chunk_cat|split_with_sizes"
+                                    r"|foreach_copy|memcpy|memset"),
+    ("attention", r"flash|fmha|attention|attn|paged"),
+    ("LM head and softmax", r"softmax|logsumexp|cross_entropy|log_softmax|argmax|sampl|topk|top_k"),
+    ("matmuls", r"gemm|cutlass|sm90|sm100|xmma|cublas|nvjet|splitk|matmul|scaled_mm|wgmma"),
+    ("norms and elementwise", r"elementwise|vectorized|reduce|norm|silu|act_and_mul|mul|add|pow|mean|rsqrt|copy|cat"
+                              r"|index|scatter|gather|fill|where|exp|clamp|rotary|rope|cast|to_"),
+]
+
+
+def workload(args, extra: list) -> list:
+    return [f"--model={args.model}", f"--train_batch_size={args.prompts}", f"--actor.ppo_mini_batch_size={args.prompts}",
+            f"--rollout.n={args.n}", f"--rollout.response_length={args.response_len}", "--save=false", "--logger=none",
+            f"--actor.ppo_micro_batch_size_per_gpu={args.micro}", f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
+            f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}", "--actor.kl_loss_coef=0.04",
+            f"--out_dir={tempfile.mkdtemp(prefix='bench_step_')}", "--reward=bench.bench_step:length_reward"] + extra
+
+
+def length_reward(response: str, answer: str) -> float:
+    return float(len(response) % 3)             # any spread of scores: only time and memory matter here
+
+
+def profile_table(trace: str) -> dict:
+    """stage -> {kind: GPU ms, "host gap ms": ..., "wall ms": ...} from a Chrome trace of one step."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    stages = [(e["name"][6:], e["ts"], e["ts"] + e["dur"]) for e in events
+              if e.get("ph") == "X" and str(e.get("name", "")).startswith("stage:")]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out = {}
+    for name, t0, t1 in stages:
+        row, busy = {k: 0.0 for k, _ in KINDS + [("other", "")]}, []
+        for e in gpu:
+            if t0 <= e["ts"] < t1:
+                kind = next((k for k, pat in KINDS if re.search(pat, e["name"], re.I)), "other")
+                row[kind] += e["dur"] / 1e3
+                busy.append((e["ts"], min(e["ts"] + e["dur"], t1)))
+        covered, end = 0.0, t0
+        for a, b in sorted(busy):                # the union of the kernels' intervals
+            if b > end:
+                covered += b - max(a, end)
+                end = b
+        row.update({"wall ms": (t1 - t0) / 1e3, "host gap ms": (t1 - t0 - covered) / 1e3})
+        out[name] = {k: round(v, 2) for k, v in row.items()}
+    return out
+
+
+def run_variant(args, flags: list, engine, profile: bool) -> tuple:
+    """(medians of the measured steps' figures, the profile or None, the engine) for one variant."""
+    cfg = options.parse_args(workload(args, flags))
+    t = train_grpo.setup(cfg, engine=engine)
+    steps = []
+    for s in range(args.warmup + args.steps):
+        last = profile and s == args.warmup + args.steps - 1
+        if not last:
+            steps.append(train_grpo.train_step(t, s))
+            continue
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps.append(train_grpo.train_step(t, s))
+        path = os.path.join(tempfile.mkdtemp(), "step.json")
+        prof.export_chrome_trace(path)
+        table = profile_table(path)
+    measured = steps[args.warmup:] or steps
+    m = {k: statistics.median(x[k] for x in measured if k in x) for k, v in measured[-1].items()
+         if isinstance(v, (int, float))}
+    m.update({f"plan/{k}": v for k, v in predicted(t).items()})
+    engine, t = t.engine, None
+    gc.collect()
+    torch.cuda.empty_cache()
+    offload.empty_host_cache()
+    return m, (table if profile else None), engine
+
+
+def predicted(t) -> dict:
+    """The plan's step estimate and the engine's predicted device parts, beside the measurement."""
+    return {"step_s": t.plan.seconds, **{f"vllm/{k}_gb": v / 2 ** 30 for k, v in t.plan.vllm_device.items()}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen2.5-0.5b")
+    ap.add_argument("--variants", default="default", help="';'-separated sets of train_grpo flags ('default': none)")
+    ap.add_argument("--modes", default="bf16", help=f"the rollout engine's modes, comma-separated: {', '.join(MODES)}")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--response_len", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--profile", action="store_true", help="profile each variant's last step")
+    ap.add_argument("--out", default="bench_step.json")
+    args = ap.parse_args()
+    _, _, device = launch.init_distributed()
+    res = {"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
+           "args": vars(args), "peak_tflops": ledger.matmul_peak(device) / 1e12, "runs": {}}
+    for mode in args.modes.split(","):
+        engine = None                          # built by the mode's first variant, shared by the others
+        for variant in args.variants.split(";"):
+            flags = MODES[mode] + ([] if variant == "default" else variant.split())
+            name = f"{mode} {variant}"
+            try:
+                m, table, engine = run_variant(args, flags, engine, args.profile)
+                res["runs"][name] = {"ok": True, "metrics": m, "profile": table}
+            except (torch.OutOfMemoryError, train_grpo.StageOutOfMemory, ValueError) as e:
+                res["runs"][name] = {"ok": False, "error": str(e).splitlines()[0][:400]}
+            with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
+                json.dump(res, f, indent=1)
+            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
+                    "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean")
+            print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
+                                           if k in keep}), res["runs"][name].get("error", ""), flush=True)
+        engine = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    launch.leave()
+
+
+if __name__ == "__main__":
+    main()

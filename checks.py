@@ -1,0 +1,95 @@
+"""The pre-flight's checks of a model folder, before any process group or weight is loaded: a config, weights
+that are all there (every shard an index names, each safetensors file as long as its header says), and the
+layout this code shards. One line each, naming the file and what is wrong.
+
+    python -m pytest -q test_checkpoint.py -k bad_model      # truncated weights, a missing shard, no tokenizer
+"""
+import json
+import os
+
+import torch
+
+from model import check_model_path, hf_config, is_dir
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+SUPPORTED = ("decoder-only causal LMs laid out as model.model.layers + model.model.norm "
+             "(Qwen2/2.5/3, Llama, Mistral, Gemma and the like)")
+
+
+def check_model(path: str | None):
+    """Before any process group or weight is loaded: a known random size, or a local directory with
+    a config, weights, and the layout `shard` walks (`model.model.layers`, and `model.model.norm` for
+    the shared critic head), read from a model built on the meta device (no memory), then each
+    weight file whole (`check_weight_files`: their headers only)."""
+    if not is_dir(path):
+        hf_config(path)                    # an unknown size is one line
+        return
+    check_model_path(path)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+        raise FileNotFoundError(f"--model {path}: no weights there (looked for {', '.join(WEIGHT_FILES)})")
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()       # a BERT config's "add is_decoder=True" note is not the error
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"--model {path}: transformers builds no causal LM from its config.json "
+                         f"({str(e).splitlines()[0]}); supported: {SUPPORTED}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    inner = getattr(built, "model", None)
+    if not (hasattr(inner, "layers") and hasattr(inner, "norm")):
+        raise ValueError(f"--model {path}: {type(built).__name__} has no model.model.layers / "
+                         f"model.model.norm; supported: {SUPPORTED}")
+    check_weight_files(path)               # after the layout: a GPT-2 folder is told it is one first
+
+
+def check_weight_files(path: str):
+    """Each safetensors file of the model directory (model.safetensors, or every shard the index
+    names) whole: its length is what its header describes (a truncated copy otherwise loads into a
+    traceback after the pre-flight). Reads the headers only. A pytorch_model.bin is a zip archive
+    whose directory sits at its end: a truncated one has none."""
+    import zipfile
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"--model {path}: {index} is damaged ({type(e).__name__}: {e})") from None
+    else:
+        shards = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
+    for name in shards:
+        err = _safetensors_damage(os.path.join(path, name))
+        if err:
+            raise ValueError(f"--model {path}: {os.path.join(path, name)} {err}; copy it again")
+    bin_ = os.path.join(path, "pytorch_model.bin")
+    if not shards and os.path.isfile(bin_) and not zipfile.is_zipfile(bin_):
+        with open(bin_, "rb") as f:
+            zipped = f.read(2) == b"PK"        # torch.save's format since 1.6; older pickles are not checked
+        if zipped:
+            raise ValueError(f"--model {path}: {bin_} is truncated (its zip directory is missing); copy it again")
+
+
+def _safetensors_damage(file: str) -> str | None:
+    """What is wrong with a safetensors file (8-byte header length, JSON header, the tensors' bytes),
+    or None when its length is the one its header describes."""
+    if not os.path.isfile(file):
+        return "is missing (model.safetensors.index.json names it)"
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if n < 2 or 8 + n > size:
+            return f"is truncated or not a safetensors file ({size} bytes: its header does not fit)"
+        try:
+            header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            return "is damaged (its header is not valid safetensors JSON)"
+    if 8 + n + end != size:
+        return f"is {size} bytes but its header describes {8 + n + end}: " + ("truncated" if size < 8 + n + end
+                                                                             else "damaged")
+    return None
