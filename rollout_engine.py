@@ -15,6 +15,7 @@ The prompts of a step split over the engines in contiguous parts of `prompts_per
 last may be shorter): one rule for the orders, each engine's request and the planner.
 """
 import ast
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -260,25 +261,27 @@ def _build(spec: Spec, device: torch.device):
 
 
 def _load_weights(eng, spec: Spec, conn, pg, buf: torch.Tensor):
-    """One push: each bucket into `buf` (broadcast) or read from the shared one (ipc), then into the engine."""
-    for b, entries in enumerate(spec.layout):
-        size = entries[-1][2] + entries[-1][3]
-        if pg is not None:
-            opts = dist.BroadcastOptions()
-            opts.rootRank = 0
-            pg.broadcast([buf[:size]], opts).wait()
-        else:
-            msg = conn.recv()
-            assert msg == ("bucket_ready", b), msg
-        dtype = getattr(torch, spec.req.dtype)
-        tensors = [(name, buf[off:off + nbytes].view(dtype).view(shape)) for name, shape, off, nbytes in entries]
-        if isinstance(eng, rollout.Engine):
-            vllm_engine.vllm_model(eng.llm).load_weights(tensors)
-        else:
-            eng.load_state_dict(dict(tensors), strict=False)
-        if pg is None:
-            torch.cuda.synchronize()
-            conn.send(("ack", b))
+    """One push: each bucket into `buf` (broadcast) or read from the shared one (ipc), then into the engine
+    (vLLM: `vllm_engine.loading`, which re-quantizes FP8 weights; HF: its state dict)."""
+    with vllm_engine.loading(eng.llm) if isinstance(eng, rollout.Engine) else contextlib.nullcontext(eng) as target:
+        for b, entries in enumerate(spec.layout):
+            size = entries[-1][2] + entries[-1][3]
+            if pg is not None:
+                opts = dist.BroadcastOptions()
+                opts.rootRank = 0
+                pg.broadcast([buf[:size]], opts).wait()
+            else:
+                msg = conn.recv()
+                assert msg == ("bucket_ready", b), msg
+            dtype = getattr(torch, spec.req.dtype)
+            tensors = [(name, buf[off:off + nbytes].view(dtype).view(shape)) for name, shape, off, nbytes in entries]
+            if isinstance(eng, rollout.Engine):
+                target.load_weights(tensors)
+            else:
+                target.load_state_dict(dict(tensors), strict=False)
+            if pg is None:
+                torch.cuda.synchronize()
+                conn.send(("ack", b))
 
 
 def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:

@@ -49,6 +49,7 @@ import os
 import signal
 import sys
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -306,7 +307,7 @@ def train_step(t: Trainer, step: int) -> dict:
     if t.stream is not None:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
             rollout_async.push(t.stream, t.actor.model, [t.actor.base, t.actor.params], step + 1, m)
-    m.update(step_figures(t, scores, batch["response_mask"]), **{"time/step": time.perf_counter() - t0})
+    m.update(step_figures(t, scores, batch), **{"time/step": time.perf_counter() - t0})
     m = ledger.reduce(m, t.device)
     m.update(perf(t, batch, m))            # throughput from the reduced (slowest rank's) times
     return m
@@ -374,14 +375,17 @@ def step_prompts(t: Trainer, step: int) -> list:
     return [t.prompts[t.order[(start + i) % len(t.order)]] for i in range(t.cfg.train_batch_size)]
 
 
-def step_figures(t: Trainer, scores: torch.Tensor, mask: torch.Tensor) -> dict:
-    """The step's reward mean, response length, share of groups with equal rewards (over all ranks)."""
-    groups = scores.view(-1, t.cfg.rollout.n)
+def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
+    """The step's reward mean, response length, share of groups with equal rewards, and a checksum of the
+    prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same prompts), over all ranks."""
+    groups, mask = scores.view(-1, t.cfg.rollout.n), batch["response_mask"]
     flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
-    sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups)],
+    prompts = batch["input_ids"][:, :-mask.shape[1]] * batch["attention_mask"][:, :-mask.shape[1]]   # left pads as 0
+    crc = zlib.crc32(prompts.cpu().numpy().tobytes()) / t.cfg.actor.ulysses_sequence_parallel_size   # k copies
+    sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups), crc],
                                 device=t.device, dtype=torch.float64)).tolist()
     return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": ledger.host_rss_gb(),
-            "reward/equal_groups_frac": sums[3] / sums[4]}   # groups whose samples all scored the same
+            "reward/equal_groups_frac": sums[3] / sums[4], "data/prompt_crc": sums[5]}
 
 
 # --------------------------------------------------------------------------- main

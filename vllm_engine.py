@@ -5,6 +5,7 @@ these; rollout_engine.py's engine process calls them too. Nothing here imports v
 
     python -m pytest -q test_vllm.py          # GPU + vLLM: parity after a sync, FP8, sleep/wake, memory
 """
+import contextlib
 import importlib.util
 import os
 
@@ -75,6 +76,23 @@ def vllm_runner(llm):
     return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
+@contextlib.contextmanager
+def loading(llm):
+    """The engine's model while new weights go in (HF names, bf16, any number of `load_weights` calls). With
+    FP8 weights (rollout.quantization=fp8) through vLLM's layerwise reload: each layer, once all of its
+    tensors have come, is quantized again by vLLM's own online FP8 (a layer's bf16 weights are the
+    transient) and its FP8 weights and scales are copied into the engine's tensors (CUDA graphs keep
+    pointing at them): what a fresh FP8 engine makes of the same bf16 weights."""
+    target, config = vllm_model(llm), vllm_runner(llm).model_config
+    if config.quantization is None:
+        yield target
+        return
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+    initialize_layerwise_reload(target)
+    yield target
+    finalize_layerwise_reload(target, config)
+
+
 @torch.no_grad()
 def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     """Actor -> vLLM, one parameter at a time from named_parameters() (never a state dict), in
@@ -85,27 +103,18 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     With LoRA every step sends the whole merged model, W + scale x B @ A per target weight, merged
     on the way (`weights.hf_weights`): vLLM holds plain weights and decodes without LoRA kernels.
     (vLLM's own adapters would send MBs instead; not measured here, and at sleep level 2 the base
-    weights it drops must be re-sent anyway.)
-    FP8 weights (rollout.quantization=fp8): the bf16 tensors go through vLLM's layerwise reload, which
-    re-runs its online quantization on each layer once all of the layer's tensors have come (a layer's
-    bf16 weights are the transient) and copies the FP8 weights and scales into the engine's own tensors
-    (CUDA graphs keep pointing at them): what a fresh FP8 engine makes of the same bf16 weights."""
-    target, bucket, size, sent = vllm_model(llm), [], 0, 0
-    quantized = vllm_runner(llm).model_config.quantization is not None
-    if quantized:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-        initialize_layerwise_reload(target)
-    for name, t in weights.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
-        bucket.append((name, t))
-        size += t.numel() * t.element_size()
-        if size >= bucket_mb * 2 ** 20:
+    weights it drops must be re-sent anyway.) FP8 weights: `loading`."""
+    bucket, size, sent = [], 0, 0
+    with loading(llm) as target:
+        for name, t in weights.hf_weights(model, device, dtype):   # gathered in vLLM's dtype (bf16), one at a time
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            if size >= bucket_mb * 2 ** 20:
+                target.load_weights(bucket)
+                sent, bucket, size = sent + size, [], 0
+        if bucket:
             target.load_weights(bucket)
-            sent, bucket, size = sent + size, [], 0
-    if bucket:
-        target.load_weights(bucket)
-        sent += size
-    if quantized:
-        finalize_layerwise_reload(target, vllm_runner(llm).model_config)
+            sent += size
     return sent
 
 
