@@ -157,8 +157,9 @@ def spawn(address, authkey: bytes, index: int, device: torch.device):
 
 
 def engine_rank(cfg: RolloutConfig) -> int:
-    """What an engine rank of torchrun does: start its engine process on its GPU, wait for it, return its
-    exit code. It holds no GPU memory itself (the engine process has the GPU)."""
+    """What an engine rank of torchrun does: start its engine process on its GPU and wait for it; 0 whatever
+    became of it, since the trainer's rank 0 says how an engine ended (its one line, torchrun's "Root
+    Cause") and a failed engine rank would be seen first. It holds no GPU memory (its engine has the GPU)."""
     nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     index = rank - trainer_world(cfg, nproc)
     address, key = ast.literal_eval(torchrun_store().get("rollout_async/address").decode())
@@ -167,7 +168,7 @@ def engine_rank(cfg: RolloutConfig) -> int:
     _deaf()                                # the trainer decides when the engine stops (its "stop")
     p = spawn(address, bytes.fromhex(key), index, device)
     p.join()
-    return p.exitcode or 0
+    return 0
 
 
 def _deaf():
