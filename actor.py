@@ -21,13 +21,10 @@ stash knows at build whether its flag puts it on the host, so every bracket read
     checkpoints         `state_in`: every group in while a checkpoint reads (or a resume writes)
                         them, then out again (checkpoint.py).
 
-LoRA (lora_rank > 0, through peft): only the adapters train. Grads and Adam exist for them alone
-(r x (in + out) per target matrix: a few MB), and the frozen base is held in the compute dtype on a
-GPU (bf16: half of the fp32 master weights). No reference model is built: the reference log-probs
-are the actor's own with its adapter off (`compute_ref_log_probs`). The params group splits in
-two: `Actor.params` (the adapters, copied out after each update) and `Actor.base` (frozen: copied
-out once, at build; every later bracket only frees it; empty without LoRA). The weight sync and the
-merged checkpoint send W + scale x B @ A per target weight (`weights.hf_weights`), one at a time.
+LoRA (lora_rank > 0, lora.py): only the adapters train (grads and Adam for them alone); the frozen
+base is held in the compute dtype and is the reference (`compute_ref_log_probs`: adapter off). The
+params group splits in two: `Actor.params` (the adapters) and `Actor.base` (frozen: copied out once,
+at build; later brackets only free it). What the planner counts of all this: the `predicted` section.
 
 Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
     input_ids, attention_mask, position_ids  (B, P+R)

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# This round's one-H200 runs, in parts that each fit one device call (at most 10 minutes); every part writes
+# its raw output under $OUT (the device tool brings it back) and never stops the next one.
+#   source .vllm/env.sh && bash bench/one_gpu.sh tests       # GPU tests: memory, vLLM, packing, the KV bytes
+#   bash bench/one_gpu.sh fp8tests                             # test_fp8.py (each engine in its own process)
+#   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B and 1.5B, checkpointing on / off
+#   bash bench/one_gpu.sh fp8bench                             # bf16 / FP8 KV / FP8 weights + KV at 1.5B and 7B
+set -u
+OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
+part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "[$name] exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt" "$OUT/summary.txt"
+}
+case "${1:-}" in
+  tests)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+    part test_memory 240 python -m pytest -q -rf -x test_memory.py
+    part test_vllm 200 python -m pytest -q -rf -s test_vllm.py
+    part test_packing_gpu 60 python -m pytest -q -rf -m gpu test_packing.py
+    part test_defaults_kv 80 python -m pytest -q -rf -s test_defaults.py -k kv_bytes ;;
+  fp8tests)
+    part test_fp8_bytes 240 python -m pytest -q -rf -s test_fp8.py -k fresh
+    part test_fp8_learns 150 python -m pytest -q -rf -s test_fp8.py -k embedded
+    part test_fp8_0p5b 180 python -m pytest -q -rf -s test_fp8.py -k 0p5b ;;
+  profile)
+    part profile_0p5b 270 python bench/bench_step.py --model=random:qwen2.5-0.5b --profile --out="$OUT/step_0p5b.json" \
+        --variants="--actor.gradient_checkpointing=true;--actor.gradient_checkpointing=false"
+    part profile_1p5b 300 python bench/bench_step.py --model=random:qwen2.5-1.5b --profile --out="$OUT/step_1p5b.json" \
+        --variants="--actor.gradient_checkpointing=true;--actor.gradient_checkpointing=false" ;;
+  fp8bench)
+    for mode in bf16 fp8kv fp8; do
+      part "fp8_1p5b_$mode" 110 python bench/bench_step.py --model=random:qwen2.5-1.5b --modes=$mode --steps=3 \
+          --out="$OUT/fp8_1p5b_$mode.json"
+    done
+    for mode in bf16 fp8; do
+      part "fp8_7b_$mode" 150 python bench/bench_step.py --model=random:qwen2.5-7b --modes=$mode --steps=2 --warmup=1 \
+          --variants="--actor.lora_rank=16 --actor.lr=1e-5" --out="$OUT/fp8_7b_$mode.json"
+    done ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|fp8tests|profile|fp8bench" >&2; exit 2 ;;
+esac
