@@ -6,7 +6,6 @@ each batch consumed once, the push's parity, learning, a dead engine, the trunca
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -15,9 +14,8 @@ import torch
 
 import actor
 import rollout_async
-from conftest import launches
+from conftest import launches, metrics, run, start
 from rollout import RolloutConfig
-from test_train import HERE, metrics, run
 
 
 def test_buffer_reserves_up_to_its_bound_and_hands_each_step_once():
@@ -111,10 +109,8 @@ def test_async_on_a_rank_of_its_own_under_torchrun(tmp_path):
 @launches
 def test_dead_engine_stops_the_run_with_one_line(tmp_path):
     out = str(tmp_path / "run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train_grpo.py"), f"--out_dir={out}", "--steps=200",
-                          "--save=false", "--rollout.mode=async", "--logger=none"], env=env, cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = start([f"--out_dir={out}", "--steps=200", "--save=false", "--rollout.mode=async", "--logger=none"],
+              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     path = os.path.join(out, "metrics.jsonl")
     deadline = time.time() + 300
     while not (os.path.exists(path) and len(open(path).readlines()) >= 2):

@@ -6,7 +6,6 @@ number, the frozen-bf16-base layout FSDP2 accepts, and the embedded run learns.
 """
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -22,10 +21,7 @@ import weights
 import lora
 from model import build_mesh, compute_log_probs, forward, load_model, shard
 from launch import init_distributed
-from conftest import launches, layout, tiny_batch
-from test_train import metrics, run
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, layout, metrics, run, tiny_batch
 
 
 def _lora_actor(device, mesh, seed: int = 0, **cfg):
@@ -150,9 +146,7 @@ def _one_lora_update(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        os.path.abspath(__file__), out_path], env=env, capture_output=True, text=True, timeout=600)
+    r = run([out_path], nproc, script="test_lora.py")      # gloo on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
