@@ -113,10 +113,10 @@ def start(args, nproc: int = 0, *, script: str | None = "train_grpo.py", torchru
     return p
 
 
-def run(args, nproc: int = 0, *, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-    """`start(args, nproc, **kw)` to its end, stdout and stderr captured as text. Past `timeout` (or
-    when pytest-timeout stops the test) the whole job is killed, torchrun's workers with it, and
-    the error raised."""
+def run(args, nproc: int = 0, *, timeout: float | None = None, **kw) -> subprocess.CompletedProcess:
+    """`start(args, nproc, **kw)` to its end, stdout and stderr captured as text. Its limit is the
+    test's (pytest.ini's timeout or the test's @pytest.mark.timeout), or `timeout` seconds; past it
+    the whole job is killed, torchrun's workers with it, and the error raised."""
     p = start(args, nproc, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     try:
         out, err = p.communicate(timeout=timeout)

@@ -60,6 +60,7 @@ def test_truncated_importance_weights():
 
 
 @launches
+@pytest.mark.timeout(900)                # 50 steps: 166 s on 2 busy cores
 def test_async_run_bounds_buffer_and_staleness_over_50_steps(tmp_path):
     """max_staleness 3 but a buffer of one step: the bound binds, the engine waits (idle), host memory is flat."""
     out = str(tmp_path / "run")
@@ -78,6 +79,7 @@ def test_async_run_bounds_buffer_and_staleness_over_50_steps(tmp_path):
 
 
 @launches
+@pytest.mark.timeout(900)                # 80 steps: 171 s on 2 busy cores
 def test_async_learns_and_first_batch_matches_the_trainer(tmp_path):
     """The embedded default learns one step off-policy; at step 0 the engine holds the trainer's
     weights (the first push), so its log-probs equal the trainer's (fp32, HF on both sides)."""

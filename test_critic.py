@@ -143,6 +143,7 @@ def test_shared_head_trains_and_leaves_the_trunk_alone(dist_env):
 
 @launches
 @pytest.mark.parametrize("mode", ["separate", "shared"])
+@pytest.mark.timeout(900)                # 60 PPO steps: 176-274 s on 2 busy cores
 def test_ppo_run_learns(tmp_path, mode):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false", "--algorithm.adv_estimator=gae",

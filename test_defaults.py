@@ -62,6 +62,7 @@ def compare(m: dict) -> list[tuple]:
 @pytest.mark.parametrize("offload", ["manual", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", ["qwen2.5-3b", "qwen2.5-7b"])
+@pytest.mark.timeout(1000)               # its run's own limit is 900 s
 def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
     if (model, case) == ("qwen2.5-7b", "ppo_separate"):
         # 177 GB of states (actor and critic fp32 + Adam, bf16 ref) on one 140 GB GPU; offloaded, 178 GB of

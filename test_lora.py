@@ -336,6 +336,7 @@ def test_lora_offload_flags_change_no_number(tmp_path):
 
 
 @launches
+@pytest.mark.timeout(900)                # 60 steps: 201 s on 2 busy cores
 def test_lora_embedded_run_learns(tmp_path):
     """`python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3`, 60 steps: the mean reward of the
     last 10 steps beats the first 10's by more than 0.15 (measured: 0.11 -> 0.34); every step logs

@@ -20,6 +20,7 @@ GRPO_STAGES = [s for s in offload.STAGES if s not in ("values", "critic_update",
 
 
 @launches
+@pytest.mark.timeout(900)                # 60 steps on 2 ranks: 233 s on 2 busy cores
 def test_embedded_run_learns_on_two_processes(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false"], nproc=2)
@@ -56,6 +57,17 @@ def _wait_all(procs, timeout: float) -> list:
                     p.kill()
         time.sleep(0.2)
     return [p.returncode for p in procs]
+
+
+@launches
+def test_a_started_process_is_not_a_rank_of_this_one(monkeypatch):
+    """A vLLM engine built in the pytest process leaves rank variables in os.environ
+    (rollout.build_vllm's setdefault of RANK and LOCAL_RANK); a plain `python` started after it is
+    still a 1-process run, not a rank looking for torchrun's MASTER_ADDR (test_vllm's async run)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    r = run(["-c", "import launch; print(launch.init_distributed()[:2])"], script=None)
+    assert r.returncode == 0 and r.stdout.strip() == "(0, 1)", r.stderr[-3000:]
 
 
 @launches
@@ -475,6 +487,7 @@ def test_local_model_ppo_critic_and_final_round_trip(tmp_path):
 
 # --------------------------------------------------------------------------- long-run flatness
 @launches
+@pytest.mark.timeout(900)                # 60 steps: 210 s on 2 busy cores
 def test_host_memory_flat_over_many_steps(tmp_path):
     """60 steps of the embedded model with every offload flag on and a checkpoint every 10 steps
     (the host buffers and the DCP saves are where a leak would live). After a 20-step warm-up

@@ -70,6 +70,7 @@ def _run(out_dir: str, tp: int) -> list[dict]:
     return [torch.load(os.path.join(out_dir, f"tp{tp}.rank{k}.pt")) for k in range(2)]
 
 
+@pytest.mark.timeout(1200)               # two torchrun runs of vLLM engines on 2 GPUs
 def test_tensor_parallel_engine_generates_what_one_engine_per_gpu_does(tmp_path):
     """2 GPUs, the same actor and the same 8 prompts per rank: with tensor_parallel_size=2 (one
     engine over both GPUs, the weight sync sending whole tensors that vLLM slices per GPU) each
