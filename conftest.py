@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # A launcher's variables say "you are a rank of a job": a plain `python` child that inherits RANK
 # runs init_process_group(env://) and fails on the missing MASTER_ADDR. pytest under torchrun has
 # them, and so does this process once vLLM was built in it (rollout.build_vllm's setdefault of RANK
-# and LOCAL_RANK); torchrun sets its own for the workers it starts.
+# and LOCAL_RANK: test_vllm's async run failed so); torchrun sets its own for the workers it starts.
 LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
             "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 # the environment pytest started with, read before any test module (or the code a test runs) wrote
