@@ -1,12 +1,9 @@
 """Async rollout on the CPU (HF generate in the engine process): the buffer's bound, staleness,
-each batch consumed once, the push's parity, learning, a dead engine, the truncated weights.
+each batch consumed once, the push's parity, learning, the truncated weights and their use (faults:
+test_faults.py).
 
     python -m pytest -q test_async.py
 """
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,9 +13,8 @@ import torch
 import actor
 import rollout_async
 import rollout_engine
-from conftest import launches
+from conftest import launches, metrics, run
 from rollout import RolloutConfig
-from test_train import HERE, metrics, run
 
 
 def test_buffer_reserves_up_to_its_bound_and_hands_each_step_once():
@@ -67,7 +63,49 @@ def test_truncated_importance_weights():
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, torch.exp(torch.tensor(-2.5)).item()]]))   # e^1 truncated at 2
 
 
+def test_the_truncated_weights_scale_the_policy_loss(dist_env):
+    """The weights are applied, not only logged: an engine that gave every sampled token half the policy's
+    probability (w = 2) doubles the micro-batch's policy loss and its gradient against an engine that
+    agrees (w = 1), with actor.rollout_is=token; with none, the engine's log-probs change nothing."""
+    from conftest import layout, tiny_batch
+    from model import build_mesh, forward, load_model, shard
+    _, world, device = dist_env
+    model = shard(load_model(None, seed=0), build_mesh(device, world, -1), device)
+    mb = tiny_batch(8, 4, device)
+    lay = layout(8)
+    mb["old_log_probs"] = forward(model, mb, 1.0, lay)[0].detach()
+    tokens, seqs = float(mb["response_mask"].sum()), 8.0
+    for mode, scale in (("token", 2.0), ("none", 1.0)):
+        cfg = actor.ActorConfig(rollout_is=mode, use_kl_loss=False)
+        losses, grads = [], []
+        for shift in (0.0, torch.log(torch.tensor(2.0)).item()):   # rollout log-prob = old - log 2: w = 2
+            mb["rollout_log_probs"] = (mb["old_log_probs"] - shift) * mb["response_mask"]
+            model.zero_grad(set_to_none=True)
+            loss = actor.micro_loss(model, mb, cfg, 1.0, lay, (tokens, seqs))[0]
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters() if p.grad is not None]))
+        assert losses[1] == pytest.approx(scale * losses[0], rel=1e-5), (mode, losses)
+        assert torch.allclose(grads[1], scale * grads[0], rtol=1e-4, atol=1e-8), mode
+
+
 @launches
+@pytest.mark.timeout(600)
+def test_the_staleness_bound_holds_with_room_for_several_steps(tmp_path):
+    """A buffer with room for 3 steps and max_staleness 1: only the staleness bound keeps the engine from
+    sampling ahead with old weights. Every batch is at most one update old, and the engine did wait for
+    newer weights (the bound binding, not the buffer)."""
+    out = str(tmp_path / "run")
+    r = run([f"--out_dir={out}", "--steps=12", "--save=false", "--rollout.mode=async", "--rollout.max_staleness=1",
+             "--rollout.buffer_limit=384", "--logger=none"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(out)
+    assert all(x["rollout/staleness_max"] <= 1 for x in m) and max(x["rollout/staleness_max"] for x in m) == 1
+    assert sum(x["rollout/engine_weight_wait_s"] for x in m[1:]) > 0
+
+
+@launches
+@pytest.mark.timeout(900)                # 50 steps: 166 s on 2 busy cores
 def test_async_run_bounds_buffer_and_staleness_over_50_steps(tmp_path):
     """max_staleness 3 but a buffer of one step: the bound binds, the engine waits (idle), host memory is flat."""
     out = str(tmp_path / "run")
@@ -79,13 +117,15 @@ def test_async_run_bounds_buffer_and_staleness_over_50_steps(tmp_path):
     assert all(x["rollout/buffer_samples"] + x["rollout/buffer_ordered"] <= 128 for x in m)
     assert all(x["rollout/staleness_max"] <= 1 for x in m)         # one step in flight at most: the buffer binds
     assert max(x["rollout/staleness_max"] for x in m) == 1         # ... and the engine does run ahead
-    assert sum(x["rollout/engine_idle_s"] for x in m[1:]) > 0      # it waited for room
+    assert max(x["rollout/buffer_samples"] + x["rollout/buffer_ordered"] for x in m) == 128   # the bound is reached:
+    # with max_staleness 3 the engine would order ahead, the buffer's bound is what holds it
     rss = [x["host_rss_gb"] for x in m]
     assert max(rss[10:]) - min(rss[10:]) < 0.1, rss                # flat: nothing accumulates
     assert "[rollout] async: 1 engine(s)" in r.stdout
 
 
 @launches
+@pytest.mark.timeout(900)                # 80 steps: 171 s on 2 busy cores
 def test_async_learns_and_first_batch_matches_the_trainer(tmp_path):
     """The embedded default learns one step off-policy; at step 0 the engine holds the trainer's
     weights (the first push), so its log-probs equal the trainer's (fp32, HF on both sides)."""
@@ -95,7 +135,7 @@ def test_async_learns_and_first_batch_matches_the_trainer(tmp_path):
     m = metrics(out)
     assert m[0]["rollout/staleness_max"] == 0 and m[0]["rollout/logp_diff_max"] < 1e-4
     assert all(x["rollout/staleness_max"] == 1 for x in m[1:])
-    assert all(0.5 < x["rollout_is/weight_mean"] < 1.5 for x in m)
+    assert all("rollout_is/weight_mean" in x for x in m)           # the correction is on (its use: below)
     assert all(x["rollout/push_gb"] > 0 and x["time/push"] > 0 for x in m)
     first = sum(x["reward_mean"] for x in m[:10]) / 10
     last = sum(x["reward_mean"] for x in m[-10:]) / 10
@@ -112,26 +152,3 @@ def test_async_on_a_rank_of_its_own_under_torchrun(tmp_path):
     m = metrics(out)
     assert len(m) == 4 and m[0]["rollout/logp_diff_max"] < 1e-4
     assert '"world_size": 2' in r.stdout
-
-
-@launches
-def test_dead_engine_stops_the_run_with_one_line(tmp_path):
-    out = str(tmp_path / "run")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train_grpo.py"), f"--out_dir={out}", "--steps=200",
-                          "--save=false", "--rollout.mode=async", "--logger=none"], env=env, cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    path = os.path.join(out, "metrics.jsonl")
-    deadline = time.time() + 300
-    while not (os.path.exists(path) and len(open(path).readlines()) >= 2):
-        assert p.poll() is None and time.time() < deadline, p.communicate()
-        time.sleep(0.5)
-    engine = subprocess.run(["pgrep", "-P", str(p.pid), "-f", "spawn_main"], capture_output=True, text=True)
-    pids = engine.stdout.split()
-    assert len(pids) == 1, engine                                   # the engine process (not the resource tracker)
-    os.kill(int(pids[0]), signal.SIGKILL)
-    _, err = p.communicate(timeout=120)                             # no hang
-    assert p.returncode == 1
-    lines = [x for x in err.strip().splitlines() if x.startswith("error:")]
-    assert len(lines) == 1 and "rollout engine 0" in lines[0] and "exited" in lines[0], err[-2000:]
-    assert "Traceback" not in err

@@ -7,8 +7,6 @@ stalled rank ends the job, an earlier run is never overwritten, and errors are o
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,8 +16,7 @@ import checkpoint
 import rundir
 import train_grpo
 import options
-from test_train import HERE, metrics, run
-from conftest import launches
+from conftest import launches, metrics, run, start
 
 # every manual offload flag on: the checkpoint brackets really copy and free the storages on CPU
 OFFLOAD = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]
@@ -32,14 +29,6 @@ NUMBERS = ("reward_mean", "response_length", "pg_loss", "kl", "entropy", "pg_cli
 
 def numbers(rows):
     return [{k: r[k] for k in NUMBERS if k in r} for r in rows]
-
-
-def launch(args, nproc, log):
-    """A torchrun run, output to `log`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "train_grpo.py")] + args
-    return subprocess.Popen(cmd, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
 
 
 def wait_for_lines(out, n, proc, timeout=300):
@@ -96,7 +85,7 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path, uninterrupt
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL
     with open(tmp_path / "killed.log", "w") as log:
-        proc = launch(args, 2, log)
+        proc = start(args, 2, log=log)
         wait_for_lines(out, 3, proc)
         time.sleep(0.3)
         for pid in list(workers(proc).values()) + [proc.pid]:   # both ranks and torchrun: no handler runs
@@ -121,7 +110,7 @@ def test_sigterm_saves_a_checkpoint_then_resume_equals_uninterrupted(tmp_path, u
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=6", "--save_freq=100", "--save=false"] + OFFLOAD + SMALL
     with open(tmp_path / "term.log", "w") as log:
-        proc = launch(args, 2, log)
+        proc = start(args, 2, log=log)
         wait_for_lines(out, 2, proc)
         os.kill(proc.pid, signal.SIGTERM)
         proc.wait(timeout=120)
@@ -413,8 +402,8 @@ def test_stalled_rank_ends_the_job_with_one_line(tmp_path):
     its 30 s grace) with one `error:` line naming the timeout, instead of hanging for 30 minutes."""
     out = str(tmp_path / "run")
     with open(tmp_path / "stall.log", "w") as log:
-        proc = launch([f"--out_dir={out}", "--steps=200", "--save_freq=0", "--save=false",
-                       "--dist_timeout_s=10"] + SMALL, 2, log)
+        proc = start([f"--out_dir={out}", "--steps=200", "--save_freq=0", "--save=false",
+                      "--dist_timeout_s=10"] + SMALL, 2, log=log)
         try:
             wait_for_lines(out, 1, proc)
             os.kill(workers(proc)[1], signal.SIGSTOP)

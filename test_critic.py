@@ -2,9 +2,6 @@
 
     python -m pytest test_critic.py -q
 """
-import json
-import os
-
 import pytest
 import torch
 
@@ -12,8 +9,7 @@ import actor
 import critic
 import offload
 from model import build_mesh, load_model, shard
-from conftest import layout, tiny_batch
-from test_train import run
+from conftest import launches, layout, metrics, run, tiny_batch
 
 
 def test_gae_hand_values():
@@ -145,14 +141,15 @@ def test_shared_head_trains_and_leaves_the_trunk_alone(dist_env):
     assert shared == (act.config.hidden_size + 1) * 4 and separate > 1000 * shared
 
 
+@launches
 @pytest.mark.parametrize("mode", ["separate", "shared"])
+@pytest.mark.timeout(900)                # 60 PPO steps: 176-274 s on 2 busy cores
 def test_ppo_run_learns(tmp_path, mode):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false", "--algorithm.adv_estimator=gae",
              f"--critic.mode={mode}", "--critic.param_offload=true", "--critic.optimizer_offload=true"])
     assert r.returncode == 0, r.stderr[-3000:]
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        m = [json.loads(line) for line in f]
+    m = metrics(out)
     first = sum(x["reward_mean"] for x in m[:10]) / 10
     last = sum(x["reward_mean"] for x in m[-10:]) / 10
     assert last > first + 0.1, (first, last)

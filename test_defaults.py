@@ -15,18 +15,16 @@ Random weights (`random:qwen2.5-<size>`) and the built-in copy task: nothing is 
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, run
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                  reason="needs a CUDA GPU and vLLM"),
-              pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", 1)) > 1,
-                                 reason="starts its own runs: run it without torchrun")]
+              launches]                  # starts its own runs: run it without torchrun
 
 SIZES = ["--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--rollout.n=8", "--rollout.response_length=256"]
 CASES = {"grpo": [],
@@ -35,12 +33,11 @@ CASES = {"grpo": [],
          "lora": ["--actor.lora_rank=64", "--actor.lr=1e-5"]}
 
 
-def run(tmp_path, model: str, extra: list[str]) -> dict:
+def two_steps(tmp_path, model: str, extra: list[str]) -> dict:
     """One 2-step run: its last metrics line, and whether --offload=auto said nothing keeps the margin."""
     out = tmp_path / "run"
-    cmd = [sys.executable, os.path.join(HERE, "train_grpo.py"), f"--model=random:{model}", "--rollout.engine=vllm",
-           "--steps=2", "--save=false", "--save_freq=0", f"--out_dir={out}", *SIZES, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=HERE)
+    proc = run([f"--model=random:{model}", "--rollout.engine=vllm", "--steps=2", "--save=false", "--save_freq=0",
+                f"--out_dir={out}", *SIZES, *extra], gpu=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     with open(out / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -65,22 +62,21 @@ def compare(m: dict) -> list[tuple]:
 @pytest.mark.parametrize("offload", ["manual", "auto"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("model", ["qwen2.5-3b", "qwen2.5-7b"])
+@pytest.mark.timeout(1000)               # its run's own limit is 900 s
 def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
     if (model, case) == ("qwen2.5-7b", "ppo_separate"):
         # 177 GB of states (actor and critic fp32 + Adam, bf16 ref) on one 140 GB GPU; offloaded, 178 GB of
         # pinned host memory on a 128 GB host: it cannot run on one H200, and must say so in one line: as
         # given, an OOM naming the stage and the change; with auto, before building anything, what would fit
-        out = subprocess.run([sys.executable, os.path.join(HERE, "train_grpo.py"), f"--model=random:{model}",
-                              "--rollout.engine=vllm", "--steps=1", "--save=false", "--save_freq=0",
-                              f"--out_dir={tmp_path / 'run'}", f"--offload={offload}", *SIZES, *CASES[case]],
-                             capture_output=True, text=True, timeout=900, cwd=HERE)
+        out = run([f"--model=random:{model}", "--rollout.engine=vllm", "--steps=1", "--save=false", "--save_freq=0",
+                   f"--out_dir={tmp_path / 'run'}", f"--offload={offload}", *SIZES, *CASES[case]], gpu=True, timeout=900)
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         want = ("error: out of GPU memory in stage", 1) if offload == "manual" else \
             ("error: --offload=auto: the plan finds no combination", 2)
         assert out.returncode == want[1] and last.startswith(want[0]) and ("--" in last or "GPUs" in last), \
             (out.stdout + out.stderr)[-3000:]
         return
-    m = run(tmp_path, model, CASES[case] + [f"--offload={offload}"])
+    m = two_steps(tmp_path, model, CASES[case] + [f"--offload={offload}"])
     gpu = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
     rows = compare(m)
     if os.environ.get("DEFAULTS_OUT"):     # a file: one JSON line per run appended
@@ -106,11 +102,12 @@ def test_vllm_allocates_the_kv_bytes_it_was_asked_for(tmp_path):
     that, to within one block per layer (it rounds down to whole blocks)."""
     import rollout
     import tiny
+    import vllm_engine
     config = tiny.qwen25_config("qwen2.5-0.5b")
     cfg = rollout.RolloutConfig(engine="vllm", n=8, response_length=512)
     engine = rollout.build(cfg, device=torch.device("cuda"), model_path=None, config=config, out_dir=str(tmp_path),
                            req=rollout.Request(64, 640, "bfloat16"), seed=0, pad_id=0, eos_id=1)
-    runner = rollout.vllm_model(engine.llm)      # the model; its runner holds the KV tensors
+    runner = vllm_engine.vllm_model(engine.llm)      # the model; its runner holds the KV tensors
     worker = engine.llm.llm_engine.model_executor.driver_worker.worker
     allocated = sum(t.numel() * t.element_size() for t in worker.model_runner.kv_caches)
     per_block = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 2 * 16

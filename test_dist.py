@@ -7,8 +7,6 @@ the same update with 1 process; an offload -> reload round trip is bit-exact and
 update is identical to one with no offload at all; the ranks of one tensor-parallel vLLM engine
 send it the same requests and each keeps its own.
 """
-import os
-import subprocess
 import sys
 
 import torch
@@ -23,9 +21,7 @@ import launch
 import weights
 from model import build_mesh, build_optimizer, compute_log_probs, load_model, shard
 from launch import init_distributed
-from conftest import launches, layout, tiny_batch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, layout, run, tiny_batch
 
 
 def _one_update(out_path: str, fsdp_size: int = -1):
@@ -74,11 +70,8 @@ def _rollout_collectives(out_path: str):
 
 
 def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):
-    # gloo on the CPU for both runs, so they differ only in the number of ranks
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc_per_node={nproc}", os.path.join(HERE, "test_dist.py"), out_path, str(fsdp_size)],
-                       env=env, capture_output=True, text=True, timeout=600)
+    # gloo on the CPU (run's default) for every run, so they differ only in the number of ranks
+    r = run([out_path, fsdp_size], nproc, script="test_dist.py")
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
@@ -181,11 +174,11 @@ def test_weight_sync_gathers_in_bf16_the_values_of_casting_the_fp32_gather(rollo
     assert len(rollout_collectives["sync_equal"]) > 10 and all(rollout_collectives["sync_equal"])
 
 
-def test_tensor_parallel_needs_the_vllm_engine():
+def test_tensor_parallel_needs_the_vllm_engine(tmp_path):
     """tensor_parallel_size > 1 with the HF engine is refused with a ValueError that says so."""
     with pytest.raises(ValueError, match="needs the vLLM engine"):
         rollout.build(rollout.RolloutConfig(engine="hf", tensor_parallel_size=2), device=torch.device("cpu"),
-                      model_path=None, config=None, out_dir="/tmp", req=rollout.Request(1, 8, "float32"),
+                      model_path=None, config=None, out_dir=str(tmp_path), req=rollout.Request(1, 8, "float32"),
                       seed=0, pad_id=0, eos_id=1)
 
 

@@ -6,7 +6,6 @@ number, the frozen-bf16-base layout FSDP2 accepts, and the embedded run learns.
 """
 import json
 import os
-import subprocess
 import sys
 import types
 
@@ -17,15 +16,13 @@ import actor
 import offload
 import rollout
 import tiny
+import vllm_engine
 import launch
 import weights
 import lora
 from model import build_mesh, compute_log_probs, forward, load_model, shard
 from launch import init_distributed
-from conftest import launches, layout, tiny_batch
-from test_train import metrics, run
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, layout, metrics, run, tiny_batch
 
 
 def _lora_actor(device, mesh, seed: int = 0, **cfg):
@@ -56,10 +53,12 @@ def _peft_merged(a):
 
 
 def _fake_llm(received: list):
-    """What `rollout.vllm_model(llm)` reaches into, with a load_weights that records each bucket."""
+    """What `vllm_engine.vllm_runner(llm)` reaches into (an unquantized engine), with a load_weights that
+    records each bucket."""
     model = types.SimpleNamespace(load_weights=lambda bucket: received.append([(n, t.clone()) for n, t in bucket]))
     ns = types.SimpleNamespace
-    return ns(llm_engine=ns(model_executor=ns(driver_worker=ns(worker=ns(model_runner=ns(model=model))))))
+    runner = ns(model=model, model_config=ns(quantization=None))
+    return ns(llm_engine=ns(model_executor=ns(driver_worker=ns(worker=ns(model_runner=runner)))))
 
 
 # --------------------------------------------------------------------------- sizes
@@ -150,9 +149,7 @@ def _one_lora_update(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        os.path.abspath(__file__), out_path], env=env, capture_output=True, text=True, timeout=600)
+    r = run([out_path], nproc, script="test_lora.py")      # gloo on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
@@ -181,7 +178,7 @@ if __name__ == "__main__":
 
 # --------------------------------------------------------------------------- weights out
 def test_lora_sync_sends_peft_merged_weights(dist_env):
-    """What `rollout.sync_weights` sends for a LoRA actor with a nonzero adapter, recorded by a fake
+    """What `vllm_engine.sync_weights` sends for a LoRA actor with a nonzero adapter, recorded by a fake
     vLLM `load_weights` in 1 MB buckets (so several): exactly the plain model's HF parameter names,
     once each, in more than one bucket, each equal to peft's own merge_and_unload() weight within
     fp32 rounding (1e-6); every target weight differs from the base's, and the byte count returned
@@ -190,7 +187,7 @@ def test_lora_sync_sends_peft_merged_weights(dist_env):
     a = _lora_actor(device, build_mesh(device, world, -1))
     _nonzero_adapter(a)
     received = []
-    sent = rollout.sync_weights(_fake_llm(received), a.model, torch.float32, 1, device)
+    sent = vllm_engine.sync_weights(_fake_llm(received), a.model, torch.float32, 1, device)
     got = [(n, t) for bucket in received for n, t in bucket]
     merged = dict(_peft_merged(a).named_parameters())
     assert len(received) > 1 and sorted(n for n, _ in got) == sorted(merged)
@@ -342,6 +339,7 @@ def test_lora_offload_flags_change_no_number(tmp_path):
 
 
 @launches
+@pytest.mark.timeout(900)                # 60 steps: 201 s on 2 busy cores
 def test_lora_embedded_run_learns(tmp_path):
     """`python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3`, 60 steps: the mean reward of the
     last 10 steps beats the first 10's by more than 0.15 (measured: 0.11 -> 0.34); every step logs

@@ -25,7 +25,7 @@ import train_grpo
 import options
 import lora
 from model import build_mesh, build_optimizer, shard
-from conftest import launches, mid_model, tiny_batch
+from conftest import launches, mid_model, run, tiny_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("clean_gpu")]
@@ -39,6 +39,15 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 def env(dist_env):
     rank, world, device = dist_env
     return device, build_mesh(device, world, -1)
+
+
+@pytest.fixture
+def out_dir(env, tmp_path) -> str:
+    """The test's out_dir, one for every rank of a torchrun pytest (each rank's tmp_path differs;
+    a checkpoint is written by all ranks into one folder): rank 0's tmp_path."""
+    path = [str(tmp_path)]
+    torch.distributed.broadcast_object_list(path, src=0)
+    return path[0]
 
 
 def _allocated():
@@ -238,12 +247,12 @@ def test_offload_changes_no_loss(env, deterministic):
     assert moved["offload/actor_optimizer/prefetch_gb"] > 0 and "offload/actor_optimizer/step_waited_s" in moved
 
 
-def test_grpo_steps_with_every_flag_match_none_in_bf16(env):
+def test_grpo_steps_with_every_flag_match_none_in_bf16(env, out_dir):
     """Three GRPO steps through train_step (bf16 compute, levers on): all offload flags == none."""
     runs = []
     for extra in ([], ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]):
         t = train_grpo.setup(options.parse_args(["--rollout.engine=hf", "--save=false",
-                                                    "--out_dir=/tmp/bf16_offload_test"] + extra))
+                                                    f"--out_dir={out_dir}"] + extra))
         runs.append([train_grpo.train_step(t, s) for s in range(3)])
         t = None
     for a, b in zip(*runs):
@@ -251,7 +260,7 @@ def test_grpo_steps_with_every_flag_match_none_in_bf16(env):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
 
 
-def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
+def test_each_flag_frees_its_predicted_bytes_at_each_stage(env, out_dir):
     """Two GRPO steps at Qwen2.5-0.5B shapes (HF engine): at the end of each stage, a run with one
     flag on holds that flag's bytes (params; 2 x params for Adam; the bf16 ref) less than a run
     with none, within 5 %, wherever the flag has them on the host; 0 where the copy levers bring
@@ -259,7 +268,7 @@ def test_each_flag_frees_its_predicted_bytes_at_each_stage(env):
     world = torch.distributed.get_world_size()
     base = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", f"--train_batch_size={4 * world}",
             f"--actor.ppo_mini_batch_size={4 * world}", "--rollout.n=2", "--rollout.response_length=8",
-            "--out_dir=/tmp/stage_bytes_test"]          # 4 prompts per rank on any number of ranks
+            f"--out_dir={out_dir}"]          # 4 prompts per rank on any number of ranks
 
     def run(extra):
         import gc
@@ -395,14 +404,14 @@ def test_critic_offload_frees_its_bytes(env, deterministic):
         [{k: stats[0][k] for k in ("critic/vf_loss", "critic/grad_norm")}] * 2
 
 
-def test_ppo_step_with_every_offload_flag_matches_none(env):
+def test_ppo_step_with_every_offload_flag_matches_none(env, out_dir):
     """Two PPO steps (separate critic) through train_step: all offload flags on == all off (fp32)."""
     runs = []
     flags = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true",
              "--critic.param_offload=true", "--critic.optimizer_offload=true"]
     for extra in ([], flags):
         cfg = options.parse_args(["--algorithm.adv_estimator=gae", "--rollout.engine=hf", "--save=false",
-                                     "--actor.param_dtype=float32", "--out_dir=/tmp/ppo_gpu_test"] + extra)
+                                     "--actor.param_dtype=float32", f"--out_dir={out_dir}"] + extra)
         t = train_grpo.setup(cfg)
         runs.append([train_grpo.train_step(t, s) for s in range(2)])
         t = None
@@ -478,7 +487,7 @@ def test_reward_model_offload_frees_its_bytes(env):
     assert not off.params.on_device and m["offload/reward_model_params/reload_gb"] > 0
 
 
-def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env):
+def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env, out_dir):
     """Two GRPO steps at Qwen2.5-0.5B shapes with a Qwen2.5-0.5B reward model (HF engine): with
     reward_model.param_offload the trainer holds the reward model's bf16 bytes less at the end of
     every stage (its bracket closes inside its own stage) and while the engine generates
@@ -486,7 +495,7 @@ def test_reward_model_stage_offload_frees_its_bytes_at_every_stage(env):
     import gc
     base = ["--model=random:qwen2.5-0.5b", "--reward_model.path=random:qwen2.5-0.5b", "--rollout.engine=hf",
             "--save=false", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--rollout.n=2",
-            "--rollout.response_length=8", "--out_dir=/tmp/rm_stage_bytes_test"]
+            "--rollout.response_length=8", f"--out_dir={out_dir}"]
     runs = []
     for extra in ([], ["--reward_model.param_offload=true"]):
         gc.collect()                       # the last run's models sit in reference cycles until collected
@@ -509,8 +518,6 @@ def test_an_oom_is_explained_with_a_snapshot(tmp_path):
     out of memory: it exits 1, its last stderr line names the stage, what was resident and the
     plan's prediction with a change to make, a memory snapshot is in out_dir, and metrics.jsonl has
     no line for the step that failed."""
-    import subprocess
-    import sys
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         pytest.skip("one process of its own on GPU 0: the one-GPU run makes it, not each torchrun rank")
     fraction = 7 * GB / torch.cuda.get_device_properties(0).total_memory
@@ -519,8 +526,7 @@ def test_an_oom_is_explained_with_a_snapshot(tmp_path):
             f"train_grpo.main(['--model=random:qwen2.5-0.5b', '--rollout.engine=hf', '--steps=2', '--save=false', "
             f"'--train_batch_size=8', '--actor.ppo_mini_batch_size=8', '--rollout.n=4', "
             f"'--rollout.response_length=64', '--out_dir={out}'])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    r = run(["-c", code], script=None, gpu=True, timeout=600)
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1, r.stderr[-2000:]
     assert last.startswith("error: out of GPU memory in stage ") and "the plan predicted" in last and "--" in last, last
@@ -533,7 +539,7 @@ def test_an_oom_is_explained_with_a_snapshot(tmp_path):
 @pytest.mark.parametrize("flags", [[], ["--actor.gradient_checkpointing=false"],
                                    ["--actor.param_offload=true", "--actor.optimizer_offload=true",
                                     "--ref.param_offload=true"]], ids=["defaults", "no_ckpt", "every_flag"])
-def test_plan_predicts_each_stage_within_10_percent(env, flags):
+def test_plan_predicts_each_stage_within_10_percent(env, out_dir, flags):
     """Two GRPO steps at Qwen2.5-0.5B shapes (HF engine, so no vLLM pool in the count), on however
     many ranks pytest runs on: the ref_logp and update stages' measured peak allocated
     (mem/<stage>/peak_gb) is within 10 % of plan/<stage>/predicted_gb, logged beside it."""
@@ -543,7 +549,7 @@ def test_plan_predicts_each_stage_within_10_percent(env, flags):
     t = train_grpo.setup(options.parse_args(
         ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
          f"--train_batch_size={4 * world}", f"--actor.ppo_mini_batch_size={4 * world}", "--rollout.n=4",
-         "--rollout.response_length=64", "--out_dir=/tmp/plan_truth_test"] + flags))
+         "--rollout.response_length=64", f"--out_dir={out_dir}"] + flags))
     m = [train_grpo.train_step(t, s) for s in range(2)][-1]
     for stage in ("ref_logp", "update"):
         measured, predicted = m[f"mem/{stage}/peak_gb"], m[f"plan/{stage}/predicted_gb"]
@@ -552,21 +558,16 @@ def test_plan_predicts_each_stage_within_10_percent(env, flags):
         assert abs(predicted - measured) <= 0.1 * measured, (stage, measured, predicted)
 
 
-def test_a_checkpoint_leaves_host_memory_where_it_was(env):
+def test_a_checkpoint_leaves_host_memory_where_it_was(env, out_dir):
     """A DCP checkpoint of an actor with every offload flag (Qwen2.5-0.5B shapes, after one step, so
     Adam exists), twice: host RSS after each save is within 0.5 GB of before it (DCP stages every
     tensor through pinned host memory that the caching host allocator would otherwise keep: 11.4 GB
     in a 200-step run before checkpoint.save released it), and the second save adds nothing."""
-    import shutil
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    out = "/tmp/ckpt_host_rss_test"                  # one folder for every rank (tmp_path differs per rank)
-    if rank == 0:
-        shutil.rmtree(out, ignore_errors=True)
-    torch.distributed.barrier()
+    world = torch.distributed.get_world_size()
     t = train_grpo.setup(options.parse_args(
         ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
          f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
-         "--rollout.response_length=16", f"--out_dir={out}", "--actor.param_offload=true",
+         "--rollout.response_length=16", f"--out_dir={out_dir}", "--actor.param_offload=true",
          "--actor.optimizer_offload=true", "--ref.param_offload=true"]))
     train_grpo.train_step(t, 0)
     rss = [ledger.host_rss_gb()]

@@ -5,8 +5,6 @@
 The reference everywhere is the plain computation: padded rows, the whole (B, R, vocab) logits
 in fp32, log-softmax and entropy over them, fixed-size micro-batches.
 """
-import os
-import subprocess
 import sys
 
 import pytest
@@ -17,9 +15,7 @@ import packing
 import launch
 from model import build_mesh, compute_log_probs, load_model, make_layout, shard
 from launch import init_distributed
-from conftest import launches, layout, tiny_batch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, layout, run, tiny_batch
 
 
 def _model(dist_env):
@@ -158,13 +154,10 @@ def test_token_budget_update_equals_fixed_on_two_ranks(tmp_path):
     """2 gloo ranks with unequal lengths: the token-budget update runs the same number of
     micro-batches on both ranks (not the fixed path's 4) and gives the same gradient (1e-6) and
     losses as fixed micro-batches of 2 samples."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     out = {}
     for dynamic in (False, True):
         path = str(tmp_path / f"{dynamic}.pt")
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            os.path.join(HERE, "test_packing.py"), path, str(int(dynamic))],
-                           env=env, capture_output=True, text=True, timeout=600)
+        r = run([path, int(dynamic)], 2, script="test_packing.py")      # gloo on the CPU
         assert r.returncode == 0, r.stderr[-3000:]
         out[dynamic] = torch.load(path)
     assert out[True]["bins"][0] == out[True]["bins"][1] and out[False]["bins"] == [4, 4]
@@ -175,6 +168,7 @@ def test_token_budget_update_equals_fixed_on_two_ranks(tmp_path):
         assert out[True]["stats"][k] == pytest.approx(out[False]["stats"][k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
     """On the GPU in bf16, the packed row through FlashAttention's varlen kernel gives the padded

@@ -6,8 +6,6 @@ its warnings, and its predictions against the H200 measurements recorded in docs
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,9 +15,8 @@ import model
 import options
 import plan
 import predict
-from conftest import launches
+from conftest import HERE, launches, run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GB = predict.GB
 
 
@@ -148,10 +145,9 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
 def test_cli_prints_the_table_and_the_choice_in_seconds():
     """`python plan.py <train_grpo options> --nproc=8 --gpu_gb=80` runs on the CPU (no model built)
     within 60 s and prints each stage's row and the fastest configuration that fits."""
-    r = subprocess.run([sys.executable, os.path.join(HERE, "plan.py"), "--model=random:qwen2.5-7b", "--nproc=8",
-                        "--gpu_gb=80", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
-                        "--rollout.response_length=1024", "--prompt_len=512"],
-                       capture_output=True, text=True, timeout=60, cwd=HERE)
+    r = run(["--model=random:qwen2.5-7b", "--nproc=8", "--gpu_gb=80", "--train_batch_size=64",
+             "--actor.ppo_mini_batch_size=64", "--rollout.response_length=1024", "--prompt_len=512"],
+            script="plan.py", timeout=60)
     assert r.returncode == 0, r.stderr[-2000:]
     for stage in ("generate", "ref_logp", "update", "(vLLM awake)"):
         assert stage in r.stdout

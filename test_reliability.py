@@ -9,7 +9,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
@@ -18,9 +17,8 @@ import checkpoint
 import options
 import rundir
 from dataclasses import asdict
-from test_checkpoint import (OFFLOAD, SMALL, in_process, launch, numbers, uninterrupted,  # noqa: F401
-                             wait_for_lines, workers)
-from test_train import HERE, metrics, run
+from conftest import launches, metrics, run, start
+from test_checkpoint import OFFLOAD, SMALL, in_process, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
 
 
 def _errors(text: str) -> list[str]:
@@ -34,11 +32,12 @@ HOLD = ("import sys, time, rundir; rundir.lock_out_dir(sys.argv[1], 0); print('h
 
 def _holder(out):
     """Another process that holds out's lock (as a running rank 0 does) until it is killed."""
-    p = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=HERE, stdout=subprocess.PIPE, text=True)
+    p = start(["-c", HOLD, out], script=None, stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "held"
     return p
 
 
+@launches
 def test_a_second_run_on_one_out_dir_stops_at_once_naming_the_holder(tmp_path):
     """While another process holds out_dir's lock, a run there stops before it writes anything with
     one line naming the holder's pid, host and start; other ranks (rank != 0) never lock, so the
@@ -102,6 +101,7 @@ def _plan(out, *extra):
     return rundir.plan(options.parse_args([f"--out_dir={out}", "--steps=4", *extra]), fp)
 
 
+@launches
 def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, three):
     """The newest checkpoint's actor/__0_0.distcp truncated and the one before it with one byte
     flipped (same size: only its checksum tells): --resume=auto passes over step 3 in the
@@ -126,6 +126,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_intact_one(tmp_path, three)
     assert os.path.isdir(_step(out, 3) + ".damaged")
 
 
+@launches
 def test_damaged_metadata_or_meta_json_is_passed_over_or_one_line(tmp_path, three):
     """A truncated DCP .metadata or meta.json of the newest checkpoint: --resume=auto's pre-flight
     passes over it with a warning naming the file (no DCP traceback) and picks the one before; the
@@ -145,6 +146,7 @@ def test_damaged_metadata_or_meta_json_is_passed_over_or_one_line(tmp_path, thre
         f"checkpoint (another checkpoints/step_N), or an out_dir (its newest intact one is used)"], r.stderr[-3000:]
 
 
+@launches
 def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
     """checkpoints/latest deleted, or naming a checkpoint that is gone: the resume finds the newest
     complete one (step 3) with a warning; --resume=<this out_dir's own step_2> resumes in place
@@ -162,6 +164,7 @@ def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
 
 
 # --------------------------------------------------------------------------- 2. a full disk
+@launches
 def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumable(tmp_path, dist_env, monkeypatch):
     """In this process (1 rank): the start check refuses an out_dir with too little space in one
     line; a checkpoint write whose disk fills (torch's zip writer's 'unexpected pos', as in the
@@ -402,15 +405,7 @@ def test_a_logger_on_a_full_disk_is_one_line_without_its_thread_traceback(tmp_pa
 
 
 # --------------------------------------------------------------------------- 5. Ctrl-C
-def _start(args, log, nproc=0):
-    """train_grpo.py in the background (plain python, or torchrun with nproc ranks), output to `log`."""
-    if nproc:
-        return launch(args, nproc, log)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "train_grpo.py")] + args, env=env, cwd=HERE,
-                            stdout=log, stderr=subprocess.STDOUT)
-
-
+@launches
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
     """The first SIGINT (to the process, or to torchrun, which forwards it to each worker) finishes
@@ -420,7 +415,7 @@ def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=200", "--save_freq=100", "--save=false"] + SMALL
     with open(tmp_path / "int.log", "w") as log:
-        proc = _start(args, log, nproc)
+        proc = start(args, nproc, log=log)
         wait_for_lines(out, 2, proc)
         os.kill(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
@@ -435,7 +430,7 @@ def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
     if nproc:
         return
     with open(tmp_path / "int2.log", "w") as log:
-        proc = _start(args, log)
+        proc = start(args, log=log)
         wait_for_lines(out, done + 1, proc)
         os.kill(proc.pid, signal.SIGINT)
         time.sleep(0.05)
@@ -465,6 +460,7 @@ def test_help_entries_carry_only_their_own_comment():
     assert lines["--reward_error"].endswith("zero (it scores 0, counted)")     # a continuation line
 
 
+@launches
 def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(tmp_path):
     """2 ranks under torchrun: --profile_steps=99 with --steps=1 warns at start (once), a prompt
     longer than max_prompt_length is dropped and said once (rank 0), and --help prints once."""
@@ -482,6 +478,7 @@ def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(
 
 
 # --------------------------------------------------------------------------- 8. torchrun's restarts
+@launches
 def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterrupted):
     """torchrun --max-restarts=2, 2 ranks: kill -9 rank 1 inside step 4 (the last checkpoint at step
     2). torchrun stops the other worker and starts both again with the same command line; they
@@ -490,11 +487,8 @@ def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterr
     uninterrupted run's, each step once."""
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=2",
-           os.path.join(HERE, "train_grpo.py")] + args
     with open(tmp_path / "restart.log", "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+        proc = start(args, 2, torchrun=("--standalone", "--max-restarts=2"), log=log)
         try:
             wait_for_lines(out, 3, proc)
             first = workers(proc)

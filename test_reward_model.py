@@ -4,8 +4,6 @@ through its own tokenizer when that differs from the policy's; a run with one lo
 
     python -m pytest test_reward_model.py -q        # launches 1- and 2-process gloo runs itself
 """
-import os
-import subprocess
 import sys
 
 import pytest
@@ -19,10 +17,7 @@ import tiny
 import launch
 from model import build_mesh
 from launch import init_distributed
-from conftest import launches, tiny_batch
-from test_train import metrics, run
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, metrics, run, tiny_batch
 # the policy's characters under other ids, two role tokens, and a chat template that uses them
 # ' '=4 '#'=5 '+'=6 '='=7 '9'=8 '8'=9 ... '1'=16 '0'=17
 OTHER_VOCAB = ["<pad>", "<eos>", "<u>", "<a>"] + list("0123456789=+# ")[::-1]
@@ -220,10 +215,7 @@ def test_two_processes_equal_one(tmp_path, rm_dirs):
     re-tokenized for the other tokenizer), give the scores of 1 rank scoring all of it."""
     def launch(nproc):
         out = str(tmp_path / f"n{nproc}.pt")
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                            os.path.join(HERE, "test_reward_model.py"), rm_dirs["other"], out],
-                           env=env, capture_output=True, text=True, timeout=600)
+        r = run([rm_dirs["other"], out], nproc, script="test_reward_model.py")      # gloo on the CPU
         assert r.returncode == 0, r.stderr[-3000:]
         return [torch.load(f"{out}.rank{k}") for k in range(nproc)]
     one, two = launch(1), launch(2)

@@ -7,8 +7,6 @@ after a resume, --logger=none writes nothing, the memory picture is drawn from a
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +14,7 @@ import ledger
 import offload
 import options
 import tracker
-from test_train import HERE, metrics, run
+from conftest import launches, metrics, run
 
 SMALL = ["--train_batch_size=8", "--actor.ppo_mini_batch_size=4", "--rollout.n=4", "--save=false"]
 
@@ -53,6 +51,7 @@ def resumed(tmp_path_factory):
     return out, before
 
 
+@launches
 def test_tensorboard_holds_every_metric_of_every_step_once_after_a_resume(resumed):
     out, before = resumed
     rows = metrics(out)
@@ -74,6 +73,7 @@ def test_tensorboard_holds_every_metric_of_every_step_once_after_a_resume(resume
     assert '"logger": "auto"' in texts[0].tensor_proto.string_val[0].decode()
 
 
+@launches
 def test_picture_from_a_run_folder(resumed, tmp_path):
     out, _ = resumed
     path = tracker.picture(out, str(tmp_path / "memory.png"))
@@ -90,8 +90,7 @@ def test_picture_from_a_run_folder(resumed, tmp_path):
         assert memory["update"]["plan_device"] == [r["plan/update/device_gb"] for r in rows]
     assert copies == {}                                    # no offload flag on
     # the command draws the same into the run folder
-    r = subprocess.run([sys.executable, os.path.join(HERE, "plan.py"), "--plot", out], capture_output=True, text=True,
-                       cwd=HERE, timeout=120)
+    r = run(["--plot", out], script="plan.py", timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == os.path.join(out, "memory.png"), r.stderr
     assert os.path.getsize(os.path.join(out, "memory.png")) > 20_000
 
@@ -118,19 +117,20 @@ def test_picture_draws_offload_copies_and_vllm_device_use(tmp_path):
     assert path == str(tmp_path / "memory.png") and os.path.getsize(path) > 20_000
 
 
+@launches
 @pytest.mark.parametrize("what", ["missing", "empty"])
 def test_plot_of_a_folder_that_is_not_a_run_is_one_line(tmp_path, what):
     folder = tmp_path / "run"
     if what == "empty":
         folder.mkdir()
-    r = subprocess.run([sys.executable, os.path.join(HERE, "plan.py"), f"--plot={folder}"], capture_output=True,
-                       text=True, cwd=HERE, timeout=120)
+    r = run([f"--plot={folder}"], script="plan.py", timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(folder) in lines[0], r.stderr
     assert "matplotlib" not in lines[0]
 
 
+@launches
 def test_logger_none_writes_nothing(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=1", "--save_freq=0", "--logger=none"] + SMALL)

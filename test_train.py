@@ -6,8 +6,6 @@ and bad input fails with one clear line.
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,29 +15,13 @@ import options
 import ledger
 import offload
 from model import load_model
-from conftest import launches
+from conftest import launches, metrics, run, start
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GRPO_STAGES = [s for s in ledger.STAGES if s not in ("values", "critic_update", "reward_model", "rollout_wait", "push")]
 
 
-def run(args, nproc=0, timeout=600, env=None):
-    """train_grpo.py in a subprocess (under torchrun when nproc > 0); `env`: extra variables."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if nproc > torch.cuda.device_count():     # more ranks than GPUs: run this one on the CPU (gloo)
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-              f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
-    return subprocess.run(launch + [os.path.join(HERE, "train_grpo.py")] + args, env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=HERE)
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 @launches
+@pytest.mark.timeout(900)                # 60 steps on 2 ranks: 233 s on 2 busy cores
 def test_embedded_run_learns_on_two_processes(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false"], nproc=2)
@@ -79,27 +61,33 @@ def _wait_all(procs, timeout: float) -> list:
 
 
 @launches
+def test_a_started_process_is_not_a_rank_of_this_one(monkeypatch):
+    """A vLLM engine built in the pytest process leaves rank variables in os.environ
+    (rollout.build_vllm's setdefault of RANK and LOCAL_RANK); a plain `python` started after it is
+    still a 1-process run, not a rank looking for torchrun's MASTER_ADDR (test_vllm's async run)."""
+    for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(k, v)
+    r = run(["-c", "import launch; print(launch.init_distributed()[:2])"], script=None)
+    assert r.returncode == 0 and r.stdout.strip() == "(0, 1)", r.stderr[-3000:]
+
+
+@launches
 def test_two_nodes_through_c10d_rendezvous_equal_one_node(tmp_path):
     """Two "nodes" of one CPU process each, started as a multi-node job starts (one torchrun per
     node, --nnodes=2, c10d rendezvous at 127.0.0.1:<free port>, one --rdzv-id), run 3 steps with the
     same rewards, response lengths, losses and grad norms, step for step, as 2 processes on one node
     (--standalone); the run's metrics file is written once (global rank 0)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}   # both runs: gloo on the CPU
-    run = [sys.executable, "-m", "torch.distributed.run"]
-    args = [os.path.join(HERE, "train_grpo.py"), "--steps=3", "--save=false"]
+    args = ["--steps=3", "--save=false"]          # both runs: gloo on the CPU (run's and start's default)
     port = _free_port()
     # --node_rank is left out: c10d rendezvous assigns the ranks (torchrun ignores it and warns)
-    node = run + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                  f"--rdzv-id=two-nodes-{port}"]
+    node = ("--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=two-nodes-{port}")
     logs = [open(tmp_path / f"node{i}.log", "w") for i in range(2)]     # files: a full pipe would block a node
-    nodes = [subprocess.Popen(node + args + [f"--out_dir={tmp_path / 'nodes'}"], env=env, cwd=HERE,
-                              stdout=log, stderr=subprocess.STDOUT) for log in logs]
+    nodes = [start(args + [f"--out_dir={tmp_path / 'nodes'}"], 1, torchrun=node, log=log) for log in logs]
     codes = _wait_all(nodes, timeout=600)
     for log in logs:
         log.close()
     assert codes == [0, 0], [(tmp_path / f"node{i}.log").read_text()[-3000:] for i in range(2)]
-    one = subprocess.run(run + ["--standalone", "--nproc_per_node=2"] + args + [f"--out_dir={tmp_path / 'one'}"],
-                         env=env, cwd=HERE, capture_output=True, text=True, timeout=600)
+    one = run(args + [f"--out_dir={tmp_path / 'one'}"], 2)
     assert one.returncode == 0, one.stderr[-3000:]
     keys = ("reward_mean", "response_length", "pg_loss", "kl", "entropy", "grad_norm", "pg_clipfrac", "ppo_kl")
     got, want = metrics(tmp_path / "nodes"), metrics(tmp_path / "one")
@@ -236,8 +224,8 @@ def test_config_overrides_are_typed():
     (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
     (["--actor.lora_rank=-1"], "--actor.lora_rank=-1: must be >= 0"),
 ])
-def test_bad_input_gives_one_clear_line(args, expect):
-    r = run(args + ["--steps=1", "--save=false", "--out_dir=/tmp/grpo-bad-input"])
+def test_bad_input_gives_one_clear_line(tmp_path, args, expect):
+    r = run(args + ["--steps=1", "--save=false", f"--out_dir={tmp_path}"])
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], r.stderr[-2000:]
@@ -500,6 +488,7 @@ def test_local_model_ppo_critic_and_final_round_trip(tmp_path):
 
 # --------------------------------------------------------------------------- long-run flatness
 @launches
+@pytest.mark.timeout(900)                # 60 steps: 210 s on 2 busy cores
 def test_host_memory_flat_over_many_steps(tmp_path):
     """60 steps of the embedded model with every offload flag on and a checkpoint every 10 steps
     (the host buffers and the DCP saves are where a leak would live). After a 20-step warm-up

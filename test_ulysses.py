@@ -8,8 +8,6 @@ update dealt per data-parallel group (world / k groups) gives k = 1's parameters
 critic's values and its update too (separate and shared). A k that does not divide the world or
 the heads is one line before anything is built; the planner's token terms divide by k.
 """
-import os
-import subprocess
 import sys
 
 import pytest
@@ -24,9 +22,7 @@ import predict
 import ulysses
 from launch import init_distributed
 from model import build_mesh, forward, load_model, make_layout, shard
-from conftest import launches, tiny_batch
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from conftest import launches, metrics, run, tiny_batch
 
 
 def _policy(kv_heads: int):
@@ -110,10 +106,7 @@ def _run(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                        os.path.join(HERE, "test_ulysses.py"), out_path], env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = run([out_path], nproc, script="test_ulysses.py")      # gloo on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
@@ -176,10 +169,10 @@ def test_padded_rows_are_refused_with_sequence_parallelism():
 
 
 @launches
+@pytest.mark.timeout(900)                # 60 steps on 2 ranks: 222 s on 2 busy cores
 def test_grpo_learns_with_sequence_parallelism_on_two_ranks(tmp_path):
     """The embedded default (4 heads, 2 KV heads) on 2 ranks as one Ulysses group (k = 2, data-parallel
     size 1): the reward rises over 60 steps, and the set-up report says the split."""
-    from test_train import metrics, run
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false", "--actor.ulysses_sequence_parallel_size=2"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -192,7 +185,6 @@ def test_grpo_learns_with_sequence_parallelism_on_two_ranks(tmp_path):
 @launches
 def test_ppo_runs_with_sequence_parallelism(tmp_path):
     """PPO with the separate critic, k = 2 on 2 ranks: the values, critic and actor stages run."""
-    from test_train import metrics, run
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=2", "--save=false", "--save_freq=0", "--algorithm.adv_estimator=gae",
              "--actor.ulysses_sequence_parallel_size=2"], nproc=2)

@@ -21,7 +21,7 @@ import rollout
 import weights
 import lora
 from model import build_mesh, compute_log_probs, shard
-from conftest import layout, mid_model
+from conftest import launches, layout, metrics, mid_model, run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                  reason="needs a CUDA GPU and vLLM"),
@@ -184,15 +184,18 @@ def test_sync_transient_is_one_bucket_not_the_model(env):
     assert m["rollout/sync_transient_gb"] * GB <= bound
 
 
+@launches
 def test_async_engine_process_push_parity_and_flat_memory(tmp_path):
     """--rollout.mode=async on one GPU: vLLM in its own process beside the trainer, weights pushed by
     CUDA IPC after each update. Greedy: the engine's log-probs after the first push equal the
-    trainer's within bf16 noise; each stage's trainer peak stays flat over the steps."""
-    from test_train import metrics, run
+    trainer's within bf16 noise; each stage's trainer peak stays flat over the steps. The run is a
+    plain `python` of its own: `run` gives it the environment pytest started with, not this one,
+    where the module's engine set RANK and LOCAL_RANK (rollout.build_vllm) and a child that saw
+    them looked for torchrun's MASTER_ADDR."""
     out = str(tmp_path / "async")
     r = run([f"--out_dir={out}", "--steps=5", "--save=false", "--save_freq=0", "--logger=none", "--rollout.mode=async",
              "--rollout.engine=vllm", "--model=random:qwen2.5-0.5b", "--rollout.temperature=0", "--rollout.n=1",
-             "--rollout.response_length=64"], timeout=500)
+             "--rollout.response_length=64"], gpu=True, timeout=500)
     assert r.returncode == 0, r.stderr[-3000:]
     m = metrics(out)
     assert m[0]["rollout/staleness_max"] == 0 and m[0]["rollout/logp_diff_mean"] < 0.02

@@ -13,21 +13,19 @@ import launch
 import dataclasses
 import importlib.util
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from model import build_mesh, compute_log_probs, shard
 from launch import init_distributed
+from conftest import launches, run
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("vllm") is None,
                        reason="needs 2 CUDA GPUs and vLLM"),
-    pytest.mark.skipif(int(os.environ.get("WORLD_SIZE", 1)) > 1,
-                       reason="launches its own torchrun runs on the GPUs: run it from a plain pytest"),
+    launches,                          # its own torchrun runs on the GPUs: run it from a plain pytest
 ]
 
 
@@ -68,13 +66,12 @@ def _generate(out_dir: str, tp: int):
 
 
 def _run(out_dir: str, tp: int) -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        os.path.join(HERE, "test_vllm_tp.py"), out_dir, str(tp)],
-                       capture_output=True, text=True, timeout=600, cwd=HERE)
+    r = run([out_dir, tp], 2, script="test_vllm_tp.py", gpu=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return [torch.load(os.path.join(out_dir, f"tp{tp}.rank{k}.pt")) for k in range(2)]
 
 
+@pytest.mark.timeout(1200)               # two torchrun runs of vLLM engines on 2 GPUs
 def test_tensor_parallel_engine_generates_what_one_engine_per_gpu_does(tmp_path):
     """2 GPUs, the same actor and the same 8 prompts per rank: with tensor_parallel_size=2 (one
     engine over both GPUs, the weight sync sending whole tensors that vLLM slices per GPU) each
