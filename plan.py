@@ -456,11 +456,13 @@ def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> s
         return None
     where = "over the GPU's" if p.device[worst] > gpu else f"inside the {cfg.plan_margin:.0%} margin of the GPU's"
     auto = ""
-    if cfg.offload != "auto":
-        best, bp = choose(cfg, Target(world, prompt_len, gpu, cfg.plan_margin, engine, ledger.host_bytes_per_rank()))
-        auto = (f"; --offload=auto would choose {' '.join(changes(cfg, best)) or 'the flags as given'} "
-                f"({bp.device_peak / GB:.1f} GB device-level)" if best else
-                "; --offload=auto finds nothing that keeps the margin (it would take the least device memory)")
+    if cfg.offload != "auto":                  # what plan_auto would do: the fastest that keeps the margin, or the least
+        t = Target(world, prompt_len, gpu, cfg.plan_margin, engine, ledger.host_bytes_per_rank())
+        best, bp = choose(cfg, t)
+        how = "choose" if best else "take the least device memory (nothing keeps the margin)"
+        best, bp = (best, bp) if best else choose(cfg, replace(t, margin=0.0), least_memory=True)
+        auto = f"; --offload=auto would {how}: {' '.join(changes(cfg, best)) or 'the flags as given'} " \
+               f"({bp.device_peak / GB:.1f} GB device-level)" if best else "; nothing fits this GPU by the plan"
     return (f"[plan] warning: {worst}'s predicted device level, {p.device[worst] / GB:.1f} GB, is {where} "
             f"{gpu / GB:.1f} GB: the allocator will free its cache and retry there (slower), or run out{auto}")
 
