@@ -18,12 +18,12 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
     part test_memory 240 python -m pytest -q -rf -x test_memory.py
     part test_vllm 200 python -m pytest -q -rf -s test_vllm.py
-    part test_packing_gpu 60 python -m pytest -q -rf -m gpu test_packing.py
-    part test_defaults_kv 80 python -m pytest -q -rf -s test_defaults.py -k kv_bytes ;;
+    part test_packing_gpu 60 python -m pytest -q -rf -m gpu test_packing.py ;;
   fp8tests)
-    part test_fp8_bytes 240 python -m pytest -q -rf -s test_fp8.py -k fresh
+    part test_defaults_kv 80 python -m pytest -q -rf -s test_defaults.py -k kv_bytes
+    part test_fp8_bytes 200 python -m pytest -q -rf -s test_fp8.py -k fresh
     part test_fp8_learns 150 python -m pytest -q -rf -s test_fp8.py -k embedded
-    part test_fp8_0p5b 180 python -m pytest -q -rf -s test_fp8.py -k 0p5b ;;
+    part test_fp8_0p5b 170 python -m pytest -q -rf -s test_fp8.py -k 0p5b ;;
   profile)
     part profile_0p5b 270 python bench/bench_step.py --model=random:qwen2.5-0.5b --profile --out="$OUT/step_0p5b.json" \
         --variants="--actor.gradient_checkpointing=true;--actor.gradient_checkpointing=false"
