@@ -97,9 +97,10 @@ def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
         assert not retries, f"--offload=auto ran into allocator retries: {retries}"
 
 
-def test_vllm_allocates_the_kv_bytes_it_was_asked_for(tmp_path):
+def test_vllm_allocates_the_kv_bytes_it_was_asked_for(tmp_path, dist_env):
     """rollout.build sizes the KV cache from the batch (kv_cache_memory_bytes); vLLM must allocate
-    that, to within one block per layer (it rounds down to whole blocks)."""
+    that, to within one block per layer (it rounds down to whole blocks). In the test's process group
+    (dist_env): vLLM's external launcher joins it (without one it looked for torchrun's MASTER_ADDR)."""
     import rollout
     import tiny
     import vllm_engine

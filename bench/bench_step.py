@@ -84,7 +84,11 @@ def profile_table(trace: str) -> dict:
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     """(medians of the measured steps' figures, the profile or None, the engine) for one variant."""
     cfg = options.parse_args(workload(args, flags))
-    t = train_grpo.setup(cfg, engine=engine)
+    vocab = 151936 if cfg.model and cfg.model.startswith("random:qwen") else 16
+    g = torch.Generator().manual_seed(0)       # the prompts: prompt_len random tokens each (the copy task's are 4)
+    data = ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)], ["0"] * 64,
+            None) if args.prompt_len else None
+    t = train_grpo.setup(cfg, engine=engine, data=data)
     steps = []
     for s in range(args.warmup + args.steps):
         last = profile and s == args.warmup + args.steps - 1
@@ -120,6 +124,7 @@ def main():
     ap.add_argument("--modes", default="bf16", help=f"the rollout engine's modes, comma-separated: {', '.join(MODES)}")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt_len", type=int, default=64, help="0: the copy task's 4-token prompts (round 7's runs)")
     ap.add_argument("--response_len", type=int, default=256)
     ap.add_argument("--micro", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=2)
