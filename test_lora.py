@@ -92,7 +92,7 @@ def test_lora_ref_log_probs_are_the_base_models(dist_env):
     _nonzero_adapter(a)
     plain = shard(load_model(None, seed=0), mesh, device)
     batch = tiny_batch(12, 5, device, seed=7)
-    ref_lp = actor.compute_ref_log_probs(a, batch, 1.0, {})
+    ref_lp = actor.compute_ref_log_probs(a, batch, 1.0, {}, ppo=True)   # (nothing kept for an update)
     base_lp = compute_log_probs(plain, batch, layout(32), 1.0)
     own_lp = compute_log_probs(a.model, batch, layout(32), 1.0)
     assert torch.equal(ref_lp, base_lp)
