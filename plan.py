@@ -351,7 +351,8 @@ def usage() -> str:
     return "\n".join(["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
                       "  --templates  the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
                       "  --plot=RUN   RUN/memory.png from its metrics.jsonl",
-                      options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3].replace("[run]", "plan.py's own options:")])
+                      options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3]
+                      .replace("[run]", "plan.py's own options:")])
 
 
 def main(argv=None):
@@ -433,7 +434,8 @@ def relax(cfg, world: int, prompt_len: int, engine: str, device, rank: int):
     free without it by the plan, unless the command line set it; said in one line. A new config."""
     if device.type != "cuda" or cfg.offload == "auto":
         return cfg
-    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(cfg.actor, k) and f"actor.{k}" not in getattr(cfg, "_given", ())}
+    given = getattr(cfg, "_given", ())       # the options the command line set (options.parse_args)
+    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(cfg.actor, k) and f"actor.{k}" not in given}
     gpu = ledger.gpu_capacity(device)
     if not off or predict(with_options(cfg, off), world, prompt_len, engine).device_peak > gpu * (1 - cfg.plan_margin):
         return cfg

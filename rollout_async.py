@@ -175,8 +175,9 @@ def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config
     if rank == 0:
         transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
         engine_dir = os.path.join(out_dir, "vllm_config", "engine")
-        spec = rollout_engine.Spec(cfg, config, rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None,
-                    req, pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0), timeout_s)
+        where = rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None
+        spec = rollout_engine.Spec(cfg, config, where, req, pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0),
+                                   timeout_s)
         _connect(s, spec)
     push(s, model, stashes, version, {})
     return s
@@ -252,7 +253,8 @@ def _accept(listener, k: int, timeout_s: float, procs: list) -> list:
             raise rollout_engine.EngineDied(f"rollout engine process {dead[0].pid} exited with code {dead[0].exitcode} before it "
                              f"connected (its output above says why)")
         if time.time() - t0 > timeout_s:
-            raise rollout_engine.EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within --dist_timeout_s={timeout_s:g} s")
+            raise rollout_engine.EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within "
+                                            f"--dist_timeout_s={timeout_s:g} s")
     return conns
 
 
