@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 
 import actor
 import critic
+import kernels
 import ref
 import reward_model
 import rollout
@@ -69,6 +70,9 @@ class Config:
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
+    kernels: str = "auto"                  # the models' kernels (kernels.py): liger (Liger-Kernel's fused RMSNorm, SwiGLU,
+                                           # RoPE) | compile (each decoder layer compiled) | torch; auto: liger when
+                                           # installed and on a GPU, else torch
     logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
                                            # (<out_dir>/wandb, offline unless WANDB_MODE) | none; auto: tensorboard
                                            # when installed, else none (metrics.jsonl is always written)
@@ -84,7 +88,8 @@ class Config:
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
           "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
           "plan_margin": "[0, 1)"}
-CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto"), "logger": tracker.KINDS}
+CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto"), "logger": tracker.KINDS,
+           "kernels": kernels.KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 

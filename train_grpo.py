@@ -60,6 +60,7 @@ import actor
 import checkpoint
 import critic
 import data as data_io
+import kernels
 import launch
 import ledger
 import offload
@@ -76,7 +77,7 @@ import tracker
 import ulysses
 from launch import init_distributed
 from checks import check_model
-from model import all_sum, build_mesh
+from model import all_sum, build_mesh, hf_config
 from options import Config
 
 
@@ -107,6 +108,7 @@ class Trainer:
     data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
     peak: float = 0.0                      # the GPU's bf16 matmul FLOP/s, measured at set-up (MFU's denominator)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
+    kernels: str = ""                      # the set-up line of the models' kernels (kernels.use)
 
 
 def preflight(cfg: Config):
@@ -152,7 +154,9 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
+    kernel_line = kernels.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
+    kernels.compile_layers([x.model for x in (a, r, c, rm) if x is not None], kernel_line)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
@@ -165,7 +169,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
                 order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak)
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak, kernels=kernel_line)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
         print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)
@@ -200,7 +204,7 @@ def report(t: Trainer) -> list[str]:
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     lines.append(rundir.disk_report(cfg, trained(t), t.actor))   # raises when the disk cannot hold the run
     lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
-    lines += rollout.describe(t.engine)
+    lines += rollout.describe(t.engine) + [t.kernels]
     lines += [f"[perf] the GPU's bf16 matmul peak, measured (8192^3): {t.peak / 1e12:.0f} TFLOP/s (MFU's base)"] if t.peak else []
     if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
                                       if isinstance(s, offload.Stash)):

@@ -143,11 +143,12 @@ def main():
             try:
                 m, table, engine = run_variant(args, flags, engine, args.profile)
                 res["runs"][name] = {"ok": True, "metrics": m, "profile": table}
-            except (torch.OutOfMemoryError, train_grpo.StageOutOfMemory, ValueError) as e:
-                res["runs"][name] = {"ok": False, "error": str(e).splitlines()[0][:400]}
+            except Exception as e:         # an OOM, a refused setting, a compiler failure: the row says which
+                res["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
-            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
+            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
+                    "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
                     "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)

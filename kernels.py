@@ -1,0 +1,81 @@
+"""Which kernels the trainer's models run: transformers' own modules, Liger-Kernel's fused ones, or each
+decoder layer compiled. One process-wide choice (`--kernels`), made before any model is built.
+
+    python -m pytest -q -m gpu test_packing.py -k kernels   # log-probs and grads of each equal torch's (GPU)
+
+Why: at 0.5B the update's GPU is busy a third of the stage; most of the rest it waits for the host to
+launch the next of many small kernels, and of its busy time the norms and elementwise kernels take more
+than the matmuls (BENCHMARKS, "where the time goes"). Fewer, larger kernels are the lever, not memory:
+- liger    Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE (`pip install liger-kernel`; Qwen2 models, GPU).
+           Each is one kernel per call where transformers runs several, and they keep less for backward
+           (an RMSNorm its bf16 input and one fp32 scalar per token, not an fp32 copy of its input).
+           Liger replaces the classes in transformers' Qwen2 module, so every Qwen2 model built after this
+           (actor, reference, critic, reward model) has them; the parameter names are the same, so
+           checkpoints, the weight sync and LoRA see no difference.
+- compile  torch.compile of each decoder layer's forward (regional: one compiled graph, reused by every
+           layer; FSDP's hooks stay outside it). The first steps pay the compilation (about a minute).
+- torch    transformers' modules as they are.
+- auto     liger where it runs (installed, a GPU, a Qwen2 model), else torch.
+The LM head is not among them: packing.py already applies it to response tokens only, a chunk at a time.
+"""
+import importlib.util
+
+import torch
+
+KERNELS = ("auto", "liger", "compile", "torch")
+
+
+def _torch_modules():
+    from transformers.models.qwen2 import modeling_qwen2 as m
+    return {"Qwen2RMSNorm": m.Qwen2RMSNorm, "Qwen2MLP": m.Qwen2MLP, "apply_rotary_pos_emb": m.apply_rotary_pos_emb}
+
+
+_TORCH = {}                                # transformers' own, kept so that `torch` can undo `liger`
+
+
+def resolve(kind: str, device: torch.device, model_type: str) -> tuple[str, str]:
+    """(the kernels used, why): `auto` becomes liger or torch; liger where it cannot run is an error."""
+    installed = importlib.util.find_spec("liger_kernel") is not None
+    missing = ("a GPU" if device.type != "cuda" else
+               "liger-kernel (pip install liger-kernel)" if not installed else
+               f"a Qwen2 model (this one is {model_type})" if model_type != "qwen2" else "")
+    if kind == "auto":
+        return ("liger", "auto: installed, a GPU, Qwen2") if not missing else ("torch", f"auto: liger needs {missing}")
+    if kind == "liger" and missing:
+        raise ValueError(f"--kernels=liger needs {missing}; use --kernels=torch")
+    if kind == "compile" and device.type != "cuda":
+        raise ValueError("--kernels=compile needs a GPU; use --kernels=torch")
+    return kind, "as given"
+
+
+def use(kind: str, device: torch.device, model_type: str) -> str:
+    """Before any model is built: transformers' Qwen2 module gets `kind`'s classes (liger) or its own
+    back (torch, compile), so the models built afterwards have them (RoPE is looked up at each call:
+    it follows at once). Returns the set-up line."""
+    from transformers.models.qwen2 import modeling_qwen2 as m
+    used, why = resolve(kind, device, model_type)
+    _TORCH.update(_TORCH or _torch_modules())
+    if used == "liger":
+        from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
+        m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb = LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
+    else:
+        for name, obj in _TORCH.items():
+            setattr(m, name, obj)
+    return f"[kernels] {used} ({why}): {WHAT[used]}"
+
+
+WHAT = {"liger": "Liger-Kernel's RMSNorm, SwiGLU and RoPE in every Qwen2 model", "torch": "transformers' modules",
+        "compile": "each decoder layer's forward compiled (the first steps compile)"}
+
+
+def compile_layers(models: list, line: str) -> int:
+    """With `compile` (the set-up line says so): torch.compile each decoder layer's forward in place, after
+    sharding (FSDP2's all-gather and reshard hooks run around it, uncompiled). Sizes change every
+    micro-batch, so shapes are dynamic from the start (one graph, not one per length). A model seen twice
+    (PPO's shared critic) is compiled once. Returns the layers compiled."""
+    if not line.startswith("[kernels] compile"):
+        return 0
+    layers = {id(m): m for model in models for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}
+    for layer in layers.values():
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    return len(layers)
