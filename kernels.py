@@ -23,6 +23,7 @@ import importlib.util
 import torch
 
 KERNELS = ("auto", "liger", "compile", "torch")
+GPU = torch.device("cuda")                 # what the planner resolves `auto` for (a plan is for a GPU run)
 
 
 def _torch_modules():

@@ -254,6 +254,7 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tied: bool
+    fused: bool = False                        # Liger's RMSNorm and SwiGLU (kernels.py): they keep less for backward
 
     @property
     def kv_dim(self) -> int:
@@ -283,9 +284,11 @@ class Shapes:
     def saved_per_token(self, c: int = 2) -> int:
         """Bytes autograd keeps per token per decoder layer in the compute dtype (`c` bytes): two
         RMSNorms keep an fp32 copy of their input; q, k, v, the attention output and its log-sum-exp;
-        the MLP's gate, up, activation and product (counted from the HF Qwen2 layer, test_plan.py)."""
+        the MLP's gate, up, activation and product (counted from the HF Qwen2 layer, test_plan.py). Fused
+        (Liger): each RMSNorm keeps its input in the compute dtype, and the MLP no activation (recomputed)."""
         h = self.hidden
-        return 8 * h + 8 + 2 * c * h + c * (4 * h + 2 * self.kv_dim + 4 * self.ffn) + 4 * self.heads
+        norms, mlp = (2 * c * h + 8, 3) if self.fused else (8 * h + 8, 4)
+        return norms + 2 * c * h + c * (4 * h + 2 * self.kv_dim + mlp * self.ffn) + 4 * self.heads
 
     def gather(self, c: int) -> int:           # FSDP2 in a forward: the layer computed, the next, the root
         return c * (2 * self.layer_params + self.root_params)

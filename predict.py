@@ -17,10 +17,11 @@ keeps per token, the LM head's chunk (packing.HEAD_*), the engine's weights and 
 Async rollout (rollout.mode=async): the engine's GPU (`Plan.engine_device`: on rank 0's GPU with
 rollout.gpus=0, inside every stage's device level) and the host buffer; `world` is the trainer's ranks."""
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import actor
 import critic
+import kernels
 import ledger
 import model
 import ref
@@ -139,10 +140,13 @@ class Run:
 
 
 def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
-    """One rank's share: a Ulysses group's k ranks hold the same rows (the batch splits over world / k)."""
+    """One rank's share: a Ulysses group's k ranks hold the same rows (the batch splits over world / k); the
+    kernels a GPU run would use (liger keeps less for backward)."""
     k = cfg.actor.ulysses_sequence_parallel_size
     n, dp = cfg.rollout.n, world // k
-    return model.Sizes(shapes(cfg.model), world, world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size,
+    fused = kernels.resolve(cfg.kernels, kernels.GPU, model_config(cfg.model).model_type)[0] == "liger"
+    group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
+    return model.Sizes(replace(shapes(cfg.model), fused=fused), world, group,
                        4 if cfg.actor.param_dtype == "float32" else 2, cfg.train_batch_size * n // dp,
                        cfg.actor.ppo_mini_batch_size * n // dp, prompt_len, cfg.rollout.response_length, k)
 

@@ -206,41 +206,55 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     assert modeling_qwen2.Qwen2RMSNorm is norm and kernels.compile_layers([load_model(None)], "[kernels] torch") == 0
 
 
+def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "bfloat16") -> tuple:
+    """(log-probs, entropies, grads) of the ~430M model with `kind`'s kernels, packed, checkpointing on."""
+    import kernels
+    from conftest import mid_model
+    _, world, device = dist_env
+    line = kernels.use(kind, device, "qwen2")
+    model = mid_model()
+    model.load_state_dict(weights)
+    model = shard(model, build_mesh(device, world, -1), device, param_dtype=dtype, gradient_checkpointing=True)
+    assert kernels.compile_layers([model], line) == (8 if kind == "compile" else 0)
+    assert any(type(m).__name__ == "LigerRMSNorm" for m in model.modules()) == (kind == "liger")
+    for _ in range(2):                     # compile: the second call runs the compiled graph
+        model.zero_grad(set_to_none=True)
+        lp, ent = packing.response_logprobs(model, batch, 1.0, layout(8), entropy_grad=True)
+        (lp.sum() + 0.01 * ent.sum()).backward()
+    return lp.detach(), ent.detach(), _grads(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kind", ["liger", "compile"])
-def test_kernels_match_torch_in_bf16(dist_env, kind):
-    """--kernels=liger and =compile give transformers' log-probs and entropies (mean |diff| < 0.01, max
-    < 0.1 nats, the packing tolerance) and gradients (cosine > 0.999) on the packed bf16 path with
-    checkpointing, on the ~430M model; and they really ran (Liger's modules in the model, 8 layers
-    compiled). liger is skipped where liger-kernel is not installed (an optional dependency)."""
+def test_kernels_are_as_accurate_as_torch_in_bf16(dist_env, kind):
+    """--kernels=liger and =compile (which really ran: Liger's modules in the model, 8 layers compiled) are
+    no further from the fp32 computation than transformers' own bf16 modules: log-probs' and entropies'
+    mean |error| at most 10 % more (+0.001), max |error| < 0.1 nats, the gradient's cosine to fp32's
+    within 1e-4 of torch's, on the packed path with checkpointing (~430M model). Their distance to
+    torch's bf16 itself is printed: both sides round differently (fused kernels keep fp32 inside).
+    liger is skipped where liger-kernel is not installed (an optional dependency)."""
     import kernels
     from conftest import mid_model
     if kind == "liger":
         pytest.importorskip("liger_kernel")
-    _, world, device = dist_env
-    batch, weights, out = tiny_batch(8, 48, device, seed=6, vocab=32000), mid_model().state_dict(), {}
+    device = dist_env[2]
+    batch, weights = tiny_batch(8, 48, device, seed=6, vocab=32000), mid_model().state_dict()
     try:
-        for k in ("torch", kind):
-            line = kernels.use(k, device, "qwen2")
-            model = mid_model()
-            model.load_state_dict(weights)
-            model = shard(model, build_mesh(device, world, -1), device, gradient_checkpointing=True)
-            assert kernels.compile_layers([model], line) == (8 if k == "compile" else 0)
-            assert any(type(m).__name__ == "LigerRMSNorm" for m in model.modules()) == (k == "liger")
-            for _ in range(2):             # compile: the second call runs the compiled graph
-                model.zero_grad(set_to_none=True)
-                lp, ent = packing.response_logprobs(model, batch, 1.0, layout(8), entropy_grad=True)
-                (lp.sum() + 0.01 * ent.sum()).backward()
-            out[k] = lp.detach(), ent.detach(), _grads(model)
+        exact = _kernel_run("torch", weights, batch, dist_env, dtype="float32")
+        out = {k: _kernel_run(k, weights, batch, dist_env) for k in ("torch", kind)}
     finally:
         kernels.use("torch", device, "qwen2")
     m = batch["response_mask"].bool()
-    d, e = ((out[kind][i] - out["torch"][i])[m].abs() for i in (0, 1))
-    cos = torch.nn.functional.cosine_similarity(out[kind][2], out["torch"][2], dim=0)
-    print(f"\n[kernels] {kind} vs torch: |dlogp| mean {d.mean():.4f} max {d.max():.4f}; |dentropy| mean "
-          f"{e.mean():.4f}; grad cosine {cos:.6f}")
-    assert d.mean() < 0.01 and d.max() < 0.1 and e.mean() < 0.01 and cos > 0.999
+    err = {k: [(v[i] - exact[i])[m].abs() for i in (0, 1)] for k, v in out.items()}
+    cos = {k: torch.nn.functional.cosine_similarity(v[2], exact[2], dim=0).item() for k, v in out.items()}
+    d = (out[kind][0] - out["torch"][0])[m].abs()
+    print(f"\n[kernels] vs fp32: |dlogp| mean torch {err['torch'][0].mean():.4f} {kind} {err[kind][0].mean():.4f}, "
+          f"max {err[kind][0].max():.4f}; grad cosine torch {cos['torch']:.6f} {kind} {cos[kind]:.6f}; "
+          f"{kind} vs torch bf16: |dlogp| mean {d.mean():.4f} max {d.max():.4f}")
+    for i in (0, 1):
+        assert err[kind][i].mean() <= 1.1 * err["torch"][i].mean() + 1e-3
+    assert err[kind][0].max() < 0.1 and cos[kind] > cos["torch"] - 1e-4
 
 
 if __name__ == "__main__":

@@ -104,12 +104,28 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     measured = steps[args.warmup:] or steps
     m = {k: statistics.median(x[k] for x in measured if k in x) for k, v in measured[-1].items()
          if isinstance(v, (int, float))}
+    m["bench/step_s_all"] = [x["time/step"] for x in measured]
     m.update({f"plan/{k}": v for k, v in predicted(t).items()})
     engine, t = t.engine, None
     gc.collect()
     torch.cuda.empty_cache()
     offload.empty_host_cache()
+    m["bench/left_allocated_gb"] = (torch.cuda.memory_allocated() - engine.pool_bytes) / 2 ** 30
+    m["bench/left_models"] = left_models()
     return m, (table if profile else None), engine
+
+
+def left_models() -> list:
+    """The trainer's models still alive after a variant was dropped (what would inflate the next variant's
+    memory), each with the types of what holds it: a bench that compares variants must start each clean."""
+    out = []
+    for o in gc.get_objects():
+        if isinstance(o, torch.nn.Module) and type(o).__name__.endswith(("ForCausalLM", "ForTokenClassification")) \
+                and not type(o).__module__.startswith("vllm"):
+            holders = [type(r).__name__ + (":" + ",".join(list(r)[:6]) if isinstance(r, dict) else "")
+                       for r in gc.get_referrers(o)][:8]
+            out.append(f"{type(o).__name__} held by {holders}")
+    return out
 
 
 def predicted(t) -> dict:
@@ -148,7 +164,7 @@ def main():
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
             keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
-                    "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
+                    "mem/update/peak_gb", "plan/update/predicted_gb", "bench/left_allocated_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
                     "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
