@@ -5,7 +5,8 @@
 #   bash bench/one_gpu.sh fp8tests                             # test_fp8.py (each engine in its own process)
 #   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B and 1.5B, checkpointing on / off
 #   bash bench/one_gpu.sh fp8bench                             # bf16 / FP8 KV / FP8 weights + KV at 1.5B and 7B
-#   bash bench/one_gpu.sh kernels [0.5b|1.5b]                  # --kernels torch / liger / compile: accuracy, step
+#   bash bench/one_gpu.sh kernels [0.5b|1.5b]                  # --kernels torch / liger / compile: the step
+#   bash bench/one_gpu.sh rest; bash bench/one_gpu.sh rest2    # the GPU tests round 7 did not reach; the kernels' accuracy
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -41,12 +42,20 @@ case "${1:-}" in
     done ;;
   kernels)   # liger-kernel from a wheel carried beside the vLLM bundle (.vllm/liger/, no registry there)
     ls .vllm/liger/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .vllm/liger/*.whl
-    part test_kernels 200 python -m pytest -q -rf -s -m gpu test_packing.py -k kernels_are
     # the timing pass, no profiler (CUPTI left on by a profiled step slows every later launch of the
     # process); torch again last: the drift of the process over the variants, beside the ratios
     for size in ${2:-0.5b 1.5b}; do
       part "kernels_$size" 330 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=2 --steps=3 \
           --variants="--kernels=torch;--kernels=liger;--kernels=compile;--kernels=torch" --out="$OUT/kernels_$size.json"
     done ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|fp8tests|profile|fp8bench|kernels" >&2; exit 2 ;;
+  rest)      # what round 7's call limits cut off
+    part test_memory_rest 300 python -m pytest -q -rf test_memory.py \
+        -k "reward_model_stage or oom or plan_predicts or checkpoint_leaves"
+    part test_defaults_kv 100 python -m pytest -q -rf -s test_defaults.py -k kv_bytes ;;
+  rest2)
+    part test_kernels 150 python -m pytest -q -rf -s -m gpu test_packing.py -k kernels_are
+    part test_vllm_async 150 python -m pytest -q -rf -s test_vllm.py -k async
+    part test_fp8_learns 150 python -m pytest -q -rf -s test_fp8.py -k embedded
+    part test_fp8_0p5b 170 python -m pytest -q -rf -s test_fp8.py -k 0p5b ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|fp8tests|profile|fp8bench|kernels|rest|rest2" >&2; exit 2 ;;
 esac
