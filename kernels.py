@@ -23,7 +23,16 @@ import importlib.util
 import torch
 
 KERNELS = ("auto", "liger", "compile", "torch")
-GPU = torch.device("cuda")                 # what the planner resolves `auto` for (a plan is for a GPU run)
+# What they keep for backward: liger and compile alike keep each RMSNorm's input in the compute dtype
+# and no MLP activation (model.Shapes.fused); measured update peaks with checkpointing off, 0.5B / 1.5B:
+# torch 23.75 / 56.18 GB, liger 19.70 / 47.96, compile 19.74 / 48.02 (BENCHMARKS, round 8)
+FUSED = ("liger", "compile")
+
+
+def fused(kind: str, model_type: str) -> bool:
+    """Does a GPU run with `--kernels=kind` keep the fused kernels' activations? (The planner's question:
+    a plan is for a GPU run, wherever it is made; `auto` as `resolve` takes it on a GPU.)"""
+    return (resolve(kind, torch.device("cuda"), model_type)[0] if kind == "auto" else kind) in FUSED
 
 
 def _torch_modules():

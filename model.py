@@ -254,7 +254,7 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tied: bool
-    fused: bool = False                        # Liger's RMSNorm and SwiGLU (kernels.py): they keep less for backward
+    fused: bool = False                        # --kernels=liger or compile (kernels.FUSED): less kept for backward
 
     @property
     def kv_dim(self) -> int:

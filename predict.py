@@ -141,10 +141,10 @@ class Run:
 
 def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
     """One rank's share: a Ulysses group's k ranks hold the same rows (the batch splits over world / k); the
-    kernels a GPU run would use (liger keeps less for backward)."""
+    kernels a GPU run would use (liger and compile keep less for backward)."""
     k = cfg.actor.ulysses_sequence_parallel_size
     n, dp = cfg.rollout.n, world // k
-    fused = kernels.resolve(cfg.kernels, kernels.GPU, model_config(cfg.model).model_type)[0] == "liger"
+    fused = kernels.fused(cfg.kernels, model_config(cfg.model).model_type)
     group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
     return model.Sizes(replace(shapes(cfg.model), fused=fused), world, group,
                        4 if cfg.actor.param_dtype == "float32" else 2, cfg.train_batch_size * n // dp,

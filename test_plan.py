@@ -92,6 +92,21 @@ def _cfg(*args):
     return options.parse_args(list(args))
 
 
+def test_the_plan_follows_the_kernels():
+    """--kernels=liger and =compile keep each RMSNorm's input at 2 bytes (not an fp32 copy) and no MLP
+    activation: the update's activations (checkpointing off) are (4 x hidden + 2 x ffn) bytes per token and
+    layer smaller, and nothing else moves; an explicit choice is planned without liger-kernel installed."""
+    base = ["--model=random:qwen2.5-0.5b", "--actor.gradient_checkpointing=false", "--rollout.response_length=256"]
+    s = predict.shapes("random:qwen2.5-0.5b")
+    terms = {k: predict.predict(_cfg(*base, f"--kernels={k}"), 1, 64).stage("update").terms
+             for k in ("torch", "liger", "compile")}
+    assert terms["liger"] == terms["compile"]
+    diff = {k: v - terms["liger"][k] for k, v in terms["torch"].items() if v != terms["liger"][k]}
+    per_token = s.layers * (4 * s.hidden + 2 * s.ffn)
+    assert list(diff) == ["activations"] and diff["activations"] % per_token == 0
+    assert diff["activations"] // per_token == 16 * (64 + 256)    # the default micro-batch of full-length rows
+
+
 def test_offload_flags_take_their_bytes_out_of_the_stages_that_do_not_use_them():
     """At 7B on 1 GPU: actor.optimizer_offload takes Adam's 8 bytes per parameter out of every
     stage but the update; ref.param_offload the bf16 ref out of every stage but ref_logp;
