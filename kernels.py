@@ -18,7 +18,9 @@ than the matmuls (BENCHMARKS, "where the time goes"). Fewer, larger kernels are 
 - auto     liger where it runs (installed, a GPU, a Qwen2 model), else torch.
 The LM head is not among them: packing.py already applies it to response tokens only, a chunk at a time.
 """
+import functools
 import importlib.util
+import logging
 
 import torch
 
@@ -43,12 +45,25 @@ def _torch_modules():
 _TORCH = {}                                # transformers' own, kept so that `torch` can undo `liger`
 
 
+@functools.cache
+def _liger() -> tuple:
+    """(RMSNorm, SwiGLU MLP, RoPE) from Liger-Kernel and "", or None and what is missing. Imported once:
+    installed is not enough (a Triton it does not support fails at import)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None, "liger-kernel (pip install liger-kernel)"
+    # its registry logs a warning per optional backend it lacks (CuTe DSL, Ascend): not this run's business
+    logging.getLogger("liger_kernel.backends.registry").setLevel(logging.ERROR)
+    try:
+        from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
+    except Exception as e:
+        return None, f"a liger-kernel that imports (it raised {type(e).__name__}: {str(e)[:160]})"
+    return (LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb), ""
+
+
 def resolve(kind: str, device: torch.device, model_type: str) -> tuple[str, str]:
     """(the kernels used, why): `auto` becomes liger or torch; liger where it cannot run is an error."""
-    installed = importlib.util.find_spec("liger_kernel") is not None
-    missing = ("a GPU" if device.type != "cuda" else
-               "liger-kernel (pip install liger-kernel)" if not installed else
-               f"a Qwen2 model (this one is {model_type})" if model_type != "qwen2" else "")
+    missing = ("a GPU" if device.type != "cuda" else _liger()[1] or
+               (f"a Qwen2 model (this one is {model_type})" if model_type != "qwen2" else ""))
     if kind == "auto":
         return ("liger", "auto: installed, a GPU, Qwen2") if not missing else ("torch", f"auto: liger needs {missing}")
     if kind == "liger" and missing:
@@ -66,8 +81,7 @@ def use(kind: str, device: torch.device, model_type: str) -> str:
     used, why = resolve(kind, device, model_type)
     _TORCH.update(_TORCH or _torch_modules())
     if used == "liger":
-        from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
-        m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb = LigerRMSNorm, LigerSwiGLUMLP, liger_rotary_pos_emb
+        m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb = _liger()[0]
     else:
         for name, obj in _TORCH.items():
             setattr(m, name, obj)
