@@ -111,21 +111,46 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     torch.cuda.empty_cache()
     offload.empty_host_cache()
     m["bench/left_allocated_gb"] = (torch.cuda.memory_allocated() - engine.pool_bytes) / 2 ** 30
-    m["bench/left_models"] = left_models()
+    m["bench/left_models"] = left_models(engine)
     return m, (table if profile else None), engine
 
 
-def left_models() -> list:
-    """The trainer's models still alive after a variant was dropped (what would inflate the next variant's
-    memory), each with the types of what holds it: a bench that compares variants must start each clean."""
-    out = []
+def left_models(engine) -> list:
+    """What of the trainer is still alive after a variant was dropped (what would inflate the next variant's
+    memory): its models with the types of what holds them, then the CUDA storages Python can still see
+    (GB, and the holders of the largest). A gap between those GB and `left_allocated_gb` is held on the
+    C++ side. A bench that compares variants must start each clean."""
+    out, storages, big = [], {}, []
+    for t in engine_tensors(engine):       # the engine's own weights and KV cache are not the trainer's
+        storages[t.untyped_storage().data_ptr()] = 0
     for o in gc.get_objects():
         if isinstance(o, torch.nn.Module) and type(o).__name__.endswith(("ForCausalLM", "ForTokenClassification")) \
                 and not type(o).__module__.startswith("vllm"):
-            holders = [type(r).__name__ + (":" + ",".join(list(r)[:6]) if isinstance(r, dict) else "")
-                       for r in gc.get_referrers(o)][:8]
-            out.append(f"{type(o).__name__} held by {holders}")
+            out.append(f"{type(o).__name__} held by {holders(o)}")
+        elif isinstance(o, torch.Tensor) and o.is_cuda and not type(o).__module__.startswith("vllm"):
+            st = o.untyped_storage()
+            if st.nbytes() >= 2 ** 24 and st.data_ptr() not in storages:
+                storages[st.data_ptr()] = st.nbytes()
+                big.append((st.nbytes(), o))
+    big.sort(key=lambda x: -x[0])
+    out.append(f"python-visible CUDA storages of 16 MiB or more: {sum(storages.values()) / 2 ** 30:.2f} GB")
+    out += [f"{n / 2 ** 20:.0f} MiB {tuple(t.shape)} {t.dtype} held by {holders(t)}" for n, t in big[:5]]
     return out
+
+
+def engine_tensors(engine) -> list:
+    try:
+        import vllm_engine
+        model = vllm_engine.vllm_model(engine.llm)
+        worker = engine.llm.llm_engine.model_executor.driver_worker.worker
+        return [*model.parameters(), *model.buffers(), *worker.model_runner.kv_caches]
+    except Exception:                      # not a vLLM engine, or its internals moved: count everything
+        return []
+
+
+def holders(o) -> list:
+    return [type(r).__name__ + (":" + ",".join(map(str, list(r)[:6])) if isinstance(r, dict) else "")
+            for r in gc.get_referrers(o)][:8]
 
 
 def predicted(t) -> dict:
