@@ -1,19 +1,19 @@
 """Which kernels the trainer's models run: transformers' own modules, Liger-Kernel's fused ones, or each
 decoder layer compiled. One process-wide choice (`--kernels`), made before any model is built.
 
-    python -m pytest -q -m gpu test_packing.py -k kernels   # log-probs and grads of each equal torch's (GPU)
+    python -m pytest -q -m gpu test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
 
 Why: at 0.5B the update's GPU is busy a third of the stage; most of the rest it waits for the host to
 launch the next of many small kernels, and of its busy time the norms and elementwise kernels take more
-than the matmuls (BENCHMARKS, "where the time goes"). Fewer, larger kernels are the lever, not memory:
+than the matmuls (BENCHMARKS, round 8). Fewer, larger kernels are the lever (and they keep less for backward):
 - liger    Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE (`pip install liger-kernel`; Qwen2 models, GPU).
            Each is one kernel per call where transformers runs several, and they keep less for backward
            (an RMSNorm its bf16 input and one fp32 scalar per token, not an fp32 copy of its input).
            Liger replaces the classes in transformers' Qwen2 module, so every Qwen2 model built after this
            (actor, reference, critic, reward model) has them; the parameter names are the same, so
            checkpoints, the weight sync and LoRA see no difference.
-- compile  torch.compile of each decoder layer's forward (regional: one compiled graph, reused by every
-           layer; FSDP's hooks stay outside it). The first steps pay the compilation (about a minute).
+- compile  torch.compile of each decoder layer's forward (regional compilation; FSDP's hooks stay outside
+           it). The first steps pay the compilation.
 - torch    transformers' modules as they are.
 - auto     liger where it runs (installed, a GPU, a Qwen2 model), else torch.
 The LM head is not among them: packing.py already applies it to response tokens only, a chunk at a time.
