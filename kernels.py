@@ -3,9 +3,9 @@ decoder layer compiled. One process-wide choice (`--kernels`), made before any m
 
     python -m pytest -q -m gpu test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
 
-Why: at 0.5B the update's GPU is busy a third of the stage; most of the rest it waits for the host to
-launch the next of many small kernels, and of its busy time the norms and elementwise kernels take more
-than the matmuls (BENCHMARKS, round 8). Fewer, larger kernels are the lever (and they keep less for backward):
+Why: at 0.5B the update's GPU idles a third of the stage, waiting for the host to launch the next of
+many small kernels, and of its busy time the norms and elementwise kernels take more than twice the
+matmuls' (BENCHMARKS, round 8). Fewer, larger kernels are the lever (and they keep less for backward):
 - liger    Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE (`pip install liger-kernel`; Qwen2 models, GPU).
            Each is one kernel per call where transformers runs several, and they keep less for backward
            (an RMSNorm its bf16 input and one fp32 scalar per token, not an fp32 copy of its input).
