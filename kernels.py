@@ -37,12 +37,11 @@ def fused(kind: str, model_type: str) -> bool:
     return (resolve(kind, torch.device("cuda"), model_type)[0] if kind == "auto" else kind) in FUSED
 
 
-def _torch_modules():
+@functools.cache
+def _torch_modules() -> dict:
+    """transformers' own, kept at the first `use` (before any swap) so that `torch` can undo `liger`."""
     from transformers.models.qwen2 import modeling_qwen2 as m
     return {"Qwen2RMSNorm": m.Qwen2RMSNorm, "Qwen2MLP": m.Qwen2MLP, "apply_rotary_pos_emb": m.apply_rotary_pos_emb}
-
-
-_TORCH = {}                                # transformers' own, kept so that `torch` can undo `liger`
 
 
 @functools.cache
@@ -73,31 +72,31 @@ def resolve(kind: str, device: torch.device, model_type: str) -> tuple[str, str]
     return kind, "as given"
 
 
-def use(kind: str, device: torch.device, model_type: str) -> str:
+def use(kind: str, device: torch.device, model_type: str) -> tuple[str, str]:
     """Before any model is built: transformers' Qwen2 module gets `kind`'s classes (liger) or its own
     back (torch, compile), so the models built afterwards have them (RoPE is looked up at each call:
-    it follows at once). Returns the set-up line."""
+    it follows at once). Returns (the kernels used, the set-up line)."""
     from transformers.models.qwen2 import modeling_qwen2 as m
     used, why = resolve(kind, device, model_type)
-    _TORCH.update(_TORCH or _torch_modules())
+    own = _torch_modules()
     if used == "liger":
         m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb = _liger()[0]
     else:
-        for name, obj in _TORCH.items():
+        for name, obj in own.items():
             setattr(m, name, obj)
-    return f"[kernels] {used} ({why}): {WHAT[used]}"
+    return used, f"[kernels] {used} ({why}): {WHAT[used]}"
 
 
 WHAT = {"liger": "Liger-Kernel's RMSNorm, SwiGLU and RoPE in every Qwen2 model", "torch": "transformers' modules",
         "compile": "each decoder layer's forward compiled (the first steps compile)"}
 
 
-def compile_layers(models: list, line: str) -> int:
-    """With `compile` (the set-up line says so): torch.compile each decoder layer's forward in place, after
+def compile_layers(models: list, used: str) -> int:
+    """With `used` == compile: torch.compile each decoder layer's forward in place, after
     sharding (FSDP2's all-gather and reshard hooks run around it, uncompiled). Sizes change every
     micro-batch, so shapes are dynamic from the start (one graph, not one per length). A model seen twice
     (PPO's shared critic) is compiled once. Returns the layers compiled."""
-    if not line.startswith("[kernels] compile"):
+    if used != "compile":
         return 0
     layers = {id(m): m for model in models for m in model.modules() if type(m).__name__.endswith("DecoderLayer")}
     for layer in layers.values():

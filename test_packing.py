@@ -202,8 +202,9 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
         with pytest.raises(ValueError, match="use --kernels=torch"):
             kernels.resolve(kind, cpu, "qwen2")
     norm = modeling_qwen2.Qwen2RMSNorm
-    assert kernels.use("torch", cpu, "qwen2").startswith("[kernels] torch")
-    assert modeling_qwen2.Qwen2RMSNorm is norm and kernels.compile_layers([load_model(None)], "[kernels] torch") == 0
+    used, line = kernels.use("torch", cpu, "qwen2")
+    assert used == "torch" and line.startswith("[kernels] torch")
+    assert modeling_qwen2.Qwen2RMSNorm is norm and kernels.compile_layers([load_model(None)], used) == 0
 
 
 def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "bfloat16") -> tuple:
@@ -211,11 +212,11 @@ def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "b
     import kernels
     from conftest import mid_model
     _, world, device = dist_env
-    line = kernels.use(kind, device, "qwen2")
+    used, _ = kernels.use(kind, device, "qwen2")
     model = mid_model()
     model.load_state_dict(weights)
     model = shard(model, build_mesh(device, world, -1), device, param_dtype=dtype, gradient_checkpointing=True)
-    assert kernels.compile_layers([model], line) == (8 if kind == "compile" else 0)
+    assert kernels.compile_layers([model], used) == (8 if kind == "compile" else 0)
     assert any(type(m).__name__ == "LigerRMSNorm" for m in model.modules()) == (kind == "liger")
     for _ in range(2):                     # compile: the second call runs the compiled graph
         model.zero_grad(set_to_none=True)

@@ -154,9 +154,9 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
-    kernel_line = kernels.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
+    used, kernel_line = kernels.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
-    kernels.compile_layers([x.model for x in (a, r, c, rm) if x is not None], kernel_line)
+    kernels.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory

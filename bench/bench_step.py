@@ -127,7 +127,7 @@ def left_models(engine) -> list:
         if isinstance(o, torch.nn.Module) and type(o).__name__.endswith(("ForCausalLM", "ForTokenClassification")) \
                 and not type(o).__module__.startswith("vllm"):
             out.append(f"{type(o).__name__} held by {holders(o)}")
-        elif isinstance(o, torch.Tensor) and o.is_cuda and not type(o).__module__.startswith("vllm"):
+        elif isinstance(o, torch.Tensor) and o.is_cuda:
             st = o.untyped_storage()
             if st.nbytes() >= 2 ** 24 and st.data_ptr() not in storages:
                 storages[st.data_ptr()] = st.nbytes()
@@ -189,8 +189,9 @@ def main():
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
             keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
-                    "mem/update/peak_gb", "plan/update/predicted_gb", "bench/left_allocated_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
-                    "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean")
+                    "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
+                    "bench/left_allocated_gb", "perf/generate_tokens_per_s", "rollout/generate_device_gb",
+                    "rollout/logp_diff_mean")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
         engine = None
