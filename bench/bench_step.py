@@ -188,10 +188,10 @@ def main():
                 res["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
-            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
-                    "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
-                    "bench/left_allocated_gb", "perf/generate_tokens_per_s", "rollout/generate_device_gb",
-                    "rollout/logp_diff_mean")
+            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
+                    "perf/ref_logp_mfu", "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb",
+                    "plan/ref_logp/predicted_gb", "bench/left_allocated_gb", "perf/generate_tokens_per_s",
+                    "rollout/generate_device_gb", "rollout/logp_diff_mean")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
         engine = None
