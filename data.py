@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import re
+from decimal import Decimal, InvalidOperation
 
 
 # a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE (vocab.json + merges.txt), WordPiece
@@ -103,26 +104,56 @@ def answer_text(a, where: str) -> str:
     return str(a)
 
 
-def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_prompt_length=1024,
-              seed=0) -> tuple[list[list[int]], list[str], list[list[dict]]]:
+PROMPT_KEYS = ("prompt", "question")   # tried in order when --prompt_key is left at its default:
+                                       # published GSM8K names its prompt `question` (its answer is `answer`)
+
+
+def prompt_key_of(row: dict, key: str) -> str:
+    """The field a row's prompt is in: `key`, or at the default (PROMPT_KEYS[0]) the first of PROMPT_KEYS
+    the row has."""
+    if key != PROMPT_KEYS[0] or key in row:
+        return key
+    return next((k for k in PROMPT_KEYS if k in row), key)
+
+
+def with_instruction(p, instruction: str):
+    """The prompt with `instruction` appended (after a space, as verl's GSM8K preprocessing does): to a
+    string, or to the last user message of a chat."""
+    if not instruction or not isinstance(p, (str, list)) or not p:
+        return p
+    if isinstance(p, str):
+        return f"{p} {instruction}"
+    last = max((k for k, m in enumerate(p) if isinstance(m, dict) and m.get("role") == "user"), default=None)
+    if last is None or not isinstance(p[last].get("content"), str):
+        return p                           # prompt_text names the malformed message
+    return [*p[:last], {**p[last], "content": f"{p[last]['content']} {instruction}"}, *p[last + 1:]]
+
+
+def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", max_prompt_length=1024,
+              seed=0, instruction="", held_out=False) -> tuple[list[list[int]], list[str], list[list[dict]]]:
     """Prompt token ids, answers, and each prompt's chat messages (a string prompt becomes one
     user message; a reward model with a chat template of its own re-renders them). `path` None:
-    the tiny copy task. Chat prompts get the tokenizer's chat template; prompts longer than
-    max_prompt_length are dropped and counted."""
+    the tiny copy task (`held_out`: its held-out items). `instruction` is appended to every prompt;
+    chat prompts get the tokenizer's chat template; prompts longer than max_prompt_length are
+    dropped and counted."""
     if path is None:
         import tiny
-        rows = tiny.copy_task(seed=seed)
+        rows = tiny.held_out() if held_out else tiny.copy_task(seed=seed)
     else:
         rows = read_rows(path)
     prompts, answers, chats, dropped = [], [], [], 0
     for i, row in enumerate(rows, 1):
-        for key in (prompt_key, answer_key):
-            if key not in row:
-                raise ValueError(f"{path} row {i} has no {key!r} field (it has "
+        key = prompt_key_of(row, prompt_key)
+        for k in (key, answer_key):
+            if k not in row:
+                raise ValueError(f"{path} row {i} has no {k!r} field (it has "
                                  f"{sorted(row)}); set --prompt_key / --answer_key")
+        if i == 1 and key != prompt_key and int(os.environ.get("RANK", 0)) == 0:
+            print(f"[data] {path}: no {prompt_key!r} field: the prompts are its {key!r} field "
+                  f"(--prompt_key names another)", flush=True)
         where = f"{path} row {i}"
-        p, answer = prompt_text(row[prompt_key], tokenizer, where), answer_text(row[answer_key], where)
-        raw = row[prompt_key]
+        raw = with_instruction(row[key], instruction)
+        p, answer = prompt_text(raw, tokenizer, where), answer_text(row[answer_key], where)
         msgs = raw if isinstance(raw, list) else [{"role": "user", "content": raw}]   # for a reward model's template
         ids = tokenizer(p, add_special_tokens=False)["input_ids"]
         if not ids:
@@ -134,26 +165,113 @@ def load_data(path, tokenizer, prompt_key="prompt", answer_key="answer", max_pro
         answers.append(answer)
         chats.append(msgs)
     if not prompts:
-        raise ValueError(f"none of the {len(rows)} prompts fits max_prompt_length={max_prompt_length}; raise it")
+        raise ValueError(f"none of the {len(rows)} prompts of {path or 'the built-in task'} fits "
+                         f"max_prompt_length={max_prompt_length}; raise it")
     if dropped and int(os.environ.get("RANK", 0)) == 0:   # every rank loads the data: said once
-        print(f"[data] dropped {dropped} prompts longer than max_prompt_length={max_prompt_length}")
+        print(f"[data] dropped {dropped} {'held-out ' if held_out else ''}prompts of "
+              f"{path or 'the built-in task'} longer than max_prompt_length={max_prompt_length}")
     return prompts, answers, chats
 
 
+def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
+    """The run's training data (--data) and its held-out data (--val_data, at most val_max_prompts of it;
+    with neither, the built-in task's held-out items; None: no validation): each (prompt ids, answers,
+    chats), the same instruction appended to both."""
+    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed, cfg.instruction)
+    data = load_data(cfg.data, *args)
+    if cfg.val_data is None and cfg.data is not None:
+        return data, None
+    val = load_data(cfg.val_data, *args, held_out=cfg.val_data is None)
+    cap = cfg.val_max_prompts or len(val[0])
+    return data, tuple(x[:cap] for x in val)
+
+
+# --------------------------------------------------------------------------- the built-in GSM8K reward
+# A number as people write it: a sign, a `$`, thousands commas, decimals ("-$1,234.50", "18.", "3.0").
+NUMBER = r"-?\$?\s?-?\d[\d,]*(?:\.\d+)?"
+GSM8K_FORMS = ("strict", "flexible")    # --gsm8k_format: what the built-in reward reads as the answer
+
+
+def number(text: str | None) -> Decimal | None:
+    """`text` as a number (commas, `$`, spaces and a trailing period dropped), or None: so "1,000",
+    "$1000." and "1000.00" are all 1000 (Decimal compares by value)."""
+    if text is None:
+        return None
+    t = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    try:
+        return Decimal(t) if re.fullmatch(r"-?\d+(\.\d+)?", t) else None
+    except InvalidOperation:
+        return None
+
+
+def last_boxed(text: str) -> str | None:
+    """The contents of the last `\boxed{...}` (braces inside it balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None                            # cut off before its closing brace
+
+
+def gsm8k_answer(response: str, form: str) -> Decimal | None:
+    """The answer a response gives, read as `form` says: strict, the number after its last `####` (the
+    form GSM8K's own answers end with, and verl's strict rule); flexible, the last number inside its last
+    `\boxed{}` (what instruct models write), else its last number anywhere (verl's flexible rule)."""
+    if form == "strict":
+        found = re.findall(r"####\s*(" + NUMBER + ")", response)
+        return number(found[-1]) if found else None
+    boxed = last_boxed(response)
+    found = re.findall(NUMBER, response if boxed is None else boxed)
+    return number(found[-1]) if found else None
+
+
+def gsm8k_truth(answer: str) -> Decimal | None:
+    """The number a GSM8K answer ends with (after its `####`; a bare number also works)."""
+    return number(answer.split("####")[-1].strip())
+
+
 def gsm8k_reward(response: str, answer: str) -> float:
-    """1.0 when the response's last `#### <number>` equals the answer's number, else 0.0."""
-    truth = answer.split("####")[-1].strip().replace(",", "")
-    found = re.findall(r"#### *(-?[0-9.,]+)", response)
-    return float(bool(found) and found[-1].replace(",", "").rstrip(".") == truth)
+    """1.0 when the response's last `#### <number>` equals the answer's number, else 0.0 (strict)."""
+    got = gsm8k_answer(response, "strict")
+    return float(got is not None and got == gsm8k_truth(answer))
 
 
-def load_reward(spec: str | None, data_path: str | None):
-    """`module:function`, or the default: the copy-task reward for the tiny task, GSM8K for data."""
+def gsm8k_flexible_reward(response: str, answer: str) -> float:
+    """1.0 when the number in the response's last `\boxed{}` (else its last number) equals the answer's."""
+    got = gsm8k_answer(response, "flexible")
+    return float(got is not None and got == gsm8k_truth(answer))
+
+
+def answer_forms(responses: list[str], answers: list[str]) -> dict:
+    """How a set of responses answered, summed (validate.py turns them into shares): `####` (strict's
+    form), a `\boxed{}`, any number; and how many each form scores right."""
+    out = {"strict": 0.0, "flexible": 0.0, "found_strict": 0.0, "found_boxed": 0.0, "found_number": 0.0}
+    for r, a in zip(responses, answers):
+        out["strict"] += gsm8k_reward(r, a)
+        out["flexible"] += gsm8k_flexible_reward(r, a)
+        out["found_strict"] += gsm8k_answer(r, "strict") is not None
+        out["found_boxed"] += last_boxed(r) is not None
+        out["found_number"] += bool(re.search(r"\d", r))
+    return out
+
+
+def builtin_gsm8k(spec: str | None, data_path: str | None) -> bool:
+    """The run scores with the built-in GSM8K rule (no --reward, and data of its own)."""
+    return spec is None and data_path is not None
+
+
+def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "strict"):
+    """`module:function`, or the default: the copy-task reward for the tiny task, GSM8K (in
+    `gsm8k_format`'s form) for data."""
     if spec is None:
         if data_path is None:
             import tiny
             return tiny.copy_reward
-        return gsm8k_reward
+        return gsm8k_flexible_reward if gsm8k_format == "flexible" else gsm8k_reward
     module, colon, name = spec.partition(":")
     if not colon or not module or not name:
         raise ValueError(f"--reward {spec}: give module:function (e.g. --reward={module or 'mymod'}:"
@@ -168,10 +286,11 @@ def load_reward(spec: str | None, data_path: str | None):
     return fn
 
 
-def reward_name(spec: str | None, data_path: str | None) -> str:
-    """How errors name the reward: the --reward spec, or which built-in one."""
-    return spec or ("tiny.copy_reward (built in: the copy task)" if data_path is None
-                    else "data.gsm8k_reward (built in)")
+def reward_name(spec: str | None, data_path: str | None, gsm8k_format: str = "strict") -> str:
+    """How errors and the set-up name the reward: the --reward spec, or which built-in one."""
+    return spec or ("tiny.copy_reward (built in: the copy task)" if data_path is None else
+                    "data.gsm8k_flexible_reward (built in, flexible: the last \\boxed{} number, else the last number)"
+                    if gsm8k_format == "flexible" else "data.gsm8k_reward (built in, strict: the last #### number)")
 
 
 def _short(text: str, n: int = 120) -> str:

@@ -7,8 +7,11 @@ exit. Every entry point uses it: train_grpo.py, the benches, the tests' torchrun
     launch.leave(0)      # barrier, destroy the groups, exit without the interpreter's teardown
 """
 import datetime
+import json
 import os
+import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,3 +70,21 @@ def leave(code: int = 0):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def fail(message: str, rank: int, code: int = 2):
+    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first waits 5 s, since the
+    same error on rank 0 ends the job sooner (torchrun then stops this rank before it repeats it), and speaks
+    only if that did not happen (an error of its own). Under torchrun the speaking rank also writes the line to
+    its error file, so that torchrun's closing summary shows it as the "Root Cause" rather than a traceback."""
+    if rank > 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's stop ends the wait (no checkpoint now)
+        time.sleep(5)
+        message = message.replace("error: ", f"error: [rank {rank}] ", 1)
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:                               # the format torchrun's @record writes, with our line as the "traceback"
+        with open(path, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {
+                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
+    print(message, file=sys.stderr, flush=True)
+    sys.exit(code)

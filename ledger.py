@@ -20,10 +20,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 # The stages of one step, in the order train_grpo.py runs them: the names of the ledger's figures
-# (`time/<stage>`, `mem/<stage>/...`). reward_model sits before old_logp and ref_logp: the actor's
+# (`time/<stage>`, `mem/<stage>/...`). val (validation, on the steps its schedule names) comes first: the
+# policy after the last update answers the held-out prompts. reward_model sits before old_logp and ref_logp: the actor's
 # offloaded params have left after the sync and nothing is prefetched yet, so its shards and
 # activations meet the fewest trainer bytes of the step.
-STAGES = ("generate", "rollout_wait", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage",
+STAGES = ("val", "generate", "rollout_wait", "reward", "reward_model", "old_logp", "ref_logp", "values", "advantage",
           "critic_update", "update", "push")   # rollout_wait and push: async rollout (generate: colocated)
 
 

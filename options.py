@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 
 import actor
 import critic
+import data
 import kernels
 import ref
 import reward_model
@@ -51,6 +52,18 @@ class Config:
     prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
     answer_key: str = "answer"             # the data's answer field, passed to the reward
     max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
+    instruction: str = ""                  # appended to every prompt (training and held-out) after a space, e.g. verl's
+                                           # GSM8K one: Let's think step by step and output the final answer after "####".
+    gsm8k_format: str = "strict"           # what the built-in GSM8K reward reads: strict (the last `#### N`, the form
+                                           # GSM8K's own answers end with) | flexible (the number in the last \boxed{},
+                                           # else the last number: what instruct models write)
+    # validation: greedy answers to held-out prompts, through the run's own engine, scored by the run's reward
+    val_data: str | None = None            # held-out prompts, .jsonl / .parquet as --data; None: none (without --data
+                                           # either: the built-in task's 100 held-out items)
+    val_freq: int = 10                     # validate every this many steps and after the last (0: not during training)
+    val_before_train: bool = True          # validate the starting policy before the first step
+    val_max_prompts: int = 0               # validate on the first this many held-out prompts (0: all)
+    val_response_length: int = 0           # max new tokens of a held-out answer (0: rollout.response_length, its cap)
     train_batch_size: int = 16             # prompts per step, over all ranks
     steps: int = 150                       # training steps (a resume continues up to this)
     seed: int = 0                          # model init, data order, sampling
@@ -87,8 +100,8 @@ class Config:
 # checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
           "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
-          "plan_margin": "[0, 1)"}
-CHOICES = {"reward_error": ("stop", "zero"), "offload": ("manual", "auto"), "logger": tracker.KINDS,
+          "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
+CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"), "logger": tracker.KINDS,
            "kernels": kernels.KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
@@ -112,6 +125,9 @@ def check_config(cfg: Config):
         raise ValueError(f"--rollout.temperature=0 is greedy: the {r.n} samples of a prompt are the same, "
                          f"every GRPO group has zero advantage and nothing trains; use a temperature > 0 "
                          f"(or rollout.n=1, or PPO: --algorithm.adv_estimator=gae)")
+    if cfg.val_response_length > r.response_length:
+        raise ValueError(f"--val_response_length={cfg.val_response_length} is over --rollout.response_length="
+                         f"{r.response_length}, the length the engine is built for; use at most that (0: the same)")
     if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
         fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
         cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"

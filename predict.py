@@ -29,6 +29,7 @@ import reward_model
 import rollout
 import rollout_async
 import rollout_engine
+import validate
 
 GB = 1024 ** 3
 PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
@@ -190,6 +191,8 @@ def walk(r: Run, st: dict) -> list:
 
     def add(name, moments, extra=None):
         out.append(stage(name, st, [{**(extra or {}), **m} for m in moments]))
+    if validate.enabled(cfg):                  # on the steps its schedule names: the engine's greedy answers
+        add("val", [{}] if r.asynchronous else rollout.predicted_val(cfg.rollout, z, policy, r.engine, r.req))
     if r.asynchronous:
         add("rollout_wait", [{}])              # the batch comes from the host buffer
     else:
@@ -248,7 +251,7 @@ def _device_levels(plan: Plan, r: Run, between: int) -> dict:
     reserve = {}
     carry = between + (0 if r.asynchronous else SLEEP_RESIDUE)   # after generate's empty_cache: live blocks' segments
     for st in plan.stages:
-        if st.name == "generate":
+        if st.name in ("val", "generate"):     # the engine's bracket empties the cache before and after it
             reserve[st.name] = carry
             continue
         if st.name == "update" and r.separate:
@@ -268,6 +271,8 @@ def _device_levels(plan: Plan, r: Run, between: int) -> dict:
     sync = plan.stage("generate").total + plan.vllm_device["vLLM weights"] + merge + VLLM_OUTSIDE
     out = {name: outside + v for name, v in reserve.items()}
     out["generate"] = max(OUTSIDE + sync, sum(plan.vllm_device.values()) - CUDA_CONTEXT + OUTSIDE)
+    if "val" in out:                           # validation's bracket: the same sync, the same engine awake
+        out["val"] = out["generate"]
     return out
 
 

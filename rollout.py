@@ -29,7 +29,7 @@ import contextlib
 import importlib.util
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -276,6 +276,13 @@ def predicted_generate(cfg: RolloutConfig, z, policy: dict, kind: str, req: Requ
              "logits": rows * s.vocab * 4 * 2}]
 
 
+def predicted_val(cfg: RolloutConfig, z, policy: dict, kind: str, req: Request) -> list:
+    """Validation's use of the engine (`greedy`) asks no more of the trainer's side than generation: the same
+    weight sync (vLLM), or HF generate calls of a training step's rows at most and answers no longer than
+    its responses (options.check_config caps --val_response_length)."""
+    return predicted_generate(cfg, z, policy, kind, req)
+
+
 def predicted_awake(cfg: RolloutConfig, z, config, req: Request) -> dict:
     """Device-level bytes of an awake colocated engine on one GPU: its weights' slice, the KV budget, and
     the CUDA graphs and buffers it keeps even asleep."""
@@ -400,15 +407,12 @@ def _phase(name: str, metrics: dict):
     metrics[f"rollout/{name}_device_gb"] = _used_gb()
 
 
-def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
-    """The bracket (module docstring), then the batch with vLLM's sampled-token log-probs.
-    `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
-    prompts on each of them and this rank keeps its own rows."""
-    llm, cfg = engine.llm, engine.cfg
-    greedy = cfg.temperature == 0
-    parts, me = tensor_parallel.gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
-    reqs, seeds, owners = tensor_parallel.requests(parts, cfg.n, greedy)
-
+@contextlib.contextmanager
+def awake(engine: Engine, model, stashes: list, metrics: dict):
+    """The bracket (module docstring) around what the engine generates inside it: the actor's weights
+    synced in, its offloaded params in for the sync only, the KV cache woken last; asleep again after.
+    Each phase's seconds and device use to `metrics`, and `rollout/device_peak_gb`, its highest."""
+    llm = engine.llm
     with _phase("empty_cache", metrics):
         torch.cuda.empty_cache()
     with _phase("load_params", metrics):
@@ -419,7 +423,7 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
     with _phase("sync", metrics):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        sent = vllm_engine.sync_weights(llm, model, engine.dtype, cfg.sync_bucket_mb, engine.device)
+        sent = vllm_engine.sync_weights(llm, model, engine.dtype, engine.cfg.sync_bucket_mb, engine.device)
         metrics["rollout/sync_gb"] = sent / offload.GB
         torch.cuda.synchronize()
         metrics["rollout/sync_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB
@@ -429,16 +433,57 @@ def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, st
         torch.cuda.empty_cache()
     with _phase("wake_kv", metrics):
         llm.wake_up(tags=["kv_cache"])
-    with _phase("generate", metrics):
-        outs = vllm_engine.sample_vllm(engine, reqs, seeds)
+    yield
     with _phase("sleep", metrics):
-        llm.sleep(level=cfg.sleep_level)
+        llm.sleep(level=engine.cfg.sleep_level)
         torch.cuda.empty_cache()
-    # the stage's device-level high point: the sync (actor params beside vLLM's weights) or generation
+    # the bracket's device-level high point: the sync (actor params beside vLLM's weights) or generation
     metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
                                             and k.endswith("_device_gb"))
+
+
+def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
+    """The bracket (`awake`), then the batch with vLLM's sampled-token log-probs.
+    `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
+    prompts on each of them and this rank keeps its own rows."""
+    parts, me = tensor_parallel.gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
+    reqs, seeds, owners = tensor_parallel.requests(parts, engine.cfg.n, engine.cfg.temperature == 0)
+    with awake(engine, model, stashes, metrics):
+        with _phase("generate", metrics):
+            outs = vllm_engine.sample_vllm(engine, reqs, seeds)
     rows, responses, logps = vllm_engine.vllm_samples([(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
-    return samples_batch(rows, responses, logps, cfg.response_length, engine.pad_id, engine.eos_id, engine.device)
+    return samples_batch(rows, responses, logps, engine.cfg.response_length, engine.pad_id, engine.eos_id, engine.device)
+
+
+def greedy_config(cfg: RolloutConfig, response_length: int) -> RolloutConfig:
+    """Validation's sampling: one answer a prompt, the most likely token each time, at most `response_length`."""
+    return replace(cfg, temperature=0.0, n=1, top_p=1.0, top_k=0, response_length=response_length)
+
+
+def cut(responses: list[list[int]], eos_id: int) -> list[list[int]]:
+    """Each response up to and including its first EOS (HF generate pads what follows)."""
+    return [r[:r.index(eos_id) + 1] if eos_id in r else r for r in responses]
+
+
+def greedy(engine: Engine, model, prompts: list[list[int]], response_length: int, stashes: list, metrics: dict,
+           chunk: int) -> list[list[int]]:
+    """Validation's use of the engine: one greedy answer of at most `response_length` tokens to each of
+    this rank's `prompts`, cut after its EOS. vLLM: in a bracket of its own (`awake`), the engine
+    queueing what its batch does not hold; HF: `chunk` prompts a generate call (every rank makes the
+    same number of calls: each gathers the actor's shards)."""
+    cfg = greedy_config(engine.cfg, response_length)
+    if engine.kind == "vllm":
+        parts, me = tensor_parallel.gather(engine.group, (prompts, 0))
+        reqs, _, owners = tensor_parallel.requests(parts, 1, True)
+        with awake(engine, model, stashes, metrics):
+            with _phase("generate", metrics):
+                outs = vllm_engine.sample_vllm(replace(engine, cfg=cfg), reqs, [None] * len(reqs), logprobs=False)
+        return cut([list(out.outputs[0].token_ids) for out, k in zip(outs, owners) if k == me], engine.eos_id)
+    responses = []
+    with offload.loaded(stashes, metrics):
+        for i in range(0, len(prompts), chunk):
+            responses += sample_hf(model, prompts[i:i + chunk], cfg, engine.pad_id, engine.eos_id, engine.device, 0)[1]
+    return cut(responses, engine.eos_id)
 
 
 def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int, eos_id: int, device) -> dict:

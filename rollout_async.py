@@ -148,6 +148,7 @@ class Stream:
     procs: list = field(default_factory=list)   # the engine processes rank 0 started (k=0)
     buffer: Buffer | None = None
     acks: list = field(default_factory=list)    # per engine: a queue of ("ack", bucket) from its thread
+    vals: list = field(default_factory=list)    # per engine: a queue of its held-out answers (`greedy`)
     pg: object = None                       # the weights group: rank 0 and the engines (nccl / gloo)
     bucket: torch.Tensor | None = None      # ipc: the buffer shared with the engine, held for the run
     next_order: int = 0                     # the first step not ordered yet
@@ -228,6 +229,7 @@ def _connect(s: Stream, spec: rollout_engine.Spec):
         s.pg = rollout_engine.group(spec, 0, s.engines + 1, store)
     s.buffer = Buffer(s.limit)
     s.acks = [queue.Queue() for _ in range(s.engines)]
+    s.vals = [queue.Queue() for _ in range(s.engines)]
     for i, conn in enumerate(s.conns):     # "ready" (or an error) comes back after each engine is built
         msg = conn.recv()
         if msg[0] == "error":
@@ -272,6 +274,8 @@ def _receive(s: Stream, i: int):
                 s.buffer.put(msg[1], i, p)
             elif msg[0] == "ack":
                 s.acks[i].put(msg[1])
+            elif msg[0] == "val":
+                s.vals[i].put(msg[1])
             elif msg[0] == "error":
                 s.buffer.fail(f"rollout engine {i} failed: {msg[1]}")
                 break
@@ -282,8 +286,8 @@ def _receive(s: Stream, i: int):
         code = f" with code {proc.exitcode}" if proc is not None and proc.exitcode is not None else ""
         s.buffer.fail(f"rollout engine {i} ({'pid ' + str(proc.pid) if proc else 'its rank'}) exited{code}: "
                       f"its connection closed")
-    for q in s.acks:
-        q.put(None)                        # a push waiting for an ack stops waiting
+    for q in s.acks + s.vals:
+        q.put(None)                        # a push waiting for an ack (a validation for answers) stops waiting
     if not s.buffer.handled.wait(60):
         print(f"error: {s.buffer.error}", flush=True)
         os._exit(1)
@@ -344,6 +348,34 @@ def _taken(s: Stream, step: int, prompts_of) -> tuple:
         "rollout/staleness_max": max(staleness), "rollout/staleness_mean": sum(staleness) / len(staleness),
         "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting, "rollout/buffer_ordered": s.buffer.ordered,
         "rollout/buffer_gb": s.buffer.nbytes / offload.GB, **{f"rollout/engine_{k}": v for k, v in engine.items()}}
+
+
+def greedy(s: Stream, prompts: list, response_length: int) -> list:
+    """Validation (validate.py): the engines' greedy answers to every held-out prompt, with the weights
+    they hold (the trainer's newest: each push goes before the request), on every trainer rank. Rank 0
+    sends each engine a contiguous part and waits for the answers; its orders of training batches go on
+    around it. Collective over the trainer ranks."""
+    out = [None]
+    if s.rank == 0:
+        try:
+            per = -(-len(prompts) // s.engines)
+            for i in range(s.engines):
+                _send(s, i, ("validate", {"prompts": prompts[i * per:(i + 1) * per], "max_tokens": response_length}))
+            out = [[r for i in range(s.engines) for r in _answers(s, i)]]
+        except rollout_engine.EngineDied as e:
+            out = [str(e)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(out, src=0)    # token ids only
+    if isinstance(out[0], str):
+        raise rollout_engine.EngineDied(out[0])
+    return out[0]
+
+
+def _answers(s: Stream, i: int) -> list:
+    got = s.vals[i].get()
+    if got is None:
+        raise s.buffer.died(f"rollout engine {i} exited during a validation")
+    return got
 
 
 def fill(s: Stream, step: int, prompts_of):

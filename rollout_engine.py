@@ -22,7 +22,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Client
 
 import torch
@@ -228,6 +228,11 @@ def _serve(conn, index: int):
             version = msg[1]
         elif msg[0] == "order":
             pending.append(msg[1])
+        elif msg[0] == "validate":         # greedy answers with the weights held now (the trainer's newest)
+            v = msg[1]
+            greedy = rollout.greedy_config(spec.cfg, v["max_tokens"])
+            conn.send(("val", _generate(eng, spec, {"prompts": v["prompts"], "seed": 0}, device, greedy)[1]
+                       if v["prompts"] else []))
         while pending and pending[0]["min_version"] <= version:
             order = pending.pop(0)
             t1 = time.perf_counter()
@@ -285,13 +290,14 @@ def _load_weights(eng, spec: Spec, conn, pg, buf: torch.Tensor):
                 conn.send(("ack", b))
 
 
-def _generate(eng, spec: Spec, order: dict, device) -> tuple[list, list, list]:
-    """(rows, responses, log-probs) of the order's prompts, n samples each, a prompt's in a row."""
-    cfg = spec.cfg
+def _generate(eng, spec: Spec, order: dict, device, cfg=None) -> tuple[list, list, list]:
+    """(rows, responses, log-probs) of the order's prompts, n samples each, a prompt's in a row (`cfg`: another
+    sampling than the spec's, validation's)."""
+    cfg = cfg or spec.cfg
     if not isinstance(eng, rollout.Engine):
         return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
                                  logprobs=True)
     reqs, seeds, _ = tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
-    outs = vllm_engine.sample_vllm(eng, reqs, seeds)
+    outs = vllm_engine.sample_vllm(replace(eng, cfg=cfg), reqs, seeds)
     return vllm_engine.vllm_samples(list(zip(reqs, outs)))
 

@@ -145,7 +145,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
 
 # what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
 # (the loggers' folders are not here: a logger adds files of its own, it never replaces one)
-WRITES = ("memory.png", "final.tmp", "final.old")
+WRITES = ("memory.png", "final.tmp", "final.old", "val_samples.jsonl")
 
 
 def run_config(out: str) -> str | None:
@@ -283,20 +283,26 @@ def _failed(e: OSError, what: str, path: str, need: int, out: str) -> OSError:
 
 
 # --------------------------------------------------------------------------- metrics.jsonl and the end of a run
+LINES = ("metrics.jsonl", "val_samples.jsonl")   # a line per step (per held-out sample), each with its "step"
+
+
 def keep_metrics(out_dir: str, step: int, rank: int) -> str:
-    """metrics.jsonl with each step once: a resume at `step` keeps the lines before it (a line cut by
-    a kill is dropped); a fresh run leaves it to its first step to create. Returns its path."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if rank == 0 and step:
+    """metrics.jsonl and val_samples.jsonl with each step once: a resume at `step` keeps the lines of the
+    steps before it (a line cut by a kill is dropped); a fresh run leaves metrics.jsonl to its first step
+    to create (and drops a val_samples.jsonl its run_config.json vouched for: a run stopped in its first
+    validation). Returns metrics.jsonl's path."""
+    for name in LINES:
+        path = os.path.join(out_dir, name)
+        if rank != 0 or not os.path.isfile(path) or not step and name == LINES[0]:
+            continue
         kept = []
-        if os.path.isfile(path):
-            with open(path) as f:
-                for line in f:
-                    try:
-                        if json.loads(line)["step"] < step:
-                            kept.append(line if line.endswith("\n") else line + "\n")
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        pass
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line)["step"] < step:
+                        kept.append(line if line.endswith("\n") else line + "\n")
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass
         try:
             with open(path + ".tmp", "w") as f:
                 f.writelines(kept)
@@ -304,14 +310,13 @@ def keep_metrics(out_dir: str, step: int, rank: int) -> str:
         except OSError as e:
             _remove(path + ".tmp")
             raise _failed(e, "rewriting", path, sum(map(len, kept)), out_dir) from None
-    return path
+    return os.path.join(out_dir, LINES[0])
 
 
-def write_step(path: str, log, m: dict, step: int):
-    """Rank 0's record of a step: its line appended to metrics.jsonl whole or not at all (a write cut
-    short by a full disk is cut back off), then the logger's copy (tracker.open). Either failing is
-    one line naming the path, with the bytes needed and free on a full disk."""
-    line = (json.dumps(m) + "\n").encode()
+def append_whole(path: str, text: str, what: str):
+    """`text` appended to `path` whole or not at all (a write cut short by a full disk is cut back off);
+    a failure is one line naming the path, with the bytes needed and free on a full disk."""
+    line = text.encode()
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         size, rest = os.fstat(fd).st_size, memoryview(line)
@@ -320,9 +325,17 @@ def write_step(path: str, log, m: dict, step: int):
                 rest = rest[os.write(fd, rest):]
         except OSError as e:
             os.ftruncate(fd, size)         # no partial line stays behind
-            raise _failed(e, f"writing step {step}'s line to", path, len(line), os.path.dirname(path)) from None
+            raise _failed(e, what, path, len(line), os.path.dirname(path)) from None
     finally:
         os.close(fd)
+
+
+def write_step(path: str, log, m: dict, step: int):
+    """Rank 0's record of a step: its line appended to metrics.jsonl whole or not at all, then the
+    logger's copy (tracker.open). Either failing is one line naming the path, with the bytes needed
+    and free on a full disk."""
+    line = json.dumps(m) + "\n"
+    append_whole(path, line, f"writing step {step}'s line to")
     try:
         log.log(m, step)
     except Exception as e:                 # noqa: BLE001 - a logger's own errors (tensorboard's thread) are any kind
@@ -334,22 +347,36 @@ def write_step(path: str, log, m: dict, step: int):
                                      checkpoint.after_failure(os.path.dirname(path))) from None
 
 
+def write_val_samples(out_dir: str, samples: list, step: int):
+    """Rank 0: a validation's first held-out samples, a line each (with its step), to val_samples.jsonl."""
+    if samples:
+        text = "".join(json.dumps({"step": step, **s}) + "\n" for s in samples)
+        append_whole(os.path.join(out_dir, LINES[1]), text, f"writing step {step}'s held-out samples to")
+
+
 def summary(metrics_path: str) -> list[str]:
-    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train?"""
+    """The end-of-run lines, from metrics.jsonl (the whole run, across resumes): did it train, and did
+    the held-out score move?"""
     with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f]
+        lines = [json.loads(line) for line in f]
+    rows = [r for r in lines if "optimizer_steps" in r]   # the training steps (not the last validation's line)
     n = sum(r["optimizer_steps"] for r in rows)
     applied = n - sum(r["skipped_steps"] for r in rows)
     dw = sum(r["delta_w_abs_mean"] for r in rows) / max(len(rows), 1)
     equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
     failed = sum(r["reward/errors"] for r in rows)
-    lines = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-             f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
-             f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    out = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
+           f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+           f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
+    val = [r for r in lines if "val/reward_mean" in r]
+    if val:
+        extra = "".join(f", {k[4:]} {val[0][k]:.3f} -> {val[-1][k]:.3f}" for k in ("val/strict", "val/flexible")
+                        if k in val[0] and k in val[-1])
+        out.append(f"[done] held-out val/reward_mean {val[0]['val/reward_mean']:.3f} after {val[0]['step']} steps -> "
+                   f"{val[-1]['val/reward_mean']:.3f} after {val[-1]['step']}{extra} ({len(val)} validations)")
     if dw == 0:
-        lines.append("[warn] the weights never moved: this run trained nothing")
-    return lines
-
+        out.append("[warn] the weights never moved: this run trained nothing")
+    return out
 
 
 # --------------------------------------------------------------------------- preemption, Ctrl-C

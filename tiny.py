@@ -3,7 +3,8 @@
 Nothing here reads a file or touches a hub, so `python train_grpo.py` runs on a fresh machine.
     python tiny.py          # prints the model size, a few task items and a random policy's reward
 
-The task: the prompt is a few digits and '=', the answer is the same digits ("3914=" -> "3914").
+The task: the prompt is a few digits and '=', the answer is the same digits ("391=" -> "391"); 100 of
+the 1,000 three-digit strings are held out of training (`held_out`): the embedded run validates on them.
 The reward is the fraction of answer positions the response gets right, so a random policy
 over the 16-token vocabulary earns about 1/16 per position and learning shows as a rising mean.
 """
@@ -54,13 +55,28 @@ def build_random_model(name: str, seed: int = 0) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(qwen25_config(name)).float()     # fp32 master weights whatever the config says
 
 
+HELD_OUT = 100                             # of the 1,000 three-digit strings, never trained on: validation's
+
+
+def _held_out_strings(digits: int = 3) -> list[str]:
+    """A fixed random HELD_OUT of the 10^digits strings (the same whatever the run's seed)."""
+    return random.Random(12345).sample([str(i).zfill(digits) for i in range(10 ** digits)], HELD_OUT)
+
+
 def copy_task(num_items: int = 4096, digits: int = 3, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
+    """Training items: random strings of `digits` digits, none of them held out."""
+    rng, held = random.Random(seed), set(_held_out_strings(digits))
     items = []
-    for _ in range(num_items):
+    while len(items) < num_items:
         s = "".join(rng.choice("0123456789") for _ in range(digits))
-        items.append({"prompt": s + "=", "answer": s})
+        if s not in held:
+            items.append({"prompt": s + "=", "answer": s})
     return items
+
+
+def held_out(digits: int = 3) -> list[dict]:
+    """The held-out items, each string once: what the embedded default validates on."""
+    return [{"prompt": s + "=", "answer": s} for s in _held_out_strings(digits)]
 
 
 def copy_reward(response: str, answer: str) -> float:

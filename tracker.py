@@ -21,6 +21,7 @@ The picture (`picture`): per stage over the steps, the allocator's measured peak
 (mem_get_info: vLLM's pool and the CUDA context included), the plan's prediction (and its
 device-level figure when the plan gives one); below, every offload copy's GB and GB/s.
 """
+import contextlib
 import errno
 import functools
 import io
@@ -188,6 +189,27 @@ def open(kind: str, out_dir: str, config_text: str, rank: int, resume_step: int 
              f"WANDB_MODE={logger.mode}")
     print(f"[logger] {kind}: every metric of every step -> {logger.path} ({where})", flush=True)
     return logger
+
+
+@contextlib.contextmanager
+def profiled(out_dir: str, steps: set, step: int, rank: int, device):
+    """A torch.profiler trace of this step when `steps` (--profile_steps) name it: CPU ops, CUDA kernels
+    (on a GPU), tensor shapes, every allocation and free, each stage a labelled span (ledger.stage).
+    Written to <out_dir>/profile/step<k>.rank<r>.pt.trace.json (Chrome trace: Perfetto,
+    chrome://tracing; the .pt.trace.json suffix is what TensorBoard's profiler plugin reads).
+    Any other step runs with no profiler at all."""
+    if step not in steps:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
+        yield
+    path = os.path.join(out_dir, "profile", f"step{step}.rank{rank}.pt.trace.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    prof.export_chrome_trace(path)
+    if rank == 0:
+        print(f"[profile] step {step}: {path} (one file per rank)", flush=True)
 
 
 # --------------------------------------------------------------------------- the memory picture

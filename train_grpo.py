@@ -46,7 +46,6 @@ from __future__ import annotations   # the Trainer's fields share their names wi
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
 import zlib
@@ -75,6 +74,7 @@ import rollout_engine
 import rundir
 import tracker
 import ulysses
+import validate
 from launch import init_distributed
 from checks import check_model
 from model import all_sum, build_mesh, hf_config
@@ -109,14 +109,16 @@ class Trainer:
     peak: float = 0.0                      # the GPU's bf16 matmul FLOP/s, measured at set-up (MFU's denominator)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
     kernels: str = ""                      # the set-up line of the models' kernels (kernels.use)
+    val: tuple | None = None               # held-out (prompt ids, answers, chats), or None: no validation (validate.py)
+    prompt_len: int = 0                    # the longest prompt, training or held-out: what the engine is built for
 
 
 def preflight(cfg: Config):
     """Every check that needs no process group and no model, run on every rank before either
     exists, so that a mistake costs seconds: the batch arithmetic and each role's combinations, the
     model directory (config, weights, a decoder layout this code shards), the data and the reward,
-    then the out_dir policy (`rundir.plan`). Returns ((prompt ids, answers, chats), the
-    checkpoint to resume or None)."""
+    then the out_dir policy (`rundir.plan`). Returns (((prompt ids, answers, chats), the held-out ones or
+    None), the checkpoint to resume or None)."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))
     rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
     options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
@@ -125,25 +127,26 @@ def preflight(cfg: Config):
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
         critic.check_model(cfg.model)
     tokenizer = data_io.load_tokenizer(cfg.model)
-    data = data_io.load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
-    data_io.load_reward(cfg.reward, cfg.data)
+    data = data_io.run_data(cfg, tokenizer)   # (training, held-out or None)
+    data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format)
     tracker.resolve(cfg.logger)            # a logger asked for but not installed: one line, now
-    start = rundir.plan(cfg, data_io.fingerprint(*data[:2]))
+    start = rundir.plan(cfg, data_io.fingerprint(*data[0][:2]))
     tracker.check_dir(cfg.logger, cfg.out_dir)   # after the policy made out_dir: its folder is writable
     return data, start
 
 
-def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Trainer:
+def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None) -> Trainer:
     """Build every role (each offloads what its flags say), then the rollout engine (or reuse
     `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
-    benchmark's)."""
+    benchmark's), `val` the held-out ones (None: no validation); without `data` both come from cfg."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
     rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
     tokenizer = data_io.load_tokenizer(cfg.model)
-    prompts, answers, chats = data if data is not None else data_io.load_data(
-        cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
-    prompt_len = max(map(len, prompts))
+    if data is None:
+        data, val = data_io.run_data(cfg, tokenizer)
+    prompts, answers, chats = data
+    prompt_len = max(map(len, prompts + (val[0] if val else [])))   # the engine answers held-out prompts too
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
@@ -167,9 +170,10 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None) -> Train
                                eos_id=tokenizer.eos_token_id, rank=rank)
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
-                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data),
+                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format),
                 order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak, kernels=kernel_line)
+                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak, kernels=kernel_line, val=val,
+                prompt_len=prompt_len)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
         print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)
@@ -204,6 +208,7 @@ def report(t: Trainer) -> list[str]:
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     lines.append(rundir.disk_report(cfg, trained(t), t.actor))   # raises when the disk cannot hold the run
     lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
+    lines += validate.describe(cfg, t.val, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format))
     lines += rollout.describe(t.engine) + [t.kernels]
     lines += [f"[perf] the GPU's bf16 matmul peak, measured (8192^3): {t.peak / 1e12:.0f} TFLOP/s (MFU's base)"] if t.peak else []
     if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
@@ -222,34 +227,13 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
     eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
-    keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
+    keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
             "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
             "rollout/logp_diff_max", "critic/vf_loss"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]
     keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
     keys += [k for k in m if k.endswith("/alloc_retries") and m[k]]   # a stage at the memory limit
     return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
-
-
-@contextlib.contextmanager
-def profiled(cfg: Config, step: int, rank: int, device):
-    """A torch.profiler trace of this step when --profile_steps names it: CPU ops, CUDA kernels
-    (on a GPU), tensor shapes, every allocation and free, each stage a labelled span (ledger.stage).
-    Written to <out_dir>/profile/step<k>.rank<r>.pt.trace.json (Chrome trace: Perfetto,
-    chrome://tracing; the .pt.trace.json suffix is what TensorBoard's profiler plugin reads).
-    Any other step runs with no profiler at all."""
-    if step not in options.profile_steps(cfg.profile_steps):
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, record_shapes=True, profile_memory=True) as prof:
-        yield
-    path = os.path.join(cfg.out_dir, "profile", f"step{step}.rank{rank}.pt.trace.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    prof.export_chrome_trace(path)
-    if rank == 0:
-        print(f"[profile] step {step}: {path} (one file per rank)", flush=True)
 
 
 # --------------------------------------------------------------------------- one step
@@ -278,6 +262,9 @@ def train_step(t: Trainer, step: int) -> dict:
     stage = lambda name: in_ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
     idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
+    if validate.due(cfg, step):            # the policy after `step` updates answers the held-out prompts
+        with stage("val"):
+            held_out(t, step, m)
     if t.stream is not None:               # async: sampled while the last step trained; the next batch is ordered
         with stage("rollout_wait"):
             batch = rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
@@ -342,6 +329,22 @@ def perf(t: Trainer, batch: dict, m: dict) -> dict:
     return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
 
 
+def held_out(t: Trainer, step: int, m: dict):
+    """The val stage (validate.py): greedy answers to the held-out prompts through the run's engine, scored
+    by the run's reward; rank 0 writes the first few to val_samples.jsonl and, after the first validation
+    with the built-in GSM8K reward, what share of the answers each of its forms found."""
+    cfg = t.cfg
+    v, samples = validate.validate(t.engine, t.stream, t.actor.model, [t.actor.base, t.actor.params], t.val, cfg=cfg,
+                                   reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device,
+                                   rank=t.rank, world=t.world)
+    m.update(v)
+    if t.rank == 0:
+        rundir.write_val_samples(cfg.out_dir, samples, step)
+        if "val/strict" in v and "val" not in t.warned:
+            print(validate.first_line(v, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)), flush=True)
+    t.warned.add("val")
+
+
 def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
     """The reward_model stage: its shards in for its forward (`resident`), its scores mixed with the rule's."""
     with reward_model.resident(t.reward_model, m):
@@ -353,7 +356,7 @@ def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> tor
     """The reward stage: each response decoded and scored on the CPU; a reward that fails stops the run
     or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks)."""
     cfg = t.cfg
-    scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data), t.tokenizer,
+    scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format), t.tokenizer,
                                            batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
     m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
     return torch.tensor(scores, dtype=torch.float32, device=t.device)
@@ -405,7 +408,7 @@ def train(t: Trainer, start: int) -> bool:
         start_stream(t, start)
     step = start - 1
     for step in range(start, cfg.steps):
-        with profiled(cfg, step, t.rank, t.device):    # a no-op unless --profile_steps names this step
+        with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
         if t.rank == 0:
             rundir.write_step(metrics_path, log, m, step)   # whole lines only; the logger gets the same
@@ -425,10 +428,25 @@ def train(t: Trainer, start: int) -> bool:
             save(t, step + 1)
         if stop and step + 1 < cfg.steps:
             break
+    if step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
+        last_validation(t, metrics_path, log)
     log.close()
     if t.stream is not None:               # the engines stop once told (Ctrl-C and SIGTERM are the trainer's)
         rollout_async.close(t.stream)
     return step + 1 == cfg.steps
+
+
+def last_validation(t: Trainer, metrics_path: str, log):
+    """The held-out score of the trained policy (after --steps updates): a metrics line of its own."""
+    m = {"step": t.cfg.steps}
+    with in_ledger(t, m, "val"):
+        held_out(t, t.cfg.steps, m)
+    m = ledger.reduce(m, t.device)
+    if t.rank == 0:
+        rundir.write_step(metrics_path, log, m, t.cfg.steps)
+        print(f"validation after step {t.cfg.steps} | " + " | ".join(
+            f"{k}={v:.4g}" for k, v in m.items() if k in ("val/reward_mean", "val/strict", "val/flexible",
+                                                         "val/response_length", "time/val")), flush=True)
 
 
 def start_stream(t: Trainer, step: int):
@@ -437,7 +455,7 @@ def start_stream(t: Trainer, step: int):
     cfg, g = t.cfg, ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
     t.stream = rollout_async.start(
         cfg.rollout, model=t.actor.model, device=t.device, dtype=cfg.actor.param_dtype, config=t.actor.model.config,
-        model_path=cfg.model, out_dir=cfg.out_dir, prompt_len=max(map(len, t.prompts)),
+        model_path=cfg.model, out_dir=cfg.out_dir, prompt_len=t.prompt_len,
         train_batch_size=cfg.train_batch_size, seed=cfg.seed, pad_id=t.engine.pad_id, eos_id=t.engine.eos_id,
         timeout_s=cfg.dist_timeout_s, dp=g.dp_size, dp_rank=g.dp_rank, version=step,
         stashes=[t.actor.base, t.actor.params])
@@ -463,24 +481,6 @@ def resume(t: Trainer, path: str) -> int:
     return meta["step"]
 
 
-def fail(message: str, rank: int, code: int = 2):
-    """A failed run's one line, printed once and last. Rank 0 says it at once; another rank first waits 5 s, since the
-    same error on rank 0 ends the job sooner (torchrun then stops this rank before it repeats it), and speaks
-    only if that did not happen (an error of its own). Under torchrun the speaking rank also writes the line to
-    its error file, so that torchrun's closing summary shows it as the "Root Cause" rather than a traceback."""
-    if rank > 0:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # torchrun's stop ends the wait (no checkpoint now)
-        time.sleep(5)
-        message = message.replace("error: ", f"error: [rank {rank}] ", 1)
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:                               # the format torchrun's @record writes, with our line as the "traceback"
-        with open(path, "w") as f:
-            json.dump({"message": {"message": message, "extraInfo": {
-                "py_callstack": message, "timestamp": str(int(time.time()))}}}, f)
-    print(message, file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
 @record           # a crash's traceback reaches torchrun's summary (its "Root Cause")
 def main(argv=None):
     """The command line: --help, the options, the engine ranks' exit (async rollout), the run, and every
@@ -498,15 +498,15 @@ def main(argv=None):
             launch.leave(rollout_engine.engine_rank(cfg.rollout))
         run(cfg, rank)
     except rollout_engine.EngineDied as e:  # async rollout: an engine process failed or exited
-        fail(f"error: {e}", rank, 1)
+        launch.fail(f"error: {e}", rank, 1)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
-        fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
+        launch.fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
     except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
-        fail(f"error: {e}", rank)
+        launch.fail(f"error: {e}", rank)
     except RuntimeError as e:              # a timed-out collective (gloo raises; NCCL's watchdog aborts)
         if not any(w in str(e).lower() for w in ("timed out", "timeout")):
             raise
-        fail(f"error: a collective waited more than --dist_timeout_s={cfg.dist_timeout_s:g} s for the other ranks "
+        launch.fail(f"error: a collective waited more than --dist_timeout_s={cfg.dist_timeout_s:g} s for the other ranks "
              f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
     dist.barrier()
     dist.destroy_process_group()
@@ -516,8 +516,8 @@ def run(cfg: Config, rank: int):
     """One run once its options are read: out_dir's lock, the pre-flight, the set-up, the steps, the end."""
     rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
     rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
-    data, start = preflight(cfg)
-    t = setup(cfg, data=data)
+    (data, val), start = preflight(cfg)
+    t = setup(cfg, data=data, val=val)
     rundir.reserve_final(cfg, t.actor, t.rank)   # --save_freq=0: final/'s room, before the first step
     if t.rank == 0:
         resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
@@ -540,6 +540,6 @@ if __name__ == "__main__":
     try:
         main()
         exit_code = 0
-    except SystemExit as e:                # fail()'s one line (1, 2), a preemption's 143 or Ctrl-C's 130
+    except SystemExit as e:                # launch.fail()'s one line (1, 2), a preemption's 143 or Ctrl-C's 130
         exit_code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     launch.leave(exit_code)

@@ -118,13 +118,14 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
     return sent
 
 
-def sample_vllm(engine, reqs: list[list[int]], seeds: list[int]) -> list:
+def sample_vllm(engine, reqs: list[list[int]], seeds: list, logprobs: bool = True) -> list:
     """vLLM's outputs for the requests (tensor_parallel.requests: n samples each, or one when greedy),
-    each sampled token with its log-prob under the processed distribution."""
+    each sampled token with its log-prob under the processed distribution (`logprobs`; validation
+    needs none)."""
     from vllm import SamplingParams
     cfg = engine.cfg
     params = [SamplingParams(n=1 if cfg.temperature == 0 else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
-                             top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0,
+                             top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0 if logprobs else None,
                              stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
     return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
 
