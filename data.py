@@ -188,7 +188,7 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
 
 # --------------------------------------------------------------------------- the built-in GSM8K reward
 # A number as people write it: a sign, a `$`, thousands commas, decimals ("-$1,234.50", "18.", "3.0").
-NUMBER = r"-?\$?\s?-?\d[\d,]*(?:\.\d+)?"
+NUMBER = r"-?(?:\$\s?)?-?\d[\d,]*(?:\.\d+)?"
 GSM8K_FORMS = ("strict", "flexible")    # --gsm8k_format: what the built-in reward reads as the answer
 
 

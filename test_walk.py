@@ -22,7 +22,8 @@ import train_grpo
 
 GB = predict.GB
 SMALL = ["--train_batch_size=4", "--rollout.n=4", "--actor.ppo_mini_batch_size=4", "--rollout.engine=hf",
-         "--actor.param_dtype=float32", "--save=false", "--logger=none"]   # fp32: what a CPU run holds
+         "--actor.param_dtype=float32", "--save=false", "--logger=none",   # fp32: what a CPU run holds
+         "--val_freq=1"]                   # a validation in every step: its stage walks the plan too
 EVERY = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]
 KINDS = {
     "grpo": [],

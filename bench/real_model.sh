@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A real instruct model learning GSM8K on one GPU, with held-out validation: the runs behind bench/README.md's
+# "What GRPO does to a real model". Each part fits one 10-minute call of a lent machine; every run's small
+# files (metrics.jsonl, val_samples.jsonl, run_config.json, its log) are packed into $OUT/<part>.tgz every
+# 30 s and at the end, so a call cut short still brings back what it did.
+#   MODEL=/models/Qwen2.5-Coder-0.5B-Instruct TRAIN=gsm8k_train.jsonl VAL=gsm8k_val.jsonl bash bench/real_model.sh grpo
+#   bash bench/real_model.sh grpo 540      # the same, stopped by SIGTERM after 540 s; run again: it resumes
+#   bash bench/real_model.sh rows          # PPO, LoRA, FP8 KV, FP8 weights + KV side by side on the GPU (short)
+#   python bench/plot_val.py out/real/grpo  # val.png from a run folder (or a part's unpacked .tgz)
+# The data: GSM8K rows as published ({"question": ..., "answer": "... #### 72"}); the model: a local folder.
+set -u
+OUT=${OUT:-out/real}; mkdir -p "$OUT"
+MODEL=${MODEL:-/tmp/qwen-coder-0.5b}; TRAIN=${TRAIN:-/tmp/gsm8k_train.jsonl}; VAL=${VAL:-/tmp/gsm8k_val.jsonl}
+RUNS=${RUNS:-/tmp/real_runs}; mkdir -p "$RUNS"
+export PYTHONUNBUFFERED=1
+INSTRUCTION='Let'"'"'s think step by step and output the final answer after "####".'   # verl's GSM8K instruction
+# GRPO as the README's real-model section runs it, on one GPU: 32 problems x 8 samples a step, two optimizer
+# steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
+GRPO=(--model="$MODEL" --data="$TRAIN" --val_data="$VAL" --instruction="$INSTRUCTION" --train_batch_size=32
+      --rollout.n=8 --actor.ppo_mini_batch_size=16 --rollout.response_length=512 --actor.lr=2e-6 --steps=300
+      --val_freq=10 --logger=none)
+
+pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (replaced whole)
+  local part=$1; shift
+  local files=(); for d in "$@"; do for f in metrics.jsonl val_samples.jsonl run_config.json log.txt; do
+    [ -f "$d/$f" ] && files+=("$d/$f"); done; done
+  [ ${#files[@]} -gt 0 ] && tar czf "$OUT/$part.tgz.tmp" "${files[@]}" 2>/dev/null && mv "$OUT/$part.tgz.tmp" "$OUT/$part.tgz"
+}
+keep_packing() { (while sleep 30; do pack "$@"; done) & echo $!; }
+
+run() {  # run <dir> <seconds> <options...>: one training run, SIGTERM after <seconds> (it checkpoints; rerun resumes)
+  local dir=$1 limit=$2; shift 2
+  timeout -s TERM "$limit" python train_grpo.py --out_dir="$dir" "$@" >> "$dir.log" 2>&1
+  echo "[$(basename "$dir")] exit $? after $SECONDS s" | tee -a "$dir.log" "$OUT/summary.txt"
+  mkdir -p "$dir"; cp "$dir.log" "$dir/log.txt"
+}
+
+case "${1:-}" in
+  grpo)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+    packer=$(keep_packing grpo "$RUNS/grpo")
+    run "$RUNS/grpo" "${2:-540}" "${GRPO[@]}"
+    kill "$packer"; pack grpo "$RUNS/grpo" ;;
+  rows)    # side by side on one GPU (each run's times are shared-GPU times: read their curves against steps)
+    packer=$(keep_packing rows "$RUNS"/{ppo,lora,fp8kv,fp8})
+    jobs=()
+    run "$RUNS/ppo" "${2:-500}" "${GRPO[@]}" --algorithm.adv_estimator=gae --critic.lr=1e-5 & jobs+=($!)
+    run "$RUNS/lora" "${2:-500}" "${GRPO[@]}" --actor.lora_rank=32 --actor.lr=2e-5 & jobs+=($!)
+    fp8=(--val_before_train=false --val_freq=0 --steps=6)    # the engine-vs-trainer log-prob gap only
+    run "$RUNS/fp8kv" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 & jobs+=($!)
+    run "$RUNS/fp8" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 --rollout.quantization=fp8 & jobs+=($!)
+    wait "${jobs[@]}"
+    kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
+  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds]" >&2; exit 2 ;;
+esac

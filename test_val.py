@@ -1,0 +1,212 @@
+"""Validation and the answers instruct models write (CPU, and GPU with vLLM): the GSM8K reward's two forms
+on real responses, published GSM8K files as they are, the schedule (before training, every val_freq steps,
+after the last, kept by a resume), a validation that changes nothing, async rollout's engines answering.
+
+    python -m pytest -q test_val.py                 # CPU; the GPU tests skip without CUDA and vLLM
+    GRPO_REAL_MODEL=/models/Qwen2.5-Coder-0.5B-Instruct GRPO_REAL_VAL=gsm8k_val.jsonl python -m pytest -q -m gpu test_val.py
+"""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+import data
+import options
+import predict
+import tiny
+import train_grpo
+import validate
+from conftest import launches, metrics, run
+
+# --------------------------------------------------------------------------- the reward's two forms
+# Responses as instruct models write them (Qwen2.5-Instruct on GSM8K), the answer 18 each time:
+# (response, what strict reads, what flexible reads)
+RESPONSES = [
+    ("She sells 16 - 3 - 4 = 9 eggs, so she makes 9 * 2 = 18 dollars.\n\n\\[\n\\boxed{18}\n\\]", None, 18),
+    ("Janet makes $18 every day.\n#### 18", 18, 18),
+    ("The answer is \\boxed{\\$18}.", None, 18),
+    ("So the total is \\boxed{18 \\text{ dollars}}", None, 18),
+    ("#### $18.00", 18, 18),
+    ("Total: 9 eggs x $2 = $18.\n#### 18.", 18, 18),
+    ("```python\neggs = 16 - 3 - 4\nprint(eggs * 2)\n```\nThis prints 18.", None, 18),
+    ("```python\nprint(16 - 3 - 4)\n```", None, 4),          # a code block whose printout is not shown
+    ("I cannot determine the answer without more information.", None, None),
+    ("First 1,000 then \\boxed{1,018}", None, 1018),
+    ("The change is #### -18", -18, -18),
+    ("The answer is \\boxed{18} ... wait, let me recheck: \\boxed{20}", None, 20),   # the last box counts
+    ("#### 18 and then the model keeps writing 25", 18, 25),
+    ("\\boxed{18", None, 18),                                # a box cut off: the last number
+]
+
+
+@pytest.mark.parametrize("response,strict,flexible", RESPONSES)
+def test_each_form_reads_the_answer_instruct_models_write(response, strict, flexible):
+    """strict: the number after the last ####; flexible: the last number inside the last \\boxed{}, else the
+    last number anywhere; numbers as people write them ($, commas, a trailing period, a sign, 18.00 = 18)."""
+    assert data.gsm8k_answer(response, "strict") == strict
+    assert data.gsm8k_answer(response, "flexible") == flexible
+    truth = "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18"
+    assert data.gsm8k_reward(response, truth) == float(strict == 18)
+    assert data.gsm8k_flexible_reward(response, truth) == float(flexible == 18)
+
+
+def test_numbers_as_people_write_them():
+    assert data.number("1,000") == data.number("$1000.") == data.number("1000.00") == 1000
+    assert data.number("-$5") == -5 and data.number("0.5") == data.number("0.50")
+    assert data.number("abc") is None and data.number("") is None and data.number("1.2.3") is None
+    assert data.gsm8k_truth("... #### 1,234") == 1234 and data.gsm8k_truth("72") == 72
+
+
+def test_the_form_is_an_option_and_the_run_names_it():
+    assert data.load_reward(None, "x.jsonl") is data.gsm8k_reward
+    assert data.load_reward(None, "x.jsonl", "flexible") is data.gsm8k_flexible_reward
+    assert "strict" in data.reward_name(None, "x.jsonl") and "flexible" in data.reward_name(None, "x.jsonl", "flexible")
+    with pytest.raises(ValueError, match="gsm8k_format=boxed: use one of strict, flexible"):
+        options.parse_args(["--gsm8k_format=boxed"])
+    shares = data.answer_forms([r for r, _, _ in RESPONSES], ["#### 18"] * len(RESPONSES))
+    assert shares["found_strict"] == 5 and shares["strict"] == 4 and shares["flexible"] == 8
+
+
+# --------------------------------------------------------------------------- published GSM8K as it is
+def test_published_gsm8k_trains_as_it_is_with_an_instruction(tmp_path, capsys):
+    """The published keys (`question`, `answer`) need no renaming, and --instruction is appended to each
+    prompt (a chat prompt: to its last user message) before the chat template."""
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("\n".join(json.dumps({"question": q, "answer": f"... #### {a}", "id": i})
+                              for i, (q, a) in enumerate([("12=", 12), ("34=", 34)])) + "\n")
+    tok = tiny.build_tokenizer()
+    prompts, answers, _ = data.load_data(str(path), tok, instruction="#")
+    assert [tok.decode(p) for p in prompts] == ["12= #", "34= #"] and answers[0].endswith("#### 12")
+    assert "its 'question' field" in capsys.readouterr().out
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1"},
+            {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+2"}]
+    assert data.with_instruction(chat, "Think.")[3]["content"] == "2+2 Think." and chat[3]["content"] == "2+2"
+    assert data.with_instruction(chat, "")[1:] == chat[1:]
+    with pytest.raises(ValueError, match="has no 'q' field"):     # a named key is taken as it is
+        data.load_data(str(path), tok, prompt_key="q")
+
+
+# --------------------------------------------------------------------------- when it runs
+def test_the_schedule():
+    cfg = options.parse_args(["--steps=25", "--val_freq=10"])
+    assert [s for s in range(26) if validate.due(cfg, s)] == [0, 10, 20, 25]
+    cfg = options.parse_args(["--steps=20", "--val_freq=10", "--val_before_train=false"])
+    assert [s for s in range(21) if validate.due(cfg, s)] == [10, 20]
+    cfg = options.parse_args(["--steps=20", "--val_freq=0"])
+    assert [s for s in range(21) if validate.due(cfg, s)] == [0]
+    cfg = options.parse_args(["--steps=20", "--data=x.jsonl"])     # training data without held-out data
+    assert not validate.enabled(cfg) and not any(validate.due(cfg, s) for s in range(21))
+    assert "val" not in [s.name for s in predict.predict(options.parse_args(
+        ["--model=random:qwen2.5-0.5b", "--data=x.jsonl"]), 1, 64).stages]
+    with pytest.raises(ValueError, match="--val_response_length=9 is over --rollout.response_length=4"):
+        options.parse_args(["--val_response_length=9"])
+
+
+def test_the_built_in_task_holds_its_validation_items_out():
+    held = {r["prompt"] for r in tiny.held_out()}
+    assert len(held) == tiny.HELD_OUT and not held & {r["prompt"] for r in tiny.copy_task(seed=3)}
+
+
+def test_a_validation_changes_nothing(dist_env, tmp_path):
+    """The same run with validation at every step and with none: the same rewards, losses, grads and
+    weights step by step, and the same RNG state after (greedy answers through HF generate reseed
+    nothing the run sees)."""
+    def steps(args):
+        t = train_grpo.setup(options.parse_args(["--save=false", "--logger=none", f"--out_dir={tmp_path}",
+                                                 "--rollout.engine=hf", *args]))
+        rows = [train_grpo.train_step(t, s) for s in range(3)]
+        w = torch.cat([p.full_tensor().flatten() if hasattr(p, "full_tensor") else p.flatten()
+                       for p in t.actor.model.parameters()])
+        return rows, w, torch.get_rng_state()
+    on, off = steps(["--val_freq=1"]), steps(["--val_freq=0", "--val_before_train=false"])
+    assert all("val/reward_mean" in r for r in on[0]) and not any("val/reward_mean" in r for r in off[0])
+    keys = ["reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "delta_w_abs_mean", "data/prompt_crc"]
+    assert [[r[k] for k in keys] for r in on[0]] == [[r[k] for k in keys] for r in off[0]]
+    assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
+
+
+@launches
+def test_validation_before_training_at_its_frequency_after_the_last_and_on_resume(tmp_path):
+    """val_freq=3 over 5 steps: the held-out score of the policy after 0, 3 and 5 updates, each once in
+    metrics.jsonl and val_samples.jsonl; stopped at step 2 and resumed, the run validates on the same steps
+    (not again at its first), and the set-up and end lines say what was validated."""
+    out, args = str(tmp_path / "run"), ["--val_freq=3", "--save=false", "--logger=none"]
+    r = run([f"--out_dir={out}", "--steps=2", "--save_freq=2", *args])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "[val] 100 held-out prompts of the built-in task, greedy, at most 4 tokens, before the first step, " \
+           "every 3 steps and after the last" in r.stdout
+    r = run([f"--out_dir={out}", "--steps=5", "--save_freq=2", *args])   # resumes at 2
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = metrics(out)
+    assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5]                  # the last line: the last validation's
+    assert [x["step"] for x in m if "val/reward_mean" in x] == [0, 3, 5] and "optimizer_steps" not in m[-1]
+    assert all(x["val/prompts"] == 100 and 0 <= x["val/reward_mean"] <= 1 for x in m if "val/reward_mean" in x)
+    with open(os.path.join(out, "val_samples.jsonl")) as f:
+        samples = [json.loads(line) for line in f]
+    assert [s["step"] for s in samples] == [0] * 8 + [3] * 8 + [5] * 8
+    assert set(samples[0]) == {"step", "prompt", "response", "answer", "score"}
+    assert "held-out val/reward_mean" in r.stdout and "validation after step 5" in r.stdout
+
+
+@launches
+def test_two_ranks_and_async_engines_give_the_colocated_scores(tmp_path):
+    """The held-out score of the starting policy is the same whoever answers: one process, two ranks
+    (each a share of the prompts), and an async engine process (answers sent back from its HF model)."""
+    def first(name, extra, nproc=0):
+        out = str(tmp_path / name)
+        r = run([f"--out_dir={out}", "--steps=1", "--val_freq=1", "--save=false", "--logger=none", *extra], nproc=nproc)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [(x["val/reward_mean"], x["val/prompts"]) for x in metrics(out)]
+    one = first("one", [])
+    assert first("two", [], nproc=2)[0] == one[0] and len(one) == 2
+    assert first("async", ["--rollout.mode=async"])[0] == one[0]
+
+
+# --------------------------------------------------------------------------- on a GPU, with vLLM
+needs_vllm = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                reason="needs a CUDA GPU and vLLM")
+REAL = os.environ.get("GRPO_REAL_MODEL", "/tmp/qwen-coder-0.5b")
+REAL_VAL = os.environ.get("GRPO_REAL_VAL", "/tmp/gsm8k_val.jsonl")
+
+
+@launches
+@pytest.mark.gpu
+@needs_vllm
+@pytest.mark.timeout(600)
+def test_vllm_validates_the_embedded_model(tmp_path):
+    """The embedded run with the vLLM engine: its held-out answers through a bracket of their own, at most
+    the response length, the stage's memory within the plan's."""
+    out = str(tmp_path / "run")
+    r = run([f"--out_dir={out}", "--rollout.engine=vllm", "--steps=2", "--val_freq=1", "--save=false",
+             "--logger=none"], gpu=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = metrics(out)
+    assert [x["step"] for x in m if "val/reward_mean" in x] == [0, 1, 2]
+    for x in m:
+        if "val/reward_mean" in x:
+            assert x["val/prompts"] == 100 and x["val/response_length"] <= 4 and x["val/device_peak_gb"] > 0
+            assert x["mem/val/peak_gb"] <= 1.1 * x["plan/val/predicted_gb"] + 0.25, x   # the plan knows the stage
+
+
+@launches
+@pytest.mark.gpu
+@needs_vllm
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not os.path.isdir(REAL) or not os.path.isfile(REAL_VAL), reason="no real model folder here")
+def test_vllm_validates_a_real_instruct_model(tmp_path):
+    """A real instruct model on 64 held-out GSM8K problems, greedy through vLLM: it answers in \\boxed{}
+    (flexible reads it; strict, the #### form, finds few), and the first validation's line says so."""
+    out = str(tmp_path / "run")
+    r = run([f"--out_dir={out}", f"--model={REAL}", f"--data={REAL_VAL}", f"--val_data={REAL_VAL}",
+             "--val_max_prompts=64", "--instruction=Let's think step by step and output the final answer after \"####\".",
+             "--rollout.engine=vllm", "--steps=1", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+             "--rollout.n=4", "--rollout.response_length=512", "--actor.lr=1e-6", "--val_freq=0", "--save=false",
+             "--logger=none"], gpu=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    v = metrics(out)[0]
+    print(f"\n[real model] 64 held-out: strict {v['val/strict']:.3f}, flexible {v['val/flexible']:.3f}, "
+          f"boxed {v['val/found_boxed']:.3f}, #### {v['val/found_strict']:.3f}, length {v['val/response_length']:.0f}")
+    assert v["val/prompts"] == 64 and 0.08 < v["val/flexible"] < 0.6 and v["val/found_boxed"] > 0.5
+    assert v["val/strict"] < v["val/flexible"] and "the held-out answers end with `#### N` in" in r.stdout
