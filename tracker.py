@@ -334,9 +334,74 @@ def picture(run_dir: str, path: str | None = None) -> str:
     return path
 
 
+VAL = ("val/reward_mean", "val/strict", "val/flexible")   # the held-out curves (validate.py)
+
+
+def learning(rows: list[dict]) -> dict:
+    """What val.png draws, as numbers: each validation's step, its minutes of training (the steps before it
+    and its own time), and each held-out figure; the training steps' reward, length, KL and entropy."""
+    nan, clock, val = float("nan"), 0.0, {"step": [], "minutes": [], **{k: [] for k in VAL}}
+    for r in rows:
+        if "val/reward_mean" in r:
+            val["step"].append(r["step"])
+            val["minutes"].append((clock + r.get("time/val", 0.0)) / 60)
+            for k in VAL:
+                val[k].append(r.get(k, nan))
+        clock += r.get("time/step", 0.0)
+    train = [r for r in rows if "reward_mean" in r]
+    return {"val": val, "train": {k: [r.get(k, nan) for r in train] for k in
+                                  ("step", "reward_mean", "response_length", "kl", "entropy")}}
+
+
+def learning_picture(run_dir: str, path: str | None = None) -> str:
+    """<run_dir>/val.png (or `path`): the held-out score against steps and against minutes of training
+    (what a reader looks at first: did the run make the model better?), beside the training reward and
+    response length, the KL to the reference and the entropy. Raises one line for a run without a
+    validation."""
+    lines = learning(rows_of(run_dir))
+    v, t = lines["val"], lines["train"]
+    if not v["step"]:
+        raise ValueError(f"{run_dir} has no validation (--val_data) to draw")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ((by_step, by_min), (reward, kl)) = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, x, label in ((by_step, v["step"], "step"), (by_min, v["minutes"], "minutes of training")):
+        for k, style in zip(VAL, ("-o", "--s", ":^")):
+            if _drawn(v[k]):
+                ax.plot(x, v[k], style, label=k)
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out score (greedy)")
+        ax.legend(fontsize=8)
+    by_step.set_title(f"{os.path.basename(os.path.abspath(run_dir))}: held-out score")
+    reward.plot(t["step"], t["reward_mean"], color="C0", label="train reward_mean")
+    reward.set_ylabel("train reward (sampled)")
+    length = reward.twinx()
+    length.plot(t["step"], t["response_length"], color="C1", linewidth=0.8, label="response_length")
+    length.set_ylabel("response length (tokens, orange)")
+    reward.set_xlabel("step")
+    kl.plot(t["step"], t["kl"], color="C2", label="kl")
+    kl.set_ylabel("KL to the reference (green)")
+    entropy = kl.twinx()
+    entropy.plot(t["step"], t["entropy"], color="C3", linewidth=0.8)
+    entropy.set_ylabel("entropy (red)")
+    kl.set_xlabel("step")
+    fig.tight_layout()
+    path = path or os.path.join(run_dir, "val.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def picture_at_end(run_dir: str, device_type: str = "cuda"):
-    """The end of a run: on a GPU the picture, or one [warn] line (a picture never fails a trained
-    run); on the CPU, where the memory is the host's, one line saying how to draw it anyway."""
+    """The end of a run: val.png when it validated (on any device), and on a GPU the memory picture, or
+    one [warn] line each (a picture never fails a trained run); on the CPU, where the memory is the
+    host's, one line saying how to draw memory.png anyway."""
+    try:
+        if learning(rows_of(run_dir))["val"]["step"]:
+            print(f"[picture] {learning_picture(run_dir)}: the held-out score against steps and minutes", flush=True)
+    except Exception as e:             # noqa: BLE001 - the run's results are already written
+        print(f"[warn] no val.png: {e}", flush=True)
     if device_type != "cuda":
         print(f"[picture] no memory.png on the CPU; python plan.py --plot={run_dir} draws it from "
               f"metrics.jsonl", flush=True)
@@ -348,7 +413,8 @@ def picture_at_end(run_dir: str, device_type: str = "cuda"):
 
 
 def plot_command(argv: list[str]) -> int:
-    """`plan.py --plot=RUN` / `--plot RUN`: the picture of a run folder; a bad folder is one line."""
+    """`plan.py --plot=RUN` / `--plot RUN`: the pictures of a run folder (memory.png, and val.png when it
+    validated); a bad folder is one line."""
     args = list(argv)
     i = next(i for i, a in enumerate(args) if a == "--plot" or a.startswith("--plot="))
     run_dir = args[i].partition("=")[2] or (args[i + 1] if i + 1 < len(args) else "")
@@ -357,6 +423,8 @@ def plot_command(argv: list[str]) -> int:
         return 2
     try:
         print(picture(run_dir))
+        if learning(rows_of(run_dir))["val"]["step"]:
+            print(learning_picture(run_dir))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

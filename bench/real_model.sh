@@ -26,7 +26,7 @@ pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (r
     [ -f "$d/$f" ] && files+=("$d/$f"); done; done
   [ ${#files[@]} -gt 0 ] && tar czf "$OUT/$part.tgz.tmp" "${files[@]}" 2>/dev/null && mv "$OUT/$part.tgz.tmp" "$OUT/$part.tgz"
 }
-keep_packing() { (while sleep 30; do pack "$@"; done) & echo $!; }
+keep_packing() { (while sleep 30; do pack "$@"; done) > /dev/null 2>&1 & echo $!; }
 
 run() {  # run <dir> <seconds> <options...>: one training run, SIGTERM after <seconds> (it checkpoints; rerun resumes)
   local dir=$1 limit=$2; shift 2
