@@ -1,7 +1,7 @@
 """Which kernels the trainer's models run: transformers' own modules, Liger-Kernel's fused ones, or each
 decoder layer compiled. One process-wide choice (`--kernels`), made before any model is built.
 
-    python -m pytest -q -m gpu test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
+    python -m pytest -q -m gpu tests/test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
 
 Why: at 0.5B the update's GPU idles a third of the stage, waiting for the host to launch the next of
 many small kernels, and of its busy time the norms and elementwise kernels take more than twice the

@@ -7,7 +7,7 @@ on the H200 measurements of docs/plan_truth.json. It names no role's flags, move
 model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command line).
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80    # the table, and what fits (plan.py)
-    python -m pytest -q test_plan.py                                   # the terms against the model and the H200
+    python -m pytest -q tests/test_plan.py                                   # the terms against the model and the H200
 
 The terms (per rank, bytes; each named in the table): a role's state group is (bytes on the GPU in use,
 between uses, in pinned host memory) under its flags; a stage is its owner's moments, each {term: bytes},

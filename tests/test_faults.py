@@ -2,7 +2,7 @@
 layouts refused before a rank leaves, a resume that takes each step's own prompts, the correction's top-p
 refusal, the set-up's verdict near the GPU, no negative budget.
 
-    python -m pytest -q test_faults.py
+    python -m pytest -q tests/test_faults.py
 """
 import os
 import re

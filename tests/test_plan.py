@@ -1,7 +1,7 @@
 """The planner (CPU): its shapes and byte formulas against the real model and autograd, its choices,
 its warnings, and its predictions against the H200 measurements recorded in docs/plan_truth.json.
 
-    python -m pytest test_plan.py -q
+    python -m pytest tests/test_plan.py -q
 """
 import dataclasses
 import json
