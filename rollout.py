@@ -122,7 +122,7 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
     has_vllm = importlib.util.find_spec("vllm") is not None
     if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
         raise ValueError("--rollout.engine=vllm needs a CUDA GPU and vLLM installed "
-                         "(README: vLLM on a GPU node); use --rollout.engine=hf")
+                         "(docs/rollout.md: vLLM on a GPU node); use --rollout.engine=hf")
     if cfg.engine == "auto":
         return "vllm" if has_vllm and device.type == "cuda" else "hf"
     return cfg.engine
