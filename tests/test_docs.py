@@ -171,7 +171,8 @@ def test_what_a_page_names_exists(page):
     sections = {o[2:] for o in option_names()}
     undefined = [d for d in found["dotted"] if d not in sections and not defined(d)]
     unknown = sorted(found["options"] - option_names())
-    assert (missing, undefined, unknown) == ([], [], []), f"{page}: paths, module names, options that do not exist"
+    assert not (missing or undefined or unknown), \
+        f"{page} names what does not exist: paths {missing}, module names {undefined}, options {unknown}"
 
 
 @pytest.mark.parametrize("page", pages())
@@ -184,7 +185,7 @@ def test_every_link_leads_somewhere(page):
             broken.append(link)
         elif anchor and (not path.endswith(".md") or anchor not in anchors(path)):
             broken.append(link)
-    assert broken == [], f"{page}: links to no file or no heading"
+    assert not broken, f"{page} links to no file or no heading: {broken}"
 
 
 def test_every_page_is_read_or_a_record():
