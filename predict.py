@@ -31,7 +31,7 @@ import rollout_async
 import rollout_engine
 
 GB = 1024 ** 3
-PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (BENCHMARKS.md)
+PINNED_GBPS = 55.2e9         # pinned host<->device copy bandwidth measured on the H200 (bench/README.md)
 TFLOPS = 742e12 * 0.51       # bf16 matmul peak measured there x the share a training step reaches (fitted)
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
