@@ -1,7 +1,7 @@
 """The policy: its loss math, its update, LoRA, and every move of the actor's own bytes.
 
-    python -m pytest test_algo.py          # the loss math against hand-computed values
-    torchrun --nproc_per_node=2 -m pytest test_dist.py   # 2 ranks == 1 rank
+    python -m pytest tests/test_algo.py          # the loss math against hand-computed values
+    torchrun --nproc_per_node=2 -m pytest tests/test_dist.py   # 2 ranks == 1 rank
     python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, the base is the ref
 
 What it holds on the GPU: its fp32 shards, their grads during the update, Adam's two moments

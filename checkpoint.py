@@ -4,7 +4,7 @@ rank (the out_dir around them, the lock, the disk and the stop signals: rundir.p
     python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
     python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
     torchrun --nproc_per_node=2 train_grpo.py --steps=40 --resume=out/checkpoints/step_000020 --out_dir=out2
-    python -m pytest test_checkpoint.py -q
+    python -m pytest tests/test_checkpoint.py -q
 
 A checkpoint, checkpoints/step_000020/: meta.json (written last: its presence marks a complete
 checkpoint; it records every file's size and crc32), actor/ and critic/ (torch.distributed.checkpoint:

@@ -2,7 +2,7 @@
 that are all there (every shard an index names, each safetensors file as long as its header says), and the
 layout this code shards. One line each, naming the file and what is wrong.
 
-    python -m pytest -q test_checkpoint.py -k bad_model      # truncated weights, a missing shard, no tokenizer
+    python -m pytest -q tests/test_checkpoint.py -k bad_model      # truncated weights, a missing shard, no tokenizer
 """
 import json
 import os

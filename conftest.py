@@ -1,6 +1,7 @@
-"""What the tests share: one process group for the whole pytest session (torchrun's, several ranks,
-or a 1-process one), the one way a test starts a process (`start`, `run`: train_grpo.py, plan.py or
-a test file's torchrun workers), a run's metrics, the tiny batches and models."""
+"""What the tests share (test_memory.py here and every file in tests/): one process group for the whole
+pytest session (torchrun's, several ranks, or a 1-process one), the one way a test starts a process
+(`start`, `run`: train_grpo.py, plan.py or a test file's torchrun workers, paths from the repo root), a
+run's metrics, the tiny batches and models."""
 import glob
 import json
 import os
@@ -95,10 +96,12 @@ def command(args, nproc: int = 0, script: str | None = "train_grpo.py", torchrun
 
 
 def child_env(gpu: bool = False, env: dict | None = None) -> dict:
-    """START_ENV, then on the CPU unless `gpu` (gloo; one OpenMP thread per process: 2 ranks on 2 cores
-    would otherwise oversubscribe), then `env` (extra variables)."""
+    """START_ENV with the repo root first on PYTHONPATH (a test file in tests/ started as a torchrun worker
+    imports the root's modules), then on the CPU unless `gpu` (gloo; one OpenMP thread per process: 2 ranks
+    on 2 cores would otherwise oversubscribe), then `env` (extra variables)."""
+    path = {"PYTHONPATH": os.pathsep.join(p for p in (HERE, START_ENV.get("PYTHONPATH")) if p)}
     cpu = {} if gpu else {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    return {**START_ENV, **cpu, **(env or {})}
+    return {**START_ENV, **path, **cpu, **(env or {})}
 
 
 def start(args, nproc: int = 0, *, script: str | None = "train_grpo.py", torchrun=("--standalone",), gpu=False,

@@ -2,7 +2,7 @@
 
     python train_grpo.py --algorithm.adv_estimator=gae                          # PPO, separate critic
     python train_grpo.py --algorithm.adv_estimator=gae --critic.mode=shared     # value head on the actor
-    python -m pytest test_critic.py -q
+    python -m pytest tests/test_critic.py -q
 
 Two modes:
 - "separate" (verl's critic): a causal-LM trunk with a scalar head per token

@@ -1,6 +1,6 @@
 """Data and rewards: local jsonl / parquet prompts, the tokenizer, built-in and user rewards.
 
-    python -m pytest test_train.py -q -k "data or reward"
+    python -m pytest tests/test_train.py -q -k "data or reward"
 
 Nothing is fetched: `--model` and `--data` are local paths; a bad row stops the run with one line
 that names the file, the row and what to change.

@@ -1,11 +1,11 @@
 """Which kernels the trainer's models run: transformers' own modules, Liger-Kernel's fused ones, or each
 decoder layer compiled. One process-wide choice (`--kernels`), made before any model is built.
 
-    python -m pytest -q -m gpu test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
+    python -m pytest -q -m gpu tests/test_packing.py -k kernels   # each as close to fp32 as torch's bf16 (GPU)
 
 Why: at 0.5B the update's GPU idles a third of the stage, waiting for the host to launch the next of
 many small kernels, and of its busy time the norms and elementwise kernels take more than twice the
-matmuls' (BENCHMARKS, round 8). Fewer, larger kernels are the lever (and they keep less for backward):
+matmuls' (bench/README.md, kernels). Fewer, larger kernels are the lever (and they keep less for backward):
 - liger    Liger-Kernel's Triton RMSNorm, SwiGLU and RoPE (`pip install liger-kernel`; Qwen2 models, GPU).
            Each is one kernel per call where transformers runs several, and they keep less for backward
            (an RMSNorm its bf16 input and one fp32 scalar per token, not an fp32 copy of its input).
@@ -27,7 +27,7 @@ import torch
 KERNELS = ("auto", "liger", "compile", "torch")
 # What they keep for backward: liger and compile alike keep each RMSNorm's input in the compute dtype
 # and no MLP activation (model.Shapes.fused); measured update peaks with checkpointing off, 0.5B / 1.5B:
-# torch 23.75 / 56.18 GB, liger 19.70 / 47.96, compile 19.74 / 48.02 (BENCHMARKS, round 8)
+# torch 23.75 / 56.18 GB, liger 19.70 / 47.96, compile 19.74 / 48.02 (bench/README.md)
 FUSED = ("liger", "compile")
 
 

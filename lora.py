@@ -1,7 +1,7 @@
 """LoRA through peft: the actor's adapters, what they cost, and the one FSDP2 detail they need.
 
     python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # adapters train, the base is the reference
-    python -m pytest test_lora.py -q
+    python -m pytest tests/test_lora.py -q
 
 Only the adapters train: grads and Adam exist for them alone (r x (in + out) per target matrix: a
 few MB), and the frozen base is held in the compute dtype on a GPU (bf16: half of the fp32 master

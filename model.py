@@ -2,7 +2,7 @@
 the collectives and the clipped optimizer step. A role file imports this one, offload.py and
 packing.py, never another role: copying ref.py brings these three along, not actor.py.
 
-    python -m pytest -q test_dist.py test_packing.py      # 2 ranks == 1; packed == padded
+    python -m pytest -q tests/test_dist.py tests/test_packing.py      # 2 ranks == 1; packed == padded
 
 --model (and --reward_model.path) name one of three things, resolved here and nowhere else:
     None            the embedded tiny Qwen2 (tiny.py), built in code

@@ -1,6 +1,6 @@
 """Every host<->device move (the memory ledger that measures them is ledger.py).
 
-    python -m pytest test_dist.py test_memory.py        # round trips (CPU) and freed bytes (GPU)
+    python -m pytest tests/test_dist.py test_memory.py        # round trips (CPU) and freed bytes (GPU)
 
 Manual offload (the default mode) works on storages, not on modules: each FSDP2 parameter's
 local shard (and each Adam state tensor) lives in one untyped storage. Offload copies that

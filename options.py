@@ -4,7 +4,7 @@ the config dataclasses (every default and its comment written once, there).
 
     python train_grpo.py --help
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80     # the planner parses the same options
-    python -m pytest test_train.py -q -k "help or range or bad"
+    python -m pytest tests/test_train.py -q -k "help or range or bad"
 
 Each role file keeps its config dataclass with RANGES and CHOICES beside it, and a `check(cfg, world)`
 for the rules that combine its options; `sections` lists them with the section each belongs to.

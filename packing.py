@@ -1,7 +1,7 @@
 """Responses through the model in bounded memory: token-budget micro-batches, padding removed, and
 the LM head applied to response tokens only, a chunk at a time.
 
-    python -m pytest test_packing.py -q        # packed == padded, chunked == whole, budgets balanced
+    python -m pytest tests/test_packing.py -q        # packed == padded, chunked == whole, budgets balanced
 
 The memory consumers no offload flag touches, and what this file does to each:
 - The (tokens, vocab) logits. At Qwen's 151,936-token vocabulary one fp32 copy for 32 samples x

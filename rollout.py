@@ -2,7 +2,7 @@
 
     python train_grpo.py --rollout.engine=hf                      # HF generate on the FSDP actor
     torchrun --nproc_per_node=8 train_grpo.py --rollout.engine=vllm --model=/models/Qwen2.5-1.5B
-    python -m pytest test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
+    python -m pytest tests/test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
 
 HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
 layer, not one per decoded token), samples, and frees the gathered weights again. A LoRA actor
@@ -122,7 +122,7 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
     has_vllm = importlib.util.find_spec("vllm") is not None
     if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
         raise ValueError("--rollout.engine=vllm needs a CUDA GPU and vLLM installed "
-                         "(README: vLLM on a GPU node); use --rollout.engine=hf")
+                         "(docs/rollout.md: vLLM on a GPU node); use --rollout.engine=hf")
     if cfg.engine == "auto":
         return "vllm" if has_vllm and device.type == "cuda" else "hf"
     return cfg.engine

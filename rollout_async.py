@@ -2,7 +2,7 @@
 
     python train_grpo.py --rollout.mode=async                  # CPU: HF generate in a child process
     torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
-    python -m pytest -q test_async.py
+    python -m pytest -q tests/test_async.py
 
 Colocated (rollout.py), every step generates and then trains on the same GPUs, and each waits for
 the other. Here engine processes (rollout_engine.py: where they run, what they do) generate batch t+1

@@ -2,7 +2,7 @@
 and the engine process itself (rollout_async.py is the trainer's side: the buffer, orders, the push).
 
     torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
-    python -m pytest -q test_async.py
+    python -m pytest -q tests/test_async.py
 
 Where the engines run: --rollout.gpus=k: the last k of the ranks torchrun starts each start one engine
 process on their GPU and wait for it (`engine_rank`; the trainer is the first N - k ranks,

@@ -4,7 +4,7 @@ lines, and how a run stops on a preemption or Ctrl-C.
 
     python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
     python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
-    python -m pytest test_reliability.py test_checkpoint.py -q
+    python -m pytest tests/test_reliability.py tests/test_checkpoint.py -q
 
 - The out_dir policy (`plan`, checked before any model is built): an out_dir with an unfinished
   run resumes it (`--resume=auto`, the default); one with a finished run, or with files of a run that

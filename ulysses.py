@@ -3,7 +3,7 @@ packed micro-batch's tokens split over the k ranks of a sequence-parallel group,
 activations, and the tokens its LM head sees, go as tokens / k.
 
     torchrun --nproc_per_node=2 train_grpo.py --actor.ulysses_sequence_parallel_size=2
-    python -m pytest -q test_ulysses.py      # k=2 and k=4 equal k=1: log-probs, entropy, grads, values
+    python -m pytest -q tests/test_ulysses.py      # k=2 and k=4 equal k=1: log-probs, entropy, grads, values
 
 The groups are k consecutive ranks inside the FSDP world (FSDP still shards over all of it); the
 data-parallel size is world / k. All k ranks of a group hold the same samples (each generates its

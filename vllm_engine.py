@@ -3,7 +3,7 @@ vLLM 0.26.0 with torch 2.11, V1 engine, in-process), the weight sync into it (FP
 at each), and sampling with the sampled tokens' log-probs. rollout.py runs the colocated bracket around
 these; rollout_engine.py's engine process calls them too. Nothing here imports vLLM until it is used.
 
-    python -m pytest -q test_vllm.py          # GPU + vLLM: parity after a sync, FP8, sleep/wake, memory
+    python -m pytest -q tests/test_vllm.py          # GPU + vLLM: parity after a sync, FP8, sleep/wake, memory
 """
 import contextlib
 import importlib.util

@@ -1,7 +1,7 @@
 """The policy's weights out of FSDP2, one tensor at a time: into vLLM (the weight sync) and into
 a Hugging Face checkpoint, with LoRA adapters merged on the way.
 
-    python -m pytest test_lora.py test_dist.py -q -k "sync or gather or checkpoint"
+    python -m pytest tests/test_lora.py tests/test_dist.py -q -k "sync or gather or checkpoint"
 
 No state dict is ever built: a live `state_dict()` result keeps the GPU shards alive after an
 offload, and a whole gathered model would double the model's bytes. Each parameter is gathered

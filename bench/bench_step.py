@@ -3,9 +3,9 @@ where the GPU's time goes (torch.profiler), for variants side by side in one pro
 engine's modes (bf16, FP8 KV cache, FP8 weights + KV) each with the engine it needs.
 
     python bench/bench_step.py --model=random:qwen2.5-0.5b --variants="default;--actor.gradient_checkpointing=false" \
-        --profile --out=bench/step_0.5b.json          # TRL's GRPO workload: 16 prompts x 8, 64 + 256 tokens
+        --profile --out=bench/results/step_0.5b.json  # TRL's GRPO workload: 16 prompts x 8, 64 + 256 tokens
     python bench/bench_step.py --model=random:qwen2.5-7b --modes=bf16,fp8kv,fp8 --variants="--actor.lora_rank=16" \
-        --out=bench/fp8_7b.json                       # the engine's device GB, generate time, mismatch per mode
+        --out=bench/results/fp8_7b.json               # the engine's device GB, generate time, mismatch per mode
 
 Every variant of a mode shares that mode's engine (train_grpo.setup with `engine=`); its steps are the loop's
 own (train_grpo.train_step), the first `--warmup` not counted: medians of the rest. The profile is of the

@@ -2,8 +2,8 @@
 # This round's one-H200 runs, in parts that each fit one device call (at most 10 minutes); every part writes
 # its raw output under $OUT (the device tool brings it back) and never stops the next one.
 #   source .vllm/env.sh && bash bench/one_gpu.sh tests       # GPU tests: test_memory.py (one call)
-#   bash bench/one_gpu.sh tests2                               # test_vllm.py, test_packing.py's GPU tests
-#   bash bench/one_gpu.sh fp8tests; bash bench/one_gpu.sh fp8long   # test_defaults' KV bytes, test_fp8.py
+#   bash bench/one_gpu.sh tests2                               # tests/test_vllm.py, tests/test_packing.py's GPU tests
+#   bash bench/one_gpu.sh fp8tests; bash bench/one_gpu.sh fp8long   # test_defaults' KV bytes, tests/test_fp8.py
 #   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B and 1.5B, checkpointing on / off
 #   bash bench/one_gpu.sh fp8bench                             # bf16 / FP8 KV / FP8 weights + KV at 1.5B and 7B
 #   bash bench/one_gpu.sh kernels [0.5b|1.5b]                  # --kernels torch / liger / compile: the step
@@ -21,14 +21,14 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
     part test_memory 560 python -m pytest -q -rf test_memory.py ;;    # 22 tests, about 6 min (240 s + 124 s, rounds 7-8)
   tests2)
-    part test_vllm 380 python -m pytest -q -rf -s test_vllm.py
-    part test_packing_gpu 180 python -m pytest -q -rf -m gpu test_packing.py ;;
+    part test_vllm 380 python -m pytest -q -rf -s tests/test_vllm.py
+    part test_packing_gpu 180 python -m pytest -q -rf -m gpu tests/test_packing.py ;;
   fp8tests)
-    part test_defaults_kv 80 python -m pytest -q -rf -s test_defaults.py -k kv_bytes
-    part test_fp8_bytes 200 python -m pytest -q -rf -s test_fp8.py -k fresh
-    part test_fp8_learns 280 python -m pytest -q -rf -s test_fp8.py -k embedded ;;
+    part test_defaults_kv 80 python -m pytest -q -rf -s tests/test_defaults.py -k kv_bytes
+    part test_fp8_bytes 200 python -m pytest -q -rf -s tests/test_fp8.py -k fresh
+    part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
   fp8long)     # each FP8 run builds a bf16 and an FP8 engine and trains both: a call of its own
-    part test_fp8_0p5b 540 python -m pytest -q -rf -s test_fp8.py -k 0p5b ;;
+    part test_fp8_0p5b 540 python -m pytest -q -rf -s tests/test_fp8.py -k 0p5b ;;
   profile)
     part profile_0p5b 270 python bench/bench_step.py --model=random:qwen2.5-0.5b --profile --out="$OUT/step_0p5b.json" \
         --variants="--actor.gradient_checkpointing=true;--actor.gradient_checkpointing=false"
@@ -54,10 +54,10 @@ case "${1:-}" in
   rest)      # what round 7's call limits cut off
     part test_memory_rest 300 python -m pytest -q -rf test_memory.py \
         -k "reward_model_stage or oom or plan_predicts or checkpoint_leaves"
-    part test_defaults_kv 100 python -m pytest -q -rf -s test_defaults.py -k kv_bytes ;;
+    part test_defaults_kv 100 python -m pytest -q -rf -s tests/test_defaults.py -k kv_bytes ;;
   rest2)
-    part test_kernels 150 python -m pytest -q -rf -s -m gpu test_packing.py -k kernels_are
-    part test_vllm_async 150 python -m pytest -q -rf -s test_vllm.py -k async
-    part test_fp8_learns 280 python -m pytest -q -rf -s test_fp8.py -k embedded ;;
+    part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
+    part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
+    part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
   *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2" >&2; exit 2 ;;
 esac

@@ -7,7 +7,7 @@
 #   bash bench/two_gpus.sh layouts      # TP=2 x 1 engine against TP=1 x 2 engines; HSDP (fsdp_size=1)
 #   bash bench/two_gpus.sh report       # $OUT/report.md from the runs' metrics (and the plan beside them)
 # DRY=1 runs the same commands on the CPU (gloo, the tiny model, HF generate, 2 steps): the script itself,
-# tested before a lease (test_two_gpus.py). Raw files: $OUT/<run>/metrics.jsonl, $OUT/<part>.txt.
+# tested before a lease (tests/test_two_gpus.py). Raw files: $OUT/<run>/metrics.jsonl, $OUT/<part>.txt.
 set -u
 OUT=${OUT:-out/two_gpus}; mkdir -p "$OUT"
 DRY=${DRY:-0}
@@ -37,11 +37,12 @@ case "${1:-}" in
   _train)                             # (timeout runs a command, not a shell function)
     shift; train "$@" ;;
   tests)
-    for f in test_memory.py test_vllm.py; do
-      part "tests_${f%.py}" 540 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf "$f"
+    for f in test_memory.py tests/test_vllm.py; do
+      f_name=$(basename "$f" .py)        # test_memory, test_vllm: the part's name
+      part "tests_$f_name" 540 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf "$f"
     done
-    part tests_vllm_tp 540 python -m pytest -q -rf -s test_vllm_tp.py
-    part tests_lora 300 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf -k lora test_memory.py test_vllm.py ;;
+    part tests_vllm_tp 540 python -m pytest -q -rf -s tests/test_vllm_tp.py
+    part tests_lora 300 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf -k lora test_memory.py tests/test_vllm.py ;;
   ulysses)
     SP="$M15 --train_batch_size=2 --rollout.n=1 --actor.ppo_mini_batch_size=2 --rollout.response_length=$LONG \
 --actor.ppo_micro_batch_size_per_gpu=1 --actor.log_prob_micro_batch_size_per_gpu=1 --ref.log_prob_micro_batch_size_per_gpu=1 \

@@ -2,7 +2,7 @@
 checkpoint lose nothing, Ctrl-C is a clean stop, torchrun's restarts resume by themselves, and the
 seq-mean loss denominators are verl's.
 
-    python -m pytest test_reliability.py -q      # launches 1- and 2-process gloo runs itself
+    python -m pytest tests/test_reliability.py -q      # launches 1- and 2-process gloo runs itself
 """
 import json
 import os

@@ -1,12 +1,12 @@
 """vLLM rollout on a GPU: parity with the actor after a weight sync, sleep/wake, and the bracket's
 memory. Skipped without CUDA or vLLM. One sleep-mode engine per process, so one per module here.
 
-    python -m pytest test_vllm.py -q -s          # -s prints the measured mismatch and memory
+    python -m pytest tests/test_vllm.py -q -s          # -s prints the measured mismatch and memory
 
 The model is a ~430M-parameter Qwen2 built in code (random weights, no download). Both engines
 compute in bf16 with different kernels, so exact greedy equality is asserted only where the
 actor's top-1 token leads by more than bf16 noise, and the sampled-token log-prob mismatch is
-bounded (the measured size of the rollout/training mismatch, BENCHMARKS.md).
+bounded (the measured size of the rollout/training mismatch, bench/README.md).
 """
 import dataclasses
 import importlib.util

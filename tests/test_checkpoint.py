@@ -2,7 +2,7 @@
 saves first, a checkpoint loads at another world size, a half-written one is never used, a
 stalled rank ends the job, an earlier run is never overwritten, and errors are one line.
 
-    python -m pytest test_checkpoint.py -q       # launches 1- and 2-process gloo runs itself
+    python -m pytest tests/test_checkpoint.py -q       # launches 1- and 2-process gloo runs itself
 """
 import json
 import os

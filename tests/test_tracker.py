@@ -2,7 +2,7 @@
 after a resume, --logger=none writes nothing, the memory picture is drawn from a run folder, and
 `plan.py --plot` of a folder that is not a run is one line.
 
-    python -m pytest test_tracker.py -q
+    python -m pytest tests/test_tracker.py -q
 """
 import json
 import math

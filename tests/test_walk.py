@@ -2,7 +2,7 @@
 state group held on the device in each stage equal what predict.py composes from the roles' predictions; and
 the five places the planner's copy of the roles once drifted from them, each pinned by a test.
 
-    python -m pytest -q test_walk.py
+    python -m pytest -q tests/test_walk.py
 """
 import contextlib
 import math

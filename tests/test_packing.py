@@ -1,6 +1,6 @@
 """Packing, the chunked LM head and token-budget micro-batches change no number (CPU).
 
-    python -m pytest test_packing.py -q
+    python -m pytest tests/test_packing.py -q
 
 The reference everywhere is the plain computation: padded rows, the whole (B, R, vocab) logits
 in fp32, log-softmax and entropy over them, fixed-size micro-batches.
@@ -157,7 +157,7 @@ def test_token_budget_update_equals_fixed_on_two_ranks(tmp_path):
     out = {}
     for dynamic in (False, True):
         path = str(tmp_path / f"{dynamic}.pt")
-        r = run([path, int(dynamic)], 2, script="test_packing.py")      # gloo on the CPU
+        r = run([path, int(dynamic)], 2, script="tests/test_packing.py")      # gloo on the CPU
         assert r.returncode == 0, r.stderr[-3000:]
         out[dynamic] = torch.load(path)
     assert out[True]["bins"][0] == out[True]["bins"][1] and out[False]["bins"] == [4, 4]

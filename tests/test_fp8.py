@@ -2,7 +2,7 @@
 sync equal to what a fresh FP8 engine makes of the same bf16 weights, and runs with FP8 that learn as bf16
 runs do and stay within the plan. Skipped without CUDA or vLLM; every engine in a process of its own.
 
-    python -m pytest -q -s test_fp8.py
+    python -m pytest -q -s tests/test_fp8.py
 """
 import importlib.util
 import json

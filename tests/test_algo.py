@@ -1,6 +1,6 @@
 """The loss math against hand-computed values, and micro-batch invariance (CPU, one process).
 
-    python -m pytest test_algo.py -q
+    python -m pytest tests/test_algo.py -q
 """
 import math
 

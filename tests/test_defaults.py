@@ -6,9 +6,9 @@ allocator peak and of its measured device level. With --offload=auto the allocat
 have had to free its cache and retry. One more test checks that vLLM allocated the KV bytes it was
 asked for, so an upgrade that reads the budget differently fails here, not in a user's run.
 
-    python -m pytest test_defaults.py -q -s                    # all (about 10 minutes on one H200)
-    python -m pytest test_defaults.py -q -s -k "3b and grpo"   # one size and algorithm
-    DEFAULTS_OUT=/tmp/rows.jsonl python -m pytest test_defaults.py   # also keep each run's last metrics line
+    python -m pytest tests/test_defaults.py -q -s                    # all (about 10 minutes on one H200)
+    python -m pytest tests/test_defaults.py -q -s -k "3b and grpo"   # one size and algorithm
+    DEFAULTS_OUT=/tmp/rows.jsonl python -m pytest tests/test_defaults.py   # also keep each run's last metrics line
 
 Random weights (`random:qwen2.5-<size>`) and the built-in copy task: nothing is downloaded.
 """

@@ -1,6 +1,6 @@
 """Distribution and offload correctness on the CPU.
 
-    python -m pytest test_dist.py -q        # launches 1-, 2- and 4-process gloo runs itself
+    python -m pytest tests/test_dist.py -q        # launches 1-, 2- and 4-process gloo runs itself
 
 One update with 2 processes (each holding half the batch and half of every parameter) equals
 the same update with 1 process; an offload -> reload round trip is bit-exact and the next
@@ -71,7 +71,7 @@ def _rollout_collectives(out_path: str):
 
 def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):
     # gloo on the CPU (run's default) for every run, so they differ only in the number of ranks
-    r = run([out_path, fsdp_size], nproc, script="test_dist.py")
+    r = run([out_path, fsdp_size], nproc, script="tests/test_dist.py")
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 

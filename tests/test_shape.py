@@ -2,7 +2,7 @@
 files, the README's tables of who moves what and of the copy sets are the code's, and the limits hold
 (files up to 550 lines, functions up to 45 lines and 7 positional parameters, no import circle).
 
-    python -m pytest -q test_shape.py
+    python -m pytest -q tests/test_shape.py
 """
 import ast
 import os

@@ -2,7 +2,7 @@
 each batch consumed once, the push's parity, learning, the truncated weights and their use (faults:
 test_faults.py).
 
-    python -m pytest -q test_async.py
+    python -m pytest -q tests/test_async.py
 """
 import threading
 import time

@@ -1,6 +1,6 @@
 """The critic: GAE and value-loss math by hand, offload round trip, the shared head, PPO learns.
 
-    python -m pytest test_critic.py -q
+    python -m pytest tests/test_critic.py -q
 """
 import pytest
 import torch

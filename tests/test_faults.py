@@ -2,7 +2,7 @@
 layouts refused before a rank leaves, a resume that takes each step's own prompts, the correction's top-p
 refusal, the set-up's verdict near the GPU, no negative budget.
 
-    python -m pytest -q test_faults.py
+    python -m pytest -q tests/test_faults.py
 """
 import os
 import re
@@ -78,7 +78,7 @@ def test_ctrl_c_of_an_async_run_checkpoints_stops_the_engines_and_resumes(tmp_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("nproc", [0, 3])
 def test_a_killed_engine_is_the_documented_line_once(tmp_path, nproc):
-    """kill -9 of the engine process mid-run: one `error:` line, the one the README documents (which engine,
+    """kill -9 of the engine process mid-run: one `error:` line, the one docs/rollout.md documents (which engine,
     its pid, its exit code), from rank 0 alone; no traceback from any rank, and nothing hangs."""
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=200", *S, *ASYNC] + (["--rollout.gpus=1"] if nproc else [])

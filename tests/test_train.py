@@ -2,7 +2,7 @@
 the real-model path runs, two "nodes" joined by torchrun's c10d rendezvous run as one node does,
 and bad input fails with one clear line.
 
-    python -m pytest test_train.py -q
+    python -m pytest tests/test_train.py -q
 """
 import json
 import os

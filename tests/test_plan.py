@@ -1,7 +1,8 @@
 """The planner (CPU): its shapes and byte formulas against the real model and autograd, its choices,
-its warnings, and its predictions against the H200 measurements recorded in docs/plan_truth.json.
+its warnings, and its predictions against the H200 measurements recorded in
+bench/results/plan_truth.json.
 
-    python -m pytest test_plan.py -q
+    python -m pytest tests/test_plan.py -q
 """
 import dataclasses
 import json
@@ -209,7 +210,7 @@ def test_oom_message_names_stage_ledger_plan_and_change():
     assert f"{p.stage('update').total / GB:.1f} GB" in msg and "\n" not in msg
 
 
-TRUTH = os.path.join(HERE, "docs", "plan_truth.json")
+TRUTH = os.path.join(HERE, "bench", "results", "plan_truth.json")
 
 
 @pytest.mark.skipif(not os.path.exists(TRUTH), reason="no recorded GPU measurements yet")

@@ -2,7 +2,7 @@
 weight sync and the checkpoints carry peft's merge, 2 ranks == 1, the offload flags change no
 number, the frozen-bf16-base layout FSDP2 accepts, and the embedded run learns.
 
-    python -m pytest test_lora.py -q        # launches its own 1- and 2-process gloo runs
+    python -m pytest tests/test_lora.py -q        # launches its own 1- and 2-process gloo runs
 """
 import json
 import os
@@ -149,7 +149,7 @@ def _one_lora_update(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    r = run([out_path], nproc, script="test_lora.py")      # gloo on the CPU
+    r = run([out_path], nproc, script="tests/test_lora.py")      # gloo on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 

@@ -2,7 +2,7 @@
 depend on the micro-batch, the offload round trip or the number of ranks, and it reads text
 through its own tokenizer when that differs from the policy's; a run with one logs its stage.
 
-    python -m pytest test_reward_model.py -q        # launches 1- and 2-process gloo runs itself
+    python -m pytest tests/test_reward_model.py -q        # launches 1- and 2-process gloo runs itself
 """
 import sys
 
@@ -215,7 +215,7 @@ def test_two_processes_equal_one(tmp_path, rm_dirs):
     re-tokenized for the other tokenizer), give the scores of 1 rank scoring all of it."""
     def launch(nproc):
         out = str(tmp_path / f"n{nproc}.pt")
-        r = run([rm_dirs["other"], out], nproc, script="test_reward_model.py")      # gloo on the CPU
+        r = run([rm_dirs["other"], out], nproc, script="tests/test_reward_model.py")      # gloo on the CPU
         assert r.returncode == 0, r.stderr[-3000:]
         return [torch.load(f"{out}.rank{k}") for k in range(nproc)]
     one, two = launch(1), launch(2)

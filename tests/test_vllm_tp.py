@@ -1,7 +1,7 @@
 """Tensor-parallel rollout on 2 GPUs: one vLLM engine across both (rollout.tensor_parallel_size=2)
 generates what one engine per GPU generates. Skipped without 2 GPUs or vLLM.
 
-    python -m pytest test_vllm_tp.py -q -s       # a plain pytest: it launches its own torchrun runs
+    python -m pytest tests/test_vllm_tp.py -q -s       # a plain pytest: it launches its own torchrun runs
 
 One process hosts one sleep-mode engine, so each configuration runs in its own
 `torchrun --nproc_per_node=2` (this file's __main__: the same actor, the same prompts per rank,
@@ -66,7 +66,7 @@ def _generate(out_dir: str, tp: int):
 
 
 def _run(out_dir: str, tp: int) -> list[dict]:
-    r = run([out_dir, tp], 2, script="test_vllm_tp.py", gpu=True)
+    r = run([out_dir, tp], 2, script="tests/test_vllm_tp.py", gpu=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return [torch.load(os.path.join(out_dir, f"tp{tp}.rank{k}.pt")) for k in range(2)]
 

@@ -1,6 +1,6 @@
 """Ulysses sequence parallelism changes no number (CPU, gloo, fp32).
 
-    python -m pytest -q test_ulysses.py      # launches 2- and 4-process gloo runs itself
+    python -m pytest -q tests/test_ulysses.py      # launches 2- and 4-process gloo runs itself
 
 On one packed batch with ragged prompt and response lengths (padding removed), the k ranks of a
 group running 1/k of each packed row give the log-probs, entropies and gradients of k = 1; an
@@ -106,7 +106,7 @@ def _run(out_path: str):
 
 
 def _launch(nproc: int, out_path: str):
-    r = run([out_path], nproc, script="test_ulysses.py")      # gloo on the CPU
+    r = run([out_path], nproc, script="tests/test_ulysses.py")      # gloo on the CPU
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
