@@ -293,11 +293,17 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
 
 
 # --------------------------------------------------------------------------- the stages
+def policy_stashes(a: Actor) -> list:
+    """What a forward of the policy needs in (GROUPS, the planner's names): the frozen base (LoRA) and the
+    trained params. The loop lends them to the weight sync, the async push and validation."""
+    return [a.base, a.params]
+
+
 @contextlib.contextmanager
 def resident(a: Actor, metrics: dict, keep: bool = False):
     """Params on the GPU for a forward-only use, freed after it (the host copy is current: no copy
     back), or left there for the next stage (`keep`). What the shared critic head borrows."""
-    with offload.loaded([a.base, a.params], metrics, keep=keep):
+    with offload.loaded(policy_stashes(a), metrics, keep=keep):
         yield
 
 
@@ -329,7 +335,7 @@ def prefetch_update(a: Actor, metrics: dict):
     loop calls this while the ref forward runs); `update` then only waits for the copy. They stay
     on the GPU from here on (the loop calls it when the actor `prefetches`). Not Adam: twice the bytes,
     and the update hides its copy already."""
-    for s in (a.base, a.params):
+    for s in policy_stashes(a):
         metrics.update(offload.reload(s, background=True))
 
 
@@ -337,7 +343,7 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     """The update stage's bracket: params in -> Adam in on a side stream (waited for right before
     the optimizer step, in `clipped_step`) -> update -> Adam out -> params out, or kept on the GPU
     until the next weight sync has read them (defer_param_offload: one reload fewer per step)."""
-    with offload.loaded([a.base, a.params], metrics, modified=True, keep=a.cfg.defer_param_offload):
+    with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not a.cfg.optimizer_load_at_step:
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
         stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, a.adam)
@@ -452,7 +458,7 @@ def probe(model) -> torch.Tensor:
 # The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or
 # moves anything): per rank, `z` a model.Sizes, a state group (name: its stash's) as (bytes on the GPU
 # in use, between uses, in pinned host memory), a stage as its moments, each {term: bytes}.
-GROUPS = ("actor_base", "actor_params")     # what a forward of the policy needs in
+GROUPS = ("actor_base", "actor_params")     # what a forward of the policy needs in (`policy_stashes`)
 
 
 def predicted_states(cfg: ActorConfig, z, config) -> dict:
@@ -512,7 +518,7 @@ def state_in(a: Actor, loading: bool = False):
     resharding work on the model and the optimizer, and a load must initialise Adam's lazily created
     state on them. Cost: for the checkpoint's length the device holds what the update does minus
     grads and activations (fp32 params + 2 x params of Adam)."""
-    with offload.holding([a.base, a.params, a.adam], loading):
+    with offload.holding(policy_stashes(a) + [a.adam], loading):
         yield
         if loading:
             for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's

@@ -162,7 +162,9 @@ def _no_process_left():
             stop(p)
 
 
-def metrics(out) -> list[dict]:
-    """A run's <out>/metrics.jsonl, one dict a step."""
+def metrics(out, every_line: bool = False) -> list[dict]:
+    """A run's <out>/metrics.jsonl, one dict a training step; `every_line`: with the line of the validation
+    after the last step (step = --steps, validate.py), which holds no training figures."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        rows = [json.loads(line) for line in f]
+    return rows if every_line else [r for r in rows if "optimizer_steps" in r]

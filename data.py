@@ -130,7 +130,7 @@ def with_instruction(p, instruction: str):
 
 
 def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", max_prompt_length=1024,
-              seed=0, instruction="", held_out=False) -> tuple[list[list[int]], list[str], list[list[dict]]]:
+              seed=0, *, instruction="", held_out=False) -> tuple[list[list[int]], list[str], list[list[dict]]]:
     """Prompt token ids, answers, and each prompt's chat messages (a string prompt becomes one
     user message; a reward model with a chat template of its own re-renders them). `path` None:
     the tiny copy task (`held_out`: its held-out items). `instruction` is appended to every prompt;
@@ -177,11 +177,11 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     """The run's training data (--data) and its held-out data (--val_data, at most val_max_prompts of it;
     with neither, the built-in task's held-out items; None: no validation): each (prompt ids, answers,
     chats), the same instruction appended to both."""
-    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed, cfg.instruction)
-    data = load_data(cfg.data, *args)
+    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    data = load_data(cfg.data, *args, instruction=cfg.instruction)
     if cfg.val_data is None and cfg.data is not None:
         return data, None
-    val = load_data(cfg.val_data, *args, held_out=cfg.val_data is None)
+    val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None)
     cap = cfg.val_max_prompts or len(val[0])
     return data, tuple(x[:cap] for x in val)
 

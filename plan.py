@@ -385,11 +385,11 @@ def main(argv=None):
 
 
 def _prompt_len(cfg) -> int:
-    """The longest prompt the run will see: read from --data (tokenized), the copy task's otherwise."""
+    """The longest prompt the run will see, as the run reads it (data.run_data: --data and --val_data
+    tokenized, --instruction appended; the built-in task's otherwise)."""
     import data
-    tok = data.load_tokenizer(cfg.model)
-    prompts = data.load_data(cfg.data, tok, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)[0]
-    return max(map(len, prompts))
+    train, val = data.run_data(cfg, data.load_tokenizer(cfg.model))
+    return max(map(len, train[0] + (val[0] if val else [])))
 
 
 # --------------------------------------------------------------------------- the run's glue

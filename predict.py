@@ -156,7 +156,8 @@ def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
 def run(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Run:
     ro, dtype = cfg.rollout, cfg.actor.param_dtype
     req = rollout_engine.request(ro, cfg.train_batch_size, prompt_len, dtype) if ro.mode == "async" else \
-        rollout.request(ro, prompts=cfg.train_batch_size // world, prompt_len=prompt_len, param_dtype=dtype)
+        rollout.request(ro, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
+                        param_dtype=dtype)
     return Run(cfg, sizes(cfg, world, prompt_len), engine, req)
 
 

@@ -154,6 +154,17 @@ class Request:
         return s.params * self.dtype_bytes - (linear * (self.dtype_bytes - 1) if self.quantization == "fp8" else 0)
 
 
+def prompts_per_rank(train_batch_size: int, world: int) -> int:
+    """The prompts each colocated rank samples a step (options.check_sizes makes world divide the batch)."""
+    return train_batch_size // world
+
+
+def sample_seed(seed: int, step: int, k: int, n: int) -> int:
+    """The sampling seed of sampler k of n at `step` (a rank colocated, an engine async): distinct for every
+    (step, sampler), the same when a resumed run samples that step again."""
+    return seed * 1_000_003 + step * n + k
+
+
 def request(cfg: RolloutConfig, *, prompts: int, prompt_len: int, param_dtype: str) -> Request:
     """The request of an engine whose ranks each sample `prompts` prompts per call (n sequences each)."""
     return Request(prompts * cfg.n * cfg.tensor_parallel_size, prompt_len + cfg.response_length,

@@ -159,12 +159,15 @@ class Stream:
     eos_id: int = 1
 
 
-def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config, model_path: str | None,
-          out_dir: str, prompt_len: int, train_batch_size: int, seed: int, pad_id: int, eos_id: int,
-          timeout_s: float, dp: int, dp_rank: int, version: int, stashes: list) -> Stream:
+def start(run, engine: rollout.Engine, *, model, prompt_len: int, dp: int, dp_rank: int, version: int,
+          stashes: list) -> Stream:
     """Start (k=0) or reach (k >= 1) the engines, give them the spec, push the current weights as
-    `version` (`stashes`: the actor's params, in for that push). Collective over the trainer ranks
-    (they take part in the first push)."""
+    `version` (`stashes`: the actor's params, in for that push). `run`: the run's options (options.Config:
+    its rollout section, batch, seed, model, out_dir, timeout); `engine`: the trainer's (rollout.build's,
+    unbuilt in async mode: its device, pad and eos ids). Collective over the trainer ranks (they take part
+    in the first push)."""
+    cfg, device, config, pad_id, eos_id = run.rollout, engine.device, model.config, engine.pad_id, engine.eos_id
+    dtype, train_batch_size = run.actor.param_dtype, run.train_batch_size
     rank = dist.get_rank() if dist.is_initialized() else 0
     k = rollout_engine.engines(cfg)
     req = rollout_engine.request(cfg, train_batch_size, prompt_len, dtype if device.type == "cuda" else "float32")
@@ -172,13 +175,13 @@ def start(cfg: RolloutConfig, *, model, device: torch.device, dtype: str, config
     layout, bucket_bytes = weight_layout(model, torch_dtype, cfg.sync_bucket_mb * 2 ** 20)
     step_samples = train_batch_size * cfg.n
     s = Stream(cfg, rank, device, torch_dtype, layout, k, buffer_limit(cfg, train_batch_size), step_samples, dp,
-               dp_rank, prompt_len, seed=seed, version=version, next_order=version, pad_id=pad_id, eos_id=eos_id)
+               dp_rank, prompt_len, seed=run.seed, version=version, next_order=version, pad_id=pad_id, eos_id=eos_id)
     if rank == 0:
         transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
-        engine_dir = os.path.join(out_dir, "vllm_config", "engine")
-        where = rollout.model_dir(model_path, config, engine_dir) if device.type == "cuda" else None
+        engine_dir = os.path.join(run.out_dir, "vllm_config", "engine")
+        where = rollout.model_dir(run.model, config, engine_dir) if device.type == "cuda" else None
         spec = rollout_engine.Spec(cfg, config, where, req, pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0),
-                                   timeout_s)
+                                   run.dist_timeout_s)
         _connect(s, spec)
     push(s, model, stashes, version, {})
     return s
@@ -308,7 +311,7 @@ def _order(s: Stream, step: int, prompts_of):
     per = rollout_engine.prompts_per_engine(s.cfg, len(prompts))
     for i in range(s.engines):
         _send(s, i, ("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
-                               "seed": s.seed * 1_000_003 + step * 7919 + i, "min_version": step - s.cfg.max_staleness}))
+                               "seed": rollout.sample_seed(s.seed, step, i, s.engines), "min_version": step - s.cfg.max_staleness}))
 
 
 def take(s: Stream, step: int, prompts_of, metrics: dict) -> list:

@@ -163,7 +163,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
-        req = rollout.request(cfg.rollout, prompts=cfg.train_batch_size // world, prompt_len=prompt_len,
+        req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
                               param_dtype=cfg.actor.param_dtype)
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
                                out_dir=cfg.out_dir, req=req, seed=cfg.seed + rank, pad_id=pad,
@@ -265,15 +265,8 @@ def train_step(t: Trainer, step: int) -> dict:
     if validate.due(cfg, step):            # the policy after `step` updates answers the held-out prompts
         with stage("val"):
             held_out(t, step, m)
-    if t.stream is not None:               # async: sampled while the last step trained; the next batch is ordered
-        with stage("rollout_wait"):
-            batch = rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
-    else:
-        with stage("generate"):            # the actor's offloaded params come in for the sync only
-            batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
-                                     cfg.seed * 1_000_003 + step * t.world + t.rank, [t.actor.base, t.actor.params], m)
-            batch = ulysses.gather_batch(batch, sp)   # Ulysses: the group's k shares on each of its ranks
-        m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
+    with stage("rollout_wait" if t.stream is not None else "generate"):
+        batch = sampled(t, step, idx, sp, m)
     with stage("reward"):                  # CPU: decode and score each response
         scores = rule_scores(t, batch, idx, sp.size, m)
     if t.reward_model is not None:         # its shards in, scores, out (its position: ledger.STAGES)
@@ -297,11 +290,23 @@ def train_step(t: Trainer, step: int) -> dict:
         m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
     if t.stream is not None:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
-            rollout_async.push(t.stream, t.actor.model, [t.actor.base, t.actor.params], step + 1, m)
+            rollout_async.push(t.stream, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
     m.update(step_figures(t, scores, batch), **{"time/step": time.perf_counter() - t0})
     m = ledger.reduce(m, t.device)
     m.update(perf(t, batch, m))            # throughput from the reduced (slowest rank's) times
     return m
+
+
+def sampled(t: Trainer, step: int, idx: list, sp, m: dict) -> dict:
+    """The step's batch. Colocated (the generate stage): this rank's share of the prompts through its engine,
+    the actor's offloaded params in for the weight sync only; Ulysses: the group's k shares on each of its
+    ranks. Async (rollout_wait): sampled while the last step trained, and the next batch is ordered."""
+    if t.stream is not None:
+        return rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
+    batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
+                             rollout.sample_seed(t.cfg.seed, step, t.rank, t.world), actor.policy_stashes(t.actor), m)
+    m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
+    return ulysses.gather_batch(batch, sp)
 
 
 def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dict) -> torch.Tensor:
@@ -334,7 +339,7 @@ def held_out(t: Trainer, step: int, m: dict):
     by the run's reward; rank 0 writes the first few to val_samples.jsonl and, after the first validation
     with the built-in GSM8K reward, what share of the answers each of its forms found."""
     cfg = t.cfg
-    v, samples = validate.validate(t.engine, t.stream, t.actor.model, [t.actor.base, t.actor.params], t.val, cfg=cfg,
+    v, samples = validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=cfg,
                                    reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device,
                                    rank=t.rank, world=t.world)
     m.update(v)
@@ -453,12 +458,8 @@ def start_stream(t: Trainer, step: int):
     """Async rollout: start (or reach) the engines and push them the policy of `step` (its version:
     one update per step). Nothing was buffered before: a resumed run samples its batches again."""
     cfg, g = t.cfg, ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
-    t.stream = rollout_async.start(
-        cfg.rollout, model=t.actor.model, device=t.device, dtype=cfg.actor.param_dtype, config=t.actor.model.config,
-        model_path=cfg.model, out_dir=cfg.out_dir, prompt_len=t.prompt_len,
-        train_batch_size=cfg.train_batch_size, seed=cfg.seed, pad_id=t.engine.pad_id, eos_id=t.engine.eos_id,
-        timeout_s=cfg.dist_timeout_s, dp=g.dp_size, dp_rank=g.dp_rank, version=step,
-        stashes=[t.actor.base, t.actor.params])
+    t.stream = rollout_async.start(cfg, t.engine, model=t.actor.model, prompt_len=t.prompt_len, dp=g.dp_size,
+                                   dp_rank=g.dp_rank, version=step, stashes=actor.policy_stashes(t.actor))
     if t.rank == 0:
         print("\n".join(rollout_async.describe(t.stream)), flush=True)
 

@@ -75,7 +75,7 @@ def share(n: int, rank: int, world: int) -> list:
     return [i if i < n else None for i in range(rank * per, (rank + 1) * per)]
 
 
-def answer(engine, stream, model, stashes: list, prompts: list, idx: list, cfg, bracket: dict, chunk: int) -> list:
+def answer(engine, stream, model, stashes: list, prompts: list, idx: list, *, cfg, bracket: dict, chunk: int) -> list:
     """This rank's greedy answers (token ids, cut after EOS) to the held-out prompts `idx` (`share`'s):
     colocated, through its engine (rollout.greedy); async, rank 0's engines answer them all
     (rollout_async.greedy: with the weights pushed after the last update) and each rank keeps its own.
@@ -95,7 +95,8 @@ def validate(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn
     prompts, answers = val[0], val[1]
     idx, bracket = share(len(prompts), rank, world), {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):   # the run's RNG untouched
-        out = answer(engine, stream, model, stashes, prompts, idx, cfg, bracket, cfg.train_batch_size // world * cfg.rollout.n)
+        out = answer(engine, stream, model, stashes, prompts, idx, cfg=cfg, bracket=bracket,
+                     chunk=rollout.prompts_per_rank(cfg.train_batch_size, world) * cfg.rollout.n)
     mine = [(i, r) for i, r in zip(idx, out) if i is not None]
     texts = tokenizer.batch_decode([r for _, r in mine], skip_special_tokens=True)
     truth = [answers[i] for i, _ in mine]

@@ -6,12 +6,11 @@ runs do and stay within the plan. Skipped without CUDA or vLLM; every engine in 
 """
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-from conftest import HERE, launches, run
+from conftest import metrics, HERE, launches, run
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                                   reason="needs a CUDA GPU and vLLM")]
 
@@ -96,7 +95,7 @@ def _run(tmp_path, name: str, args: list) -> list:
     out = str(tmp_path / name)
     r = run([f"--out_dir={out}", "--save=false", "--logger=none", "--rollout.engine=vllm", *args], gpu=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    return metrics(out)
 
 
 FP8 = ["--rollout.kv_cache_dtype=fp8", "--rollout.quantization=fp8"]

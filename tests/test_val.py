@@ -139,7 +139,7 @@ def test_validation_before_training_at_its_frequency_after_the_last_and_on_resum
            "every 3 steps and after the last" in r.stdout
     r = run([f"--out_dir={out}", "--steps=5", "--save_freq=2", *args])   # resumes at 2
     assert r.returncode == 0, r.stderr[-2000:]
-    m = metrics(out)
+    m = metrics(out, every_line=True)
     assert [x["step"] for x in m] == [0, 1, 2, 3, 4, 5]                  # the last line: the last validation's
     assert [x["step"] for x in m if "val/reward_mean" in x] == [0, 3, 5] and "optimizer_steps" not in m[-1]
     assert all(x["val/prompts"] == 100 and 0 <= x["val/reward_mean"] <= 1 for x in m if "val/reward_mean" in x)
@@ -158,7 +158,7 @@ def test_two_ranks_and_async_engines_give_the_colocated_scores(tmp_path):
         out = str(tmp_path / name)
         r = run([f"--out_dir={out}", "--steps=1", "--val_freq=1", "--save=false", "--logger=none", *extra], nproc=nproc)
         assert r.returncode == 0, r.stderr[-2000:]
-        return [(x["val/reward_mean"], x["val/prompts"]) for x in metrics(out)]
+        return [(x["val/reward_mean"], x["val/prompts"]) for x in metrics(out, every_line=True)]
     one = first("one", [])
     assert first("two", [], nproc=2)[0] == one[0] and len(one) == 2
     assert first("async", ["--rollout.mode=async"])[0] == one[0]
@@ -182,7 +182,7 @@ def test_vllm_validates_the_embedded_model(tmp_path):
     r = run([f"--out_dir={out}", "--rollout.engine=vllm", "--steps=2", "--val_freq=1", "--save=false",
              "--logger=none"], gpu=True)
     assert r.returncode == 0, r.stderr[-3000:]
-    m = metrics(out)
+    m = metrics(out, every_line=True)
     assert [x["step"] for x in m if "val/reward_mean" in x] == [0, 1, 2]
     for x in m:
         if "val/reward_mean" in x:
