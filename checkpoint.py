@@ -29,6 +29,7 @@ import errno
 import json
 import os
 import random
+import shlex
 import shutil
 import time
 import zlib
@@ -275,7 +276,7 @@ def after_failure(out_dir: str, fix: str = "free space", steps: int | None = Non
     if not earlier_run(out_dir):
         return f"nothing was trained yet: {fix}, then run the same command"
     return (f"no checkpoint is kept, so the trained steps are lost and the same command would be refused: "
-            f"{fix}, then start again in another --out_dir (or remove {out_dir})")
+            f"{fix}, then start again in another --out_dir (or remove {shlex.quote(out_dir)})")
 
 
 def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):

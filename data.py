@@ -43,15 +43,20 @@ def load_tokenizer(path):
     return tokenizer
 
 
-def read_rows(path: str) -> list[dict]:
+def read_rows(path: str, option: str = "--data") -> list[dict]:
+    """Every row of a .jsonl or .parquet file; `option`: how errors name it (--data, --val_data)."""
+    if os.path.isdir(path):                # a dataset's folder: name the files a run can read in it
+        found = sorted(n for n in os.listdir(path) if n.endswith((".jsonl", ".parquet")))
+        raise ValueError(f"{option} {path} is a folder; pass one .jsonl or .parquet file"
+                         + (f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""))
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--data {path}: no such file")
+        raise FileNotFoundError(f"{option} {path}: no such file")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:             # pyarrow raises its own kinds for a damaged file
-            raise ValueError(f"--data {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+            raise ValueError(f"{option} {path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
     else:
         rows = []
         with open(path, "rb") as f:        # bytes, so a bad encoding can name its line
@@ -72,7 +77,7 @@ def read_rows(path: str) -> list[dict]:
                     raise ValueError(f"{path} line {i} is not a JSON object")
                 rows.append(row)
     if not rows:
-        raise ValueError(f"--data {path}: the file holds no rows")
+        raise ValueError(f"{option} {path}: the file holds no rows")
     return rows
 
 
@@ -129,18 +134,18 @@ def with_instruction(p, instruction: str):
     return [*p[:last], {**p[last], "content": f"{p[last]['content']} {instruction}"}, *p[last + 1:]]
 
 
-def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", max_prompt_length=1024,
-              seed=0, *, instruction="", held_out=False) -> tuple[list[list[int]], list[str], list[list[dict]]]:
+def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", max_prompt_length=1024, seed=0, *,
+              instruction="", held_out=False, option="--data") -> tuple[list[list[int]], list[str], list[list[dict]]]:
     """Prompt token ids, answers, and each prompt's chat messages (a string prompt becomes one
     user message; a reward model with a chat template of its own re-renders them). `path` None:
     the tiny copy task (`held_out`: its held-out items). `instruction` is appended to every prompt;
     chat prompts get the tokenizer's chat template; prompts longer than max_prompt_length are
-    dropped and counted."""
+    dropped and counted. `option`: how errors name the file (--data, --val_data)."""
     if path is None:
         import tiny
         rows = tiny.held_out() if held_out else tiny.copy_task(seed=seed)
     else:
-        rows = read_rows(path)
+        rows = read_rows(path, option)
     prompts, answers, chats, dropped = [], [], [], 0
     for i, row in enumerate(rows, 1):
         key = prompt_key_of(row, prompt_key)
@@ -181,7 +186,8 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     data = load_data(cfg.data, *args, instruction=cfg.instruction)
     if cfg.val_data is None and cfg.data is not None:
         return data, None
-    val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None)
+    val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None,
+                    option="--val_data")
     cap = cfg.val_max_prompts or len(val[0])
     return data, tuple(x[:cap] for x in val)
 
@@ -277,10 +283,18 @@ def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "st
         raise ValueError(f"--reward {spec}: give module:function (e.g. --reward={module or 'mymod'}:"
                          f"{name or 'reward'}), the function called as f(response, answer) -> float")
     try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"--reward {spec}: cannot load it ({e}); "
-                         f"give module:function with the module on PYTHONPATH") from None
+        mod = importlib.import_module(module)
+    except Exception as e:                 # noqa: BLE001 - the module's own code runs here: NameError, SyntaxError, ...
+        if isinstance(e, ModuleNotFoundError) and f"{module}.".startswith(f"{e.name}."):
+            raise ValueError(f"--reward {spec}: cannot load it ({e}); "
+                             f"give module:function with the module on PYTHONPATH") from None
+        raise ValueError(f"--reward {spec}: importing {module} failed with {type(e).__name__}: "   # a SyntaxError's
+                         f"{(str(e).splitlines() or [''])[0][:200]}; fix {module} "       # text names file and line
+                         f"(python -c 'import {module}' shows the traceback)") from None
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise ValueError(f"--reward {spec}: cannot load it (module {module} has no {name!r}); "
+                         f"name a function that {module} defines")
     if not callable(fn):
         raise ValueError(f"--reward {spec}: {name} is a {type(fn).__name__}, not a function")
     return fn

@@ -48,10 +48,13 @@ def check(cfg: RolloutConfig, nproc: int, train_batch_size: int):
             raise ValueError(f"--rollout.gpus={k} is for --rollout.mode=async (colocated, the engine shares every "
                              f"GPU with the trainer); add --rollout.mode=async or leave rollout.gpus at 0")
         return
-    if k >= nproc:
-        raise ValueError(f"--rollout.gpus={k} leaves no trainer among the {nproc} rank(s) started (torchrun's "
-                         f"--nproc_per_node, plan.py's --nproc): the last rollout.gpus ranks are engines; use at most "
-                         f"{nproc - 1}, or 0 (one engine process beside rank 0)")
+    if k >= nproc:                         # plain python is one rank: "at most 0" alone would not say how
+        fewer = f"--rollout.gpus={nproc - 1} (at most), or " if nproc > 1 else ""
+        raise ValueError(f"--rollout.gpus={k} leaves no trainer among the {nproc} rank(s) started (plain python is "
+                         f"one; torchrun's --nproc_per_node, plan.py's --nproc): the last rollout.gpus ranks are "
+                         f"engines; start them beside the trainer's ranks (torchrun --nproc_per_node={nproc + k} "
+                         f"train_grpo.py ...: {nproc} trainer rank(s) and {k} engine(s)), or pass {fewer}"
+                         f"--rollout.gpus=0 (one engine process beside rank 0, sharing its GPU)")
     if cfg.tensor_parallel_size != 1:
         raise ValueError("--rollout.mode=async runs one engine per rollout GPU: use --rollout.tensor_parallel_size=1")
     step = train_batch_size * cfg.n

@@ -26,6 +26,7 @@ import fcntl
 import errno
 import json
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -40,6 +41,7 @@ import checkpoint
 GB = 2**30
 LOCK = ".run.lock"
 _held: dict = {}                               # realpath of a locked out_dir -> its open lock file
+_made: dict = {}                               # realpath of a locked out_dir -> what this process made there
 
 
 # --------------------------------------------------------------------------- one run per out_dir
@@ -54,48 +56,94 @@ def lock_out_dir(out: str, rank: int):
     Raises ValueError naming the holder (pid, host, since when) when another run holds it."""
     if rank != 0 or os.path.realpath(out) in _held:
         return
+    folder = [] if os.path.exists(out) else [out]   # what this run makes, a refused run takes away (`release_refused`)
     _check_writable(out)
     path = os.path.join(out, LOCK)
-    f = open(path, "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
-                  f"stops a second run from using --out_dir={out} at the same time", flush=True)
-            f.close()
-            return
-        f.seek(0)
-        holder = f.read().strip()
-        f.close()
+    while True:
+        new = not os.path.exists(path)
+        f = open(path, "a+")
         try:
-            h = json.loads(holder)
-            who = f"pid {h['pid']} on host {h['host']} since {h['since']}"
-        except (ValueError, KeyError, TypeError):   # the holder is between its lock and its write
-            who = "a process that is just starting"
-        raise ValueError(f"--out_dir={out} is in use by another run ({who}; lock {path}): wait for it "
-                         f"to end or stop it, or pass another --out_dir") from None
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
+                      f"stops a second run from using --out_dir={shlex.quote(out)} at the same time", flush=True)
+                f.close()
+                return
+            raise ValueError(f"--out_dir={shlex.quote(out)} is in use by another run ({_holder(f)}; lock {path}): "
+                             f"wait for it to end or stop it, or pass another --out_dir") from None
+        if _same_file(f, path):
+            break
+        f.close()                          # a refused run removed the file we opened (`release_refused`): again
     f.seek(0)
     f.truncate()
     f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                         "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
     f.flush()
     _held[os.path.realpath(out)] = f            # kept open (never closed): the lock lives as long as the process
+    _made[os.path.realpath(out)] = ([path] if new else []) + folder
 
+
+def _holder(f) -> str:
+    """Who holds the lock file `f` (open, not locked by us), from what it wrote; closes f."""
+    f.seek(0)
+    holder = f.read().strip()
+    f.close()
+    try:
+        h = json.loads(holder)
+        return f"pid {h['pid']} on host {h['host']} since {h['since']}"
+    except (ValueError, KeyError, TypeError):   # the holder is between its lock and its write
+        return "a process that is just starting"
+
+
+def _same_file(f, path: str) -> bool:
+    """The open lock file is still the one at `path` (a lock on a removed file would lock nothing)."""
+    try:
+        return os.path.samestat(os.fstat(f.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def claimed(out: str, rank: int):
+    """`lock_out_dir` for the pre-flight's length: the lock stays for the run, unless the block raises
+    (the out_dir refused, bad input, Ctrl-C), which leaves the folder as it was found."""
+    lock_out_dir(out, rank)
+    try:
+        yield
+    except BaseException:
+        release_refused(out)
+        raise
+
+
+def release_refused(out: str):
+    """A refused run leaves `out` as it was found: the lock file goes if this run made it (removed
+    while still locked, so no other run can take the file in between: one that opened it finds it
+    gone, `_same_file`), and so does the folder if this run made it and it is empty; a lock file
+    that was there before (an earlier run's) stays."""
+    real = os.path.realpath(out)
+    f = _held.pop(real, None)
+    if f is None:                          # not rank 0, or no lock on this filesystem
+        return
+    for path in _made.pop(real, []):       # the lock file, then the folder
+        with contextlib.suppress(OSError):   # a folder something else wrote into stays
+            os.rmdir(path) if path == out else os.remove(path)
+    f.close()
 
 
 # --------------------------------------------------------------------------- the out_dir policy
 def _check_writable(out: str):
     """out_dir exists (made here) and a file can be created in it, before anything else runs."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out_dir={out} is a file; pass a directory")
+        raise ValueError(f"--out_dir={shlex.quote(out)} is a file; pass a directory")
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
         os.close(fd)
         os.remove(probe)
     except OSError as e:
-        raise ValueError(f"--out_dir={out} is not a writable directory ({e.strerror}); pass another") from None
+        raise ValueError(f"--out_dir={shlex.quote(out)} is not a writable directory ({e.strerror}); "
+                         f"pass another") from None
 
 
 def plan(cfg, data_fingerprint: str) -> str | None:
@@ -103,6 +151,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     resume from, or None for a fresh start. Raises (one line, what to pass instead) for an
     out_dir that would have to be overwritten."""
     out = cfg.out_dir
+    q = shlex.quote(out)                   # in the advice: pasteable whatever the path holds
     _check_writable(out)
     final = os.path.join(out, "final")
     if os.path.exists(final) and not os.path.isdir(final):
@@ -111,18 +160,18 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     earlier = checkpoint.earlier_run(out)   # a run that failed before its first step leaves none of these
     foreign = _foreign(out, fresh=latest is None and not earlier)
     if foreign:
-        raise ValueError(f"--out_dir={out} holds {' and '.join(foreign)}, which no run wrote, and a run writes "
+        raise ValueError(f"--out_dir={q} holds {' and '.join(foreign)}, which no run wrote, and a run writes "
                          f"there: pass another --out_dir, or move {'it' if len(foreign) == 1 else 'them'}")
     if cfg.resume == "never" and earlier:
-        raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) and --resume=never "
-                         f"starts only in an empty one: pass another --out_dir, or remove {out}")
+        raise ValueError(f"--out_dir={q} holds an earlier run ({', '.join(earlier)}) and --resume=never "
+                         f"starts only in an empty one: pass another --out_dir, or remove {q}")
     if cfg.resume == "never":
         return None
     if cfg.resume == "auto":
         path = latest
         if path is None and earlier:
-            raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
-                             f"to resume from: pass another --out_dir, or remove {out}")
+            raise ValueError(f"--out_dir={q} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
+                             f"to resume from: pass another --out_dir, or remove {q}")
         if path is None:
             return None
     else:
@@ -137,7 +186,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
         # a checkpoint of this out_dir's own run resumes in place (from an older step too)
         own = os.path.realpath(os.path.dirname(path)) == os.path.realpath(os.path.join(out, "checkpoints"))
         if earlier and not own and (latest is None or os.path.realpath(path) != os.path.realpath(latest)):
-            raise ValueError(f"--out_dir={out} holds another run ({', '.join(earlier)}); resume "
+            raise ValueError(f"--out_dir={q} holds another run ({', '.join(earlier)}); resume "
                              f"{cfg.resume} into an empty --out_dir")
     _check_resumable(cfg, path, latest, data_fingerprint)
     return path
@@ -197,7 +246,7 @@ def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
         saved = f", the policy in {final}" if os.path.isdir(final) else ""
         raise ValueError(f"{out} holds a finished run ({meta['step']} steps done{saved}); to train it "
                          f"further pass --steps=N with N > {meta['step']} (it resumes there); to start "
-                         f"a new run pass another --out_dir, or remove {out}")
+                         f"a new run pass another --out_dir, or remove {shlex.quote(out)}")
     roles = ["actor"] + (["critic"] if cfg.algorithm.adv_estimator == "gae" else [])
     if meta.get("roles", roles) != roles:
         raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "

@@ -30,6 +30,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import shutil
 import sys
 import tempfile
@@ -184,8 +185,8 @@ def open(kind: str, out_dir: str, config_text: str, rank: int, resume_step: int 
                f"bytes free" if full else f"{type(e).__name__}: {e}")
         raise ValueError(f"--logger={kind}: writing {path} failed ({why}): {'free space' if full else 'fix it'}, "
                          f"or pass --logger=none (metrics.jsonl holds every step)") from None
-    where = (f"tensorboard --logdir {logger.path}" if kind == "tensorboard" else
-             f"wandb sync {logger.path}/offline-run-*" if logger.mode in ("offline", "dryrun") else
+    where = (f"tensorboard --logdir {shlex.quote(logger.path)}" if kind == "tensorboard" else   # pasteable
+             f"wandb sync {shlex.quote(logger.path)}/offline-run-*" if logger.mode in ("offline", "dryrun") else
              f"WANDB_MODE={logger.mode}")
     print(f"[logger] {kind}: every metric of every step -> {logger.path} ({where})", flush=True)
     return logger
@@ -403,7 +404,7 @@ def picture_at_end(run_dir: str, device_type: str = "cuda"):
     except Exception as e:             # noqa: BLE001 - the run's results are already written
         print(f"[warn] no val.png: {e}", flush=True)
     if device_type != "cuda":
-        print(f"[picture] no memory.png on the CPU; python plan.py --plot={run_dir} draws it from "
+        print(f"[picture] no memory.png on the CPU; python plan.py --plot={shlex.quote(run_dir)} draws it from "
               f"metrics.jsonl", flush=True)
         return
     try:

@@ -515,9 +515,9 @@ def main(argv=None):
 
 def run(cfg: Config, rank: int):
     """One run once its options are read: out_dir's lock, the pre-flight, the set-up, the steps, the end."""
-    rundir.lock_out_dir(cfg.out_dir, rank)   # one run per out_dir (global rank 0 holds it), before any write
-    rundir.exit_on_sigint()                  # Ctrl-C before the first step: one line, no traceback
-    (data, val), start = preflight(cfg)
+    with rundir.claimed(cfg.out_dir, rank):  # one run per out_dir (rank 0's lock) before any write; gone if refused
+        rundir.exit_on_sigint()              # Ctrl-C before the first step: one line, no traceback
+        (data, val), start = preflight(cfg)
     t = setup(cfg, data=data, val=val)
     rundir.reserve_final(cfg, t.actor, t.rank)   # --save_freq=0: final/'s room, before the first step
     if t.rank == 0:

@@ -50,6 +50,10 @@ def test_buffer_limit_defaults_to_staleness_steps_and_gpus_leave_a_trainer():
     assert rollout_engine.trainer_world(RolloutConfig(mode="async", gpus=1), 3) == 2
     with pytest.raises(ValueError, match="leaves no trainer"):
         rollout_engine.check(RolloutConfig(mode="async", gpus=2), 2, 16)
+    with pytest.raises(ValueError) as e:   # plain python: what to run instead, not "use at most 0"
+        rollout_engine.check(RolloutConfig(mode="async", gpus=1), 1, 16)
+    assert "(torchrun --nproc_per_node=2 train_grpo.py ...: 1 trainer rank(s) and 1 engine(s)), or pass " \
+        "--rollout.gpus=0 (one engine process beside rank 0, sharing its GPU)" in str(e.value) and "at most" not in str(e.value)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         rollout_engine.check(RolloutConfig(mode="async", tensor_parallel_size=2), 4, 16)
     with pytest.raises(ValueError, match=r"--rollout.gpus=1 is for --rollout.mode=async"):

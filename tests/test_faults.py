@@ -106,7 +106,7 @@ def test_layouts_that_cannot_run_are_one_line_before_any_rank_leaves(tmp_path):
     process (it was KeyError: 'WORLD_SIZE'), rollout.gpus without async (it was ignored), a buffer below
     one step: each one `error:` line, exit 2, within seconds."""
     cases = [(2, ASYNC + ["--rollout.gpus=2"], "--rollout.gpus=2 leaves no trainer among the 2 rank(s)"),
-             (0, ASYNC + ["--rollout.gpus=1"], "--rollout.gpus=1 leaves no trainer among the 1 rank(s)"),
+             (0, ASYNC + ["--rollout.gpus=1"], "--rollout.gpus=1 leaves no trainer among the 1 rank(s) started (plain python is one"),
              (0, ["--rollout.gpus=1"], "--rollout.gpus=1 is for --rollout.mode=async"),
              (0, ASYNC + ["--rollout.buffer_limit=5"], "--rollout.buffer_limit=5 is below one step's 16 samples")]
     for nproc, extra, expect in cases:

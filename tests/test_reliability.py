@@ -6,6 +6,7 @@ seq-mean loss denominators are verl's.
 """
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -447,6 +448,75 @@ def test_reward_without_a_colon_says_module_function():
     import data as data_io
     with pytest.raises(ValueError, match=r"--reward mymod: give module:function \(e.g. --reward=mymod:reward\)"):
         data_io.load_reward("mymod", None)
+
+
+def test_a_reward_module_that_fails_at_import_is_one_line_naming_it(tmp_path, monkeypatch):
+    """--reward=badmod:fn where badmod raises at import (NameError, SyntaxError): one line naming the
+    module, its error and what to do, not the import's 30-line traceback."""
+    import data as data_io
+    (tmp_path / "badname.py").write_text("x = undefined_name\ndef fn(r, a):\n    return 0.0\n")
+    (tmp_path / "badsyntax.py").write_text("def fn(r, a)\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for mod, err in (("badname", "NameError: name 'undefined_name' is not defined"),
+                     ("badsyntax", "SyntaxError: expected ':' (badsyntax.py, line 1)")):
+        with pytest.raises(ValueError) as e:
+            data_io.load_reward(f"{mod}:fn", None)
+        assert str(e.value) == (f"--reward {mod}:fn: importing {mod} failed with {err}; fix {mod} "
+                                f"(python -c 'import {mod}' shows the traceback)")
+    with pytest.raises(ValueError, match=r"--reward badname_:fn: cannot load it \(No module named 'badname_'\)"):
+        data_io.load_reward("badname_:fn", None)
+
+
+def test_a_folder_as_data_or_val_data_says_so_and_what_to_pass(tmp_path):
+    """--data=<a folder> said "no such file"; so did --val_data, naming --data."""
+    import data as data_io
+    (tmp_path / "train.parquet").write_bytes(b"")
+    tokenizer = data_io.load_tokenizer(None)
+    for option in ("--data", "--val_data"):
+        with pytest.raises(ValueError) as e:
+            data_io.run_data(options.parse_args([f"{option}={tmp_path}"]), tokenizer)
+        assert str(e.value) == f"{option} {tmp_path} is a folder; pass one .jsonl or .parquet file (it holds train.parquet)"
+
+
+def test_hint_commands_paste_whole_when_the_path_has_spaces(tmp_path, capsys):
+    """The commands a line advises (remove the out_dir, plan.py --plot, tensorboard --logdir) quote
+    their paths: an out_dir with a space pasted back is one argument, not two."""
+    import tracker
+    out = tmp_path / "my runs" / "run 1"
+    out.mkdir(parents=True)
+    (out / "run_config.json").write_text('{"resolved_config": {}}')
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')     # an earlier run without a checkpoint
+    with pytest.raises(ValueError) as e:
+        rundir.plan(options.parse_args([f"--out_dir={out}"]), "abc")
+    assert shlex.split(str(e.value).rpartition("or remove ")[2]) == [str(out)]
+    assert str(e.value).startswith(f"--out_dir='{out}' holds an earlier run")
+    tracker.picture_at_end(str(out), "cpu")
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert shlex.split(line[line.index("python plan.py"):line.index(" draws")]) == ["python", "plan.py", f"--plot={out}"]
+    logger = tracker.open("tensorboard", str(out), "{}", 0)
+    logger.close()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert shlex.split(line[line.index("(tensorboard") + 1:-1]) == ["tensorboard", "--logdir", str(out / "tensorboard")]
+
+
+def test_a_refused_folder_keeps_no_lock_the_run_made(tmp_path, in_process):
+    """The pre-flight refuses the out_dir (files no run wrote) or the input (--data a folder): the
+    .run.lock that lock_out_dir made is gone, and a folder the run made is gone too; a lock file that
+    was there before stays (an earlier run's)."""
+    out = tmp_path / "nonrun"
+    out.mkdir()
+    (out / "run_config.json").write_text('{"mine":1}\n')
+    fresh = tmp_path / "fresh"
+    small = ["--steps=2", "--train_batch_size=4", "--rollout.n=4", "--actor.ppo_mini_batch_size=4"]
+    for args in ([f"--out_dir={out}"], [f"--out_dir={fresh}", f"--data={tmp_path}"]):
+        with pytest.raises(SystemExit) as e:
+            in_process(args + small)
+        assert e.value.code == 2
+    assert sorted(os.listdir(out)) == ["run_config.json"] and not fresh.exists()
+    (out / rundir.LOCK).write_text("an earlier run's\n")
+    with pytest.raises(SystemExit):
+        in_process([f"--out_dir={out}"] + small)
+    assert sorted(os.listdir(out)) == [rundir.LOCK, "run_config.json"]
 
 
 def test_help_entries_carry_only_their_own_comment():
