@@ -63,6 +63,7 @@ class ActorConfig:
     rollout_is: str = "auto"               # token: each token's policy loss x min(pi_old / pi_rollout, threshold),
                                            # truncated importance sampling against the engine's log-probs (verl's
                                            # rollout correction) | none; auto: token with rollout.mode=async
+                                           # or an FP8 engine (rollout.kv_cache_dtype or quantization fp8)
     rollout_is_threshold: float = 2.0      # the truncation C of those weights
     loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
     entropy_coeff: float = 0.0             # weight of the entropy bonus in the loss

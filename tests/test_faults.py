@@ -149,6 +149,16 @@ def test_the_rollout_correction_refuses_a_truncated_sampler():
     assert options.parse_args(["--rollout.top_p=0.8"]).actor.rollout_is == "none"
 
 
+def test_rollout_is_help_says_when_auto_turns_the_correction_on():
+    """--help's "auto" for actor.rollout_is names both cases options.check_config turns it on for."""
+    help_line = next(line for line in options.usage(options.sections(options.Config())).splitlines()
+                     if line.startswith("  --actor.rollout_is="))
+    assert help_line.endswith("auto: token with rollout.mode=async or an FP8 engine (rollout.kv_cache_dtype or "
+                              "quantization fp8)")
+    for extra in (["--rollout.mode=async"], ["--rollout.kv_cache_dtype=fp8"], ["--rollout.quantization=fp8"]):
+        assert options.parse_args(extra).actor.rollout_is == "token", extra
+
+
 def test_the_set_up_says_when_a_stage_is_inside_the_margin(monkeypatch):
     """7B full fine-tuning on one H200 with the reference offloaded: the plan's update sits inside the 10 %
     margin, and the set-up's line says so with what --offload=auto would do; a run well inside gets none."""
