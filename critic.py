@@ -157,11 +157,13 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.Actor
     Compute dtype and forward settings (packing, token budgets) come from the actor's config."""
     separate = cfg.mode == "separate"
     if separate:
-        head = shard(load_model(model_path, seed, head="value"), mesh, device, param_dtype=actor_cfg.param_dtype,
+        model = load_model(model_path, seed, head="value")
+        own_output(model.score)            # the token-classification head (transformers' generic one)
+        head = shard(model, mesh, device, param_dtype=actor_cfg.param_dtype,
                      gradient_checkpointing=cfg.gradient_checkpointing)
     else:
         torch.manual_seed(seed)
-        head = torch.nn.Linear(actor_model.config.hidden_size, 1)
+        head = own_output(torch.nn.Linear(actor_model.config.hidden_size, 1))   # before fully_shard: its hook runs first
         torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)   # V = 0 at the start
         fully_shard(head, mesh=mesh, reshard_after_forward=True)   # FSDP averages its grads over ranks
         head.to(device)
@@ -173,6 +175,17 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.Actor
                make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu))
     offload.offload(c.params)              # param_offload: frees the shard bytes until the values stage
     return c
+
+
+def own_output(head: torch.nn.Linear) -> torch.nn.Linear:
+    """The value head's output as a tensor of its own. A Linear to one output applied to (B, T, H)
+    returns a view of its (B*T, 1) product, and FSDP2 then warns at every update's forward that an
+    in-place op on a wrapped module's view output would skip its pre-backward hook (its all-gather).
+    Nothing here writes the values in place (`_values` reads them out of place), so it never applied;
+    the copy (4 bytes a token) ends both the hazard for code that would, and the warning."""
+    head.register_forward_hook(lambda module, args, out: out.clone() if out._base is not None and out.requires_grad
+                               else out)   # FSDP2 checks only outputs that need grad (the update's)
+    return head
 
 
 def describe(c: Critic) -> list[str]:
@@ -218,12 +231,17 @@ def _values(model, mb: dict, cfg: CriticConfig, layout: packing.Layout, features
         (packing.to_device(p["dst"], v.device),), v).view(B, R)
 
 
-def compute_values(c: Critic, batch: dict, a: "actor.Actor", metrics: dict):
+def compute_values(c: Critic, batch: dict, a: "actor.Actor | None" = None, metrics: dict | None = None):
     """The values stage: batch["values"] (and in shared mode batch["features"], for the update),
     inside the critic's bracket: its shards in, then freed without a copy back (shared mode: the
-    actor's trunk, which it lends through `actor.resident`)."""
-    with actor.resident(a, metrics) if c.cfg.mode == "shared" else offload.loaded([c.params], metrics):
-        batch["values"], feats = values(c.model, batch, c.cfg, c.forward_layout, a.model)
+    actor's trunk, which it lends through `actor.resident`; separate mode needs no actor, `a` None).
+    `metrics`: where the bracket's moves are logged (None: nowhere)."""
+    metrics = {} if metrics is None else metrics
+    shared = c.cfg.mode == "shared"
+    if shared and a is None:
+        raise ValueError("critic.mode=shared reads the actor's features: pass the actor to compute_values")
+    with actor.resident(a, metrics) if shared else offload.loaded([c.params], metrics):
+        batch["values"], feats = values(c.model, batch, c.cfg, c.forward_layout, a.model if shared else None)
     if feats is not None:
         batch["features"] = feats
 

@@ -2,6 +2,8 @@
 
     python -m pytest tests/test_critic.py -q
 """
+import warnings
+
 import pytest
 import torch
 
@@ -139,6 +141,31 @@ def test_shared_head_trains_and_leaves_the_trunk_alone(dist_env):
     separate = offload.param_stash("s", _critic(dist_env)[1].model).nbytes
     shared = offload.param_stash("h", c.model).nbytes
     assert shared == (act.config.hidden_size + 1) * 4 and separate > 1000 * shared
+
+
+@pytest.mark.parametrize("mode", ["separate", "shared"])
+def test_a_ppo_step_warns_nothing_and_the_separate_critic_needs_no_actor(dist_env, mode):
+    """The values stage and the critic update as train_grpo runs them (compute_values, update): FSDP2's
+    "returned a view tensor" warning came at every update (the value head, a Linear to one output,
+    returns a view of its product: critic.own_output); and the separate critic's values stage takes
+    no actor (it read the actor's model though it never used it), while the shared one still asks
+    for it in one line."""
+    _, world, device = dist_env
+    mesh = build_mesh(device, world, -1)
+    a = actor.build(actor.ActorConfig(), mesh=mesh, device=device)
+    c = critic.build(critic.CriticConfig(mode=mode), model_path=None, mesh=mesh, device=device,
+                     actor_cfg=a.cfg, actor_model=a.model)
+    batch = tiny_batch(8, 5, device, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        critic.compute_values(c, batch, a if mode == "shared" else None, {})
+        batch["returns"] = torch.rand(8, 5).to(device)
+        stats = critic.update(c, batch, 8, 1, {})
+    assert [str(w.message) for w in caught if "view tensor" in str(w.message)] == []
+    assert batch["values"].shape == (8, 5) and stats["critic/grad_norm"] > 0
+    if mode == "shared":
+        with pytest.raises(ValueError, match="critic.mode=shared reads the actor's features: pass the actor"):
+            critic.compute_values(c, batch)
 
 
 @launches
