@@ -388,9 +388,16 @@ def test_readme_command_twice_is_refused_before_any_model(tmp_path):
     weights = os.path.getmtime(os.path.join(out, "final", "model.safetensors"))
     r = run([f"--out_dir={out}", "--steps=2"])
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines() == [
-        f"error: {out} holds a finished run (2 steps done, the policy in {out}/final); to train it further "
-        f"pass --steps=N with N > 2 (it resumes there); to start a new run pass another --out_dir, or remove {out}"]
+    line = (f"error: {out} holds a finished run (2 steps done, the policy in {out}/final); to train it further "
+            f"pass --steps=N with N > 2 (it resumes there); to start a new run pass another --out_dir, or remove {out}")
+    assert r.stderr.strip().splitlines() == [line]
+    # README: under torchrun the line comes first, then torchrun's report of a failed job (its traceback and
+    # a summary whose Root Cause is the line), exit code 1; no rank's traceback, no second rank's line
+    r = run([f"--out_dir={out}", "--steps=2"], 2)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and r.stdout == "" and lines[0] == line, r.stderr[-3000:]
+    assert [x for x in lines if "error:" in x] == [line, f"  traceback : {line}"], r.stderr[-3000:]
+    assert "ChildFailedError" in r.stderr and 'train_grpo.py", line' not in r.stderr and 30 <= len(lines) <= 50
     assert open(os.path.join(out, "metrics.jsonl")).read() == before
     assert os.path.getmtime(os.path.join(out, "final", "model.safetensors")) == weights
 
