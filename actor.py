@@ -3,6 +3,7 @@
     python -m pytest tests/test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest tests/test_dist.py   # 2 ranks == 1 rank
     python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, the base is the ref
+    python copy_set.py actor                         # the files to copy into a script of yours (README: "Copying one role")
 
 What it holds on the GPU: its fp32 shards, their grads during the update, Adam's two moments
 (2 x the fp32 shards, born at the first step), and a layer's gathered bf16 weights in a forward.
@@ -44,8 +45,8 @@ import lora
 import packing
 import ulysses
 import weights
-from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, compute_log_probs, forward,
-                   global_counts, in_use, load_model, make_layout, shard, split, state, update_phases)
+from model import (LOSS_AGG_MODES, ForwardSettings, agg_loss, all_sum, build_optimizer, clipped_step, compute_log_probs,
+                   forward, global_counts, in_use, load_model, make_layout, shard, split, state, update_phases)
 
 
 @dataclass
@@ -91,19 +92,22 @@ class ActorConfig:
                                            # gate,up,down_proj of every decoder layer (dropout is always 0)
     save_merged: bool = False              # with lora_rank: the final save also writes base + adapter merged,
                                            # as a Hugging Face model, to <save dir>/merged
-    param_dtype: str = "bfloat16"          # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
-    # how samples go through the model (packing.py); remove_padding, logits_chunk_tokens and
-    # use_dynamic_bsz apply to every role that runs this architecture (ref, critic)
-    remove_padding: bool = True            # pack each micro-batch into one row: no compute on padding
-    logits_chunk_tokens: int = 512         # LM head on response tokens only, this many at a time: one
-                                           # (chunk, vocab) fp32 block alive, recomputed in backward (0: all
-                                           # at once, kept for backward)
-    use_dynamic_bsz: bool = False          # micro-batches filled to a token budget instead of a sample count
+    param_dtype: str = ForwardSettings.param_dtype   # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
+    # how samples go through the model (packing.py), for every role that runs this architecture (ref,
+    # critic); these defaults and param_dtype's: model.ForwardSettings (what a role gets without this config)
+    remove_padding: bool = ForwardSettings.remove_padding   # pack each micro-batch into one row: no
+                                           # compute on padding
+    logits_chunk_tokens: int = ForwardSettings.logits_chunk_tokens   # LM head on response tokens only, this
+                                           # many at a time: one (chunk, vocab) fp32 block alive, recomputed in
+                                           # backward (0: all at once, kept for backward)
+    use_dynamic_bsz: bool = ForwardSettings.use_dynamic_bsz   # micro-batches filled to a token budget
+                                           # instead of a sample count
     ppo_max_token_len_per_gpu: int = 16384     # with use_dynamic_bsz: tokens per update micro-batch
     log_prob_max_token_len_per_gpu: int = 32768  # with use_dynamic_bsz: tokens per old-log-prob forward
-    ulysses_sequence_parallel_size: int = 1    # k ranks split each packed row (ulysses.py): activations and the
-                                           # LM head's tokens per rank / k, two all-to-alls per layer; the
-                                           # data-parallel size is world / k (ref and critic use the same k)
+    ulysses_sequence_parallel_size: int = ForwardSettings.ulysses_sequence_parallel_size   # k ranks split
+                                           # each packed row (ulysses.py): activations and the LM head's tokens
+                                           # per rank / k, two all-to-alls per layer; the data-parallel size is
+                                           # world / k (ref and critic use the same k)
 
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")

@@ -105,13 +105,13 @@ def child_env(gpu: bool = False, env: dict | None = None) -> dict:
 
 
 def start(args, nproc: int = 0, *, script: str | None = "train_grpo.py", torchrun=("--standalone",), gpu=False,
-          env: dict | None = None, log=None, **popen) -> subprocess.Popen:
-    """The one way a test starts a process: `command(...)` in the repo root with `child_env(gpu, env)`,
-    in the background. `log`: an open file for stdout and stderr together (a pipe nobody reads
-    would fill and block the run); else `popen` (stdout=subprocess.PIPE, ...)."""
+          env: dict | None = None, log=None, cwd=HERE, **popen) -> subprocess.Popen:
+    """The one way a test starts a process: `command(...)` in the repo root (or `cwd`) with
+    `child_env(gpu, env)`, in the background. `log`: an open file for stdout and stderr together (a
+    pipe nobody reads would fill and block the run); else `popen` (stdout=subprocess.PIPE, ...)."""
     if log is not None:
         popen.update(stdout=log, stderr=subprocess.STDOUT)
-    p = subprocess.Popen(command(args, nproc, script, torchrun), env=child_env(gpu, env), cwd=HERE, **popen)
+    p = subprocess.Popen(command(args, nproc, script, torchrun), env=child_env(gpu, env), cwd=cwd, **popen)
     _started.append(p)
     return p
 

@@ -3,6 +3,7 @@
     python train_grpo.py --algorithm.adv_estimator=gae                          # PPO, separate critic
     python train_grpo.py --algorithm.adv_estimator=gae --critic.mode=shared     # value head on the actor
     python -m pytest tests/test_critic.py -q
+    python copy_set.py critic                        # the files to copy into a script of yours (README: "Copying one role")
 
 Two modes:
 - "separate" (verl's critic): a causal-LM trunk with a scalar head per token

@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from model import one_process_group
+
 
 def init_distributed(timeout_s: float | None = None, world_size: int | None = None):
     """torchrun sets RANK/WORLD_SIZE; plain `python` gets a 1-process group with no port at all.
@@ -38,7 +40,7 @@ def init_distributed(timeout_s: float | None = None, world_size: int | None = No
             dist.init_process_group(backend, device_id=device if cuda else None, **wait,
                                     **{**ranks, **restart_store(timeout_s, world_size)})   # torchrun restarted us: a fresh store
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **wait)
+            one_process_group(device, **wait)
     return dist.get_rank(), dist.get_world_size(), device
 
 

@@ -106,8 +106,23 @@ def load_model(path: str | None, seed: int = 0, head: str = "causal") -> torch.n
 
 
 # --------------------------------------------------------------------------- FSDP2 and AdamW
+def one_process_group(device: torch.device, **kw):
+    """A process group of this process alone, with no port (plain `python`): FSDP2's mesh needs a group
+    even at world 1. Gloo for CPU tensors, and NCCL for CUDA ones on a GPU (CPUOffloadPolicy's shards
+    and grad norms are CPU tensors: an NCCL-only group has no backend for them). `kw`: init_process_group's."""
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+
+
 def build_mesh(device, world: int, fsdp_size: int):
-    """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding."""
+    """("fsdp",) over all ranks, or ("replicate", "fsdp") for hybrid sharding. A script of one process
+    with no process group (a role copied into your code, run with plain `python`) gets one of its own
+    here; under torchrun, without one, torch's mesh starts it from torchrun's environment."""
+    if not dist.is_initialized() and "RANK" not in os.environ:
+        if world != 1:
+            raise ValueError(f"build_mesh over {world} ranks in a process started without torchrun: start it "
+                             f"with torchrun --nproc_per_node={world}, or build the mesh for world 1")
+        one_process_group(device)
     if fsdp_size in (-1, world):
         return init_device_mesh(device.type, (world,), mesh_dim_names=("fsdp",))
     return init_device_mesh(device.type, (world // fsdp_size, fsdp_size),
@@ -151,10 +166,23 @@ def build_optimizer(model, cfg) -> torch.optim.Optimizer:
 
 
 # --------------------------------------------------------------------------- forward
+@dataclass(frozen=True)
+class ForwardSettings:
+    """What a role that runs the policy's architecture reads of the actor's config: the compute dtype and
+    how samples go through the model (`make_layout`). actor.ActorConfig holds the same fields as options,
+    with these defaults (each written here once); a role built without the actor's config (ref.py
+    copied alone into a script) gets them: `ref.build(..., actor_cfg=ForwardSettings())`, the default."""
+    param_dtype: str = "bfloat16"
+    remove_padding: bool = True
+    logits_chunk_tokens: int = 512
+    use_dynamic_bsz: bool = False
+    ulysses_sequence_parallel_size: int = 1
+
+
 def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
     """How a role splits and runs its batch: `micro` samples, or `max_tokens` with use_dynamic_bsz.
-    `cfg`: the actor's config, whose packing and sequence-parallel settings every role that runs
-    this architecture shares."""
+    `cfg`: the actor's config (or `ForwardSettings`), whose packing and sequence-parallel settings every
+    role that runs this architecture shares."""
     k = cfg.ulysses_sequence_parallel_size     # a budget is per GPU (as verl's): a group of k runs k x it
     return packing.Layout(micro=micro, max_tokens=max_tokens * k if cfg.use_dynamic_bsz else 0,
                           pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens, sp=k)

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=2 train_grpo.py --ref.param_offload=true
     python -m pytest test_memory.py -k ref          # on a GPU: ref offload frees its shard bytes
+    python copy_set.py ref                           # the files to copy into a script of yours (README: "Copying one role")
 
 What it holds on the GPU: its shards in the compute dtype (bf16: params x 2 / world bytes), no
 grads, no optimizer; a layer's gathered weights and one micro-batch's activations in its forward.
@@ -22,7 +23,7 @@ import torch
 
 import offload
 import packing
-from model import compute_log_probs as forward_log_probs, in_use, load_model, make_layout, shard, state
+from model import ForwardSettings, compute_log_probs as forward_log_probs, in_use, load_model, make_layout, shard, state
 
 
 @dataclass
@@ -52,9 +53,10 @@ class Ref:
     layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
 
 
-def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg, seed: int = 0) -> Ref:
+def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings(), seed: int = 0) -> Ref:
     """The actor's architecture and initial weights, frozen; its compute dtype and forward
-    settings (packing, chunked head, token budgets) come from the actor's config."""
+    settings (packing, chunked head, token budgets) come from the actor's config (a script without
+    the actor: model.ForwardSettings, the actor's defaults)."""
     model = load_model(model_path, seed=seed)
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     if device.type == "cuda":

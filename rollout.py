@@ -3,6 +3,7 @@
     python train_grpo.py --rollout.engine=hf                      # HF generate on the FSDP actor
     torchrun --nproc_per_node=8 train_grpo.py --rollout.engine=vllm --model=/models/Qwen2.5-1.5B
     python -m pytest tests/test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
+    python copy_set.py rollout                       # the files to copy into a script of yours (README: "Copying one role")
 
 HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
 layer, not one per decoded token), samples, and frees the gathered weights again. A LoRA actor

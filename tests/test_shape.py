@@ -1,5 +1,5 @@
-"""The house's shape (CPU, reads the code): each role's copy set imports from a folder holding only its
-files, the README's tables of who moves what and of the copy sets are the code's, and the limits hold
+"""The house's shape (CPU): each role's copy set, copied alone into a folder, builds the role on the tiny
+model and makes its one call there; the README's tables of who moves what and of the copy sets are the code's, and the limits hold
 (files up to 550 lines, functions up to 45 lines and 7 positional parameters, no import circle).
 
     python -m pytest -q tests/test_shape.py
@@ -7,12 +7,12 @@ files, the README's tables of who moves what and of the copy sets are the code's
 import ast
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+import torch
 
 import copy_set
+from conftest import run, tiny_batch
 
 HERE = copy_set.HERE
 MOVERS = ("offload", "reload", "ready", "loaded", "holding")
@@ -30,18 +30,69 @@ def _readme_table(heading: str) -> list[list[str]]:
     return [r for r in rows[2:]]              # past the header and its rule
 
 
-@pytest.mark.parametrize("role", ["ref", "actor", "critic", "reward_model", "rollout", "offload"])
-def test_each_role_imports_from_its_copy_set_alone(role, tmp_path):
-    """The files copy_set names are all a role needs: copied alone into a folder, it imports and its
-    config builds (the embedded default's shape comes from model.py: tiny.py is not needed)."""
+# What a researcher writes after copying a role's set into a folder of their own: build it on the embedded
+# tiny model (`--model` None) on the CPU, in a plain `python` process (no torchrun, no process group made
+# by hand: model.build_mesh makes one), and make the role's one call on a tiny batch (conftest.tiny_batch).
+BUILD = ("import math, sys, torch, model\n"
+         "dev = torch.device('cpu')\n"
+         "mesh = model.build_mesh(dev, 1, -1)\n"
+         "batch = torch.load(sys.argv[1])\n"
+         "mask = batch['response_mask'].bool()\n")
+USE = {
+    "ref": "import ref\n"
+           "r = ref.build(ref.RefConfig(), model_path=None, mesh=mesh, device=dev)\n"
+           "logp = ref.compute_log_probs(r, batch, temperature=1.0)\n"
+           "assert logp.shape == mask.shape and (logp[mask] < 0).all() and (logp[~mask] == 0).all()\n",
+    "actor": "import actor\n"
+             "a = actor.build(actor.ActorConfig(), mesh=mesh, device=dev)\n"
+             "stats = actor.update(a, batch, 8, 1.0, {})\n"
+             "assert stats['optimizer_steps'] == 1 and math.isfinite(stats['pg_loss']) and stats['delta_w_abs_mean'] > 0\n",
+    "critic": "import actor, critic\n"
+              "c = critic.build(critic.CriticConfig(), model_path=None, mesh=mesh, device=dev, actor_cfg=actor.ActorConfig())\n"
+              "critic.compute_values(c, batch)\n"
+              "assert batch['values'].shape == mask.shape and (batch['values'][~mask] == 0).all()\n",
+    # the policy's tokenizer: only its length is read when the reward model reads the policy's ids
+    "reward_model": "import reward_model\n"
+                    "rm = reward_model.build(reward_model.RewardModelConfig(path='random:tiny'), mesh=mesh, device=dev, "
+                    "param_dtype='float32', policy_tokenizer=range(16))\n"
+                    "scores = reward_model.compute_scores(rm, batch)\n"
+                    "assert scores.shape == (8,) and torch.isfinite(scores).all()\n",
+    "rollout": "import rollout\n"
+               "policy = model.shard(model.load_model(None), mesh, dev)\n"
+               "cfg = rollout.RolloutConfig(engine='hf', n=2, response_length=4)\n"
+               "req = rollout.request(cfg, prompts=2, prompt_len=3, param_dtype='float32')\n"
+               "engine = rollout.build(cfg, device=dev, model_path=None, config=model.hf_config(None), out_dir='.', "
+               "req=req, seed=0, pad_id=0, eos_id=1)\n"
+               "out = rollout.generate(engine, policy, [[2, 3, 4], [5, 6]], 0, [], {})\n"
+               "assert out['responses'].shape == (4, 4) and out['response_mask'][:, 0].all()\n",
+    "offload": "import offload, torch\n"   # offload.py alone: no model, no mesh
+               "lin = torch.nn.Linear(4, 4)\n"
+               "stash = offload.param_stash('p', lin)\n"
+               "w = lin.weight.detach().clone()\n"
+               "offload.offload(stash)\n"
+               "assert lin.weight.untyped_storage().nbytes() == 0\n"
+               "offload.reload(stash)\n"
+               "assert torch.equal(lin.weight.detach(), w)\n",
+}
+
+
+@pytest.mark.parametrize("role", sorted(USE))
+@pytest.mark.timeout(300)
+def test_each_role_works_from_its_copy_set_alone(role, tmp_path):
+    """The files copy_set names are all a role needs: copied alone into a folder (the working directory
+    and PYTHONPATH of a plain `python`, the repo nowhere on its path), the role builds on the tiny model
+    and makes its one call (ref: log-probs; actor: an update; critic: values; reward model: scores;
+    rollout: HF generate; offload: a stash round trip)."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
     for f in copy_set.copy_set(role):
-        shutil.copy(os.path.join(HERE, f + ".py"), tmp_path)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    code = f"import {role}, sys; assert all(not m.startswith('{HERE}') for m in sys.path)"
-    if role == "ref":
-        code += "; import model; assert model.hf_config(None).vocab_size == 16; ref.RefConfig()"
-    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+        shutil.copy(os.path.join(HERE, f + ".py"), folder)
+    torch.save(tiny_batch(8, 5, torch.device("cpu"), seed=1), tmp_path / "batch.pt")
+    code = (f"import sys; assert not any(p.startswith({HERE!r}) for p in sys.path)\n"
+            + (BUILD if role != "offload" else "") + USE[role]
+            + f"assert {role}.__file__.startswith({str(folder)!r})\n")
+    r = run(["-c", code, tmp_path / "batch.pt"], script=None, cwd=folder, env={"PYTHONPATH": str(folder)}, timeout=280)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_readme_copy_sets_are_the_codes():
