@@ -53,9 +53,10 @@ def lock_out_dir(out: str, rank: int):
     or another that shares the folder, does not, so the nodes of one run never lock each other out.
     On NFS, Linux implements flock with byte-range locks that every client sees; a filesystem
     without locks (e.g. Lustre mounted without -o flock) gets a warning and no lock.
-    Raises ValueError naming the holder (pid, host, since when) when another run holds it."""
+    Raises ValueError naming the holder (pid, host, since when) when another run holds it. Returns
+    whether this call took the lock (not: another rank, an earlier call of this process, no locks)."""
     if rank != 0 or os.path.realpath(out) in _held:
-        return
+        return False
     folder = [] if os.path.exists(out) else [out]   # what this run makes, a refused run takes away (`release_refused`)
     _check_writable(out)
     path = os.path.join(out, LOCK)
@@ -69,7 +70,7 @@ def lock_out_dir(out: str, rank: int):
                 print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
                       f"stops a second run from using --out_dir={shlex.quote(out)} at the same time", flush=True)
                 f.close()
-                return
+                return False
             raise ValueError(f"--out_dir={shlex.quote(out)} is in use by another run ({_holder(f)}; lock {path}): "
                              f"wait for it to end or stop it, or pass another --out_dir") from None
         if _same_file(f, path):
@@ -82,6 +83,7 @@ def lock_out_dir(out: str, rank: int):
     f.flush()
     _held[os.path.realpath(out)] = f            # kept open (never closed): the lock lives as long as the process
     _made[os.path.realpath(out)] = ([path] if new else []) + folder
+    return True
 
 
 def _holder(f) -> str:
@@ -107,12 +109,14 @@ def _same_file(f, path: str) -> bool:
 @contextlib.contextmanager
 def claimed(out: str, rank: int):
     """`lock_out_dir` for the pre-flight's length: the lock stays for the run, unless the block raises
-    (the out_dir refused, bad input, Ctrl-C), which leaves the folder as it was found."""
-    lock_out_dir(out, rank)
+    (the out_dir refused, bad input, Ctrl-C), which leaves the folder as it was found. A lock this
+    process took before (an earlier run in it) is not this block's to release."""
+    took = lock_out_dir(out, rank)
     try:
         yield
     except BaseException:
-        release_refused(out)
+        if took:
+            release_refused(out)
         raise
 
 
