@@ -3,7 +3,7 @@ depth (function-level imports included), with their lines. Reads the code; runs 
 
     python copy_set.py                 # every role
     python copy_set.py ref critic      # the files to copy for those roles, and their lines
-    python -m pytest -q tests/test_shape.py  # each set imports from a folder holding only its files
+    python -m pytest -q tests/test_shape.py  # each set builds its role and calls it from a folder of its files alone
 """
 import ast
 import glob
