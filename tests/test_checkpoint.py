@@ -136,9 +136,9 @@ def test_resume_at_another_world_size(tmp_path, dist_env):
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = checkpoint.checkpoint_dir(out)
     cfg = options.parse_args([f"--out_dir={tmp_path / 'one'}", "--steps=3", f"--resume={ckpt}"] + SMALL)
-    data, resume = train_grpo.preflight(cfg)
+    (data, val), resume = train_grpo.preflight(cfg)   # (training, held-out) prompts, the checkpoint to resume
     assert resume == ckpt
-    t = train_grpo.setup(cfg, data=data)
+    t = train_grpo.setup(cfg, data=data, val=val)
     assert t.world == 1 and train_grpo.resume(t, resume) == 2
     model_sd, optim_sd = get_state_dict(t.actor.model, t.actor.optimizer)
     dcp_to_torch_save(os.path.join(ckpt, "actor"), str(tmp_path / "full.pt"))
