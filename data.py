@@ -325,6 +325,11 @@ def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[st
     return score(reward_fn, name, texts, answers)
 
 
+class EveryRank(ValueError):
+    """An error every rank raises at the same point (after an all-reduce): the run keeps its weights (a
+    collective save) before it stops."""
+
+
 def reward_errors(errors: list, policy: str, warned: set, device, copies: int = 1) -> int:
     """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
     `policy` (--reward_error) stop every rank raises the first one (so rank 0 can say it); with zero
@@ -344,7 +349,7 @@ def reward_errors(errors: list, policy: str, warned: set, device, copies: int = 
             dist.all_gather_object(first, errors[0] if errors else None)
         message = next(e for e in first if e)
         if policy == "stop":
-            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
+            raise EveryRank(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
         warned.add("reward")
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "

@@ -121,8 +121,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     if cfg.resume == "auto":
         path = latest
         if path is None and earlier:
-            raise ValueError(f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
-                             f"to resume from: pass another --out_dir, or remove {out}")
+            raise ValueError(_without_checkpoint(out, earlier))
         if path is None:
             return None
     else:
@@ -141,6 +140,22 @@ def plan(cfg, data_fingerprint: str) -> str | None:
                              f"{cfg.resume} into an empty --out_dir")
     _check_resumable(cfg, path, latest, data_fingerprint)
     return path
+
+
+def _without_checkpoint(out: str, earlier: list) -> str:
+    """What an out_dir holding a run but no checkpoint is, and what to pass: with --save_freq=0 final/ holds
+    the weights (its run_config.json the steps it trained: a finished run, or one stopped early)."""
+    try:
+        with open(os.path.join(out, "final", "run_config.json")) as f:
+            meta = json.load(f)
+        done, steps = int(meta["steps_done"]), int(meta["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"--out_dir={out} holds an earlier run ({', '.join(earlier)}) but no checkpoint to resume from: "
+                f"pass another --out_dir, or remove {out}")
+    what = f"a finished run ({done} steps" if done >= steps else f"a run stopped after {done} of {steps} steps ("
+    return (f"--out_dir={out} holds {what}{', ' if done >= steps else ''}the policy in {out}/final; it kept no checkpoint, "
+            f"--save_freq=0): to train it further start from it, --model={out}/final with another --out_dir; to "
+            f"start anew pass another --out_dir, or remove {out}")
 
 
 # what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
@@ -276,7 +291,12 @@ def _remove(path: str):
 
 def _failed(e: OSError, what: str, path: str, need: int, out: str) -> OSError:
     """A failed write's one line: on a full disk the path, the bytes needed and free, and what the
-    same command then does (checkpoint.after_failure); otherwise the path and the reason."""
+    same command then does (checkpoint.after_failure); otherwise the path and the reason. A write
+    `on_rank0` defers says neither: the run keeps its weights first, then says where (train_grpo.run)."""
+    if _deferring:
+        free = checkpoint.size(checkpoint.free_bytes(out)) if checkpoint.no_space(e) else ""
+        return OSError(f"{what} {path} failed: " + (f"no space left on device (it needs ~{checkpoint.size(need)}, "
+                                                    f"{free} free)" if free else f"{e.strerror or e}"))
     if checkpoint.no_space(e):
         return checkpoint.space_error(what, path, need, checkpoint.after_failure(out))
     return OSError(f"{what} {path} failed ({e.strerror or e}); " + checkpoint.after_failure(out, "fix that"))
@@ -339,12 +359,14 @@ def write_step(path: str, log, m: dict, step: int):
     try:
         log.log(m, step)
     except Exception as e:                 # noqa: BLE001 - a logger's own errors (tensorboard's thread) are any kind
+        out = os.path.dirname(path)
         if not checkpoint.no_space(e):
             fix = f"fix {log.path} (or add --logger=none: metrics.jsonl holds every step)"
-            raise OSError(f"the logger's copy of step {step} to {log.path} failed ({type(e).__name__}: {e}); "
-                          + checkpoint.after_failure(os.path.dirname(path), fix)) from None
-        raise checkpoint.space_error(f"the logger's copy of step {step} to", log.path, len(line),
-                                     checkpoint.after_failure(os.path.dirname(path))) from None
+            raise OSError(f"the logger's copy of step {step} to {log.path} failed ({type(e).__name__}: {e}); " +
+                          (fix if _deferring else checkpoint.after_failure(out, fix))) from None
+        err = checkpoint.space_error(f"the logger's copy of step {step} to", log.path, len(line),
+                                     "" if _deferring else checkpoint.after_failure(out))
+        raise OSError(str(err).rstrip("; ")) from None
 
 
 def write_val_samples(out_dir: str, samples: list, step: int):
@@ -379,8 +401,45 @@ def summary(metrics_path: str) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------- preemption, Ctrl-C
+def keep(cfg, n: int, saved: int, updating: bool, *, checkpoint_at, final_at) -> str:
+    """After a stop or an error, the weights of the `n` steps trained so far kept, and where (the run's last
+    line says it): a checkpoint of step n (`checkpoint_at(n)`; not when an update was cut short: `updating`),
+    else, or when that write fails, final/ (`final_at(n)`; with --save_freq=0 the only copy, its room set
+    aside at the start: reserve_final). `saved`: the step of the newest checkpoint (-1: none)."""
+    if n == saved or n == 0:
+        return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes " \
+               f"there)" if n else "nothing was trained yet"
+    why = f" (the update of step {n + 1} was cut short)" if updating else ""
+    if cfg.save_freq and not updating:
+        try:
+            checkpoint_at(n)
+            return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes there)"
+        except OSError as e:
+            why = " (no room for their checkpoint)" if checkpoint.no_space(e) else f" (no checkpoint: {e})"
+    resumes = f"; the checkpoint of step {saved} resumes" if saved > 0 else \
+        (f"; --save_freq=0 keeps no checkpoint: train further with --model={cfg.out_dir}/final in another --out_dir"
+         if not cfg.save_freq else "")
+    if not cfg.save:
+        return f"the weights after step {n} are not kept{why}{' (--save=false)' if not why else ''}{resumes}"
+    try:
+        final_at(n)
+        return f"the weights after step {n} are in {cfg.out_dir}/final{why}{resumes}"
+    except OSError as e:
+        return f"the weights after step {n} are lost: writing final/ failed too ({e}){resumes}"
+
+
+def finished_line(cfg, steps: int) -> str:
+    """A finished run's last line: that it finished, and where its weights are."""
+    where = [f"the policy in {cfg.out_dir}/final" if cfg.save else "",
+             f"its checkpoint in {checkpoint.newest(cfg.out_dir)}" if cfg.save_freq else ""]
+    return f"[done] finished: {steps} steps; " + (", ".join(w for w in where if w) or "nothing saved (--save=false)")
+
+
+# --------------------------------------------------------------------------- preemption, Ctrl-C, a failed write
 _signals: list = []
+_failure: list = []                        # rank 0's failed write (an OSError), said once the weights are kept
+_deferring = False                         # inside on_rank0: a failed write's line leaves out what comes next
+_run: dict = {}                            # what the signal handlers say: --save_freq and out_dir (stop_on_sigterm)
 NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
@@ -393,11 +452,15 @@ def _on_stop(signum, frame):
     checkpoint, no traceback: os._exit skips the unwinding that would print one per rank)."""
     if signum == signal.SIGINT and signal.SIGINT in _signals:
         if _rank0():
-            print("[interrupt] second Ctrl-C: stopped at once, without a checkpoint; the same command resumes "
-                  "from the last one", file=sys.stderr, flush=True)
+            last = checkpoint.newest(_run["out_dir"]) if _run else None
+            print("[interrupt] second Ctrl-C: stopped at once; " + (
+                f"the same command resumes from {last}" if last else "no checkpoint was written: the steps "
+                "trained are lost"), file=sys.stderr, flush=True)
         os._exit(130)
     if signum == signal.SIGINT and signal.SIGINT not in _signals and _rank0():
-        print("[interrupt] Ctrl-C: finishing this step, then a checkpoint (Ctrl-C again stops at once)", flush=True)
+        then = "a checkpoint" if _run.get("save_freq") else "the weights to final/ (--save_freq=0)" \
+            if _run.get("save") else "the end (--save_freq=0 --save=false: nothing is saved)"
+        print(f"[interrupt] Ctrl-C: finishing this step, then {then} (Ctrl-C again stops at once)", flush=True)
     _signals.append(signum)
 
 
@@ -411,27 +474,52 @@ def exit_on_sigint():
     signal.signal(signal.SIGINT, stop)
 
 
-def stop_on_sigterm():
+def stop_on_sigterm(cfg):
     """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
     SIGINT (Ctrl-C; torchrun forwards that too, so each worker handles it): the current step
-    finishes, a checkpoint is written, the run exits; a second SIGINT stops at once."""
+    finishes, the weights are kept (a checkpoint, or final/ with --save_freq=0), the run exits; a
+    second SIGINT stops at once."""
+    _run.update(save_freq=cfg.save_freq, save=cfg.save, out_dir=cfg.out_dir)
+    _signals.clear()                       # an earlier run's in this process (a notebook, the tests)
+    _failure.clear()
     signal.signal(signal.SIGTERM, _on_stop)
     signal.signal(signal.SIGINT, _on_stop)
 
 
-def stop_line(cfg) -> tuple[str, int]:
-    """The stopped run's one line (how to resume) and its exit code: 130 for Ctrl-C, 143 for SIGTERM
-    (the signal this rank got; a rank that got none was stopped by another's: SIGTERM)."""
+def on_rank0(write, *args):
+    """A write rank 0 alone makes (a metrics line, the logger's copy, held-out samples): a failure (a full
+    disk) does not end rank 0 at once, which would strand the others in a collective and lose the weights:
+    every rank stops after this step (stop_requested), the weights are kept, then it is said (`failure`)."""
+    global _deferring
+    _deferring = True
+    try:
+        write(*args)
+    except OSError as e:
+        _failure.append(e)
+    finally:
+        _deferring = False
+
+
+def stop_line(cfg, steps: int, where: str) -> tuple[str, int]:
+    """The stopped run's last line (after which step, where the weights are) and its exit code: 130 for
+    Ctrl-C, 143 for SIGTERM (the signal this rank got; a rank that got none was stopped by another's)."""
     sig = _signals[0] if _signals else signal.SIGTERM
-    line = f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped " + (
-        f"after a checkpoint in {cfg.out_dir}/checkpoints; the same command resumes there" if cfg.save_freq
-        else "without a checkpoint (--save_freq=0)")
-    return line, 130 if sig == signal.SIGINT else 143
+    return f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped after step {steps}; {where}", \
+        130 if sig == signal.SIGINT else 143
 
 
 def stop_requested(device) -> bool:
-    """Did any rank get SIGTERM or SIGINT? One all-reduce per step, so every rank stops after the same step."""
-    flag = torch.tensor([float(bool(_signals))], device=device)
+    """Did any rank get SIGTERM or SIGINT, or fail a write (`on_rank0`)? One all-reduce per step, so every
+    rank stops after the same step."""
+    flag = torch.tensor([float(bool(_signals or _failure))], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def failure(device) -> str | None:
+    """Rank 0's failed write, as one line on every rank (None: none). Collective."""
+    said = [str(_failure[0]) if _failure else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(said, src=0)
+    return said[0]

@@ -61,8 +61,9 @@ def test_ctrl_c_of_an_async_run_checkpoints_stops_the_engines_and_resumes(tmp_pa
         proc.wait(timeout=180)
     text = open(tmp_path / "log").read()
     done = len(metrics(out))
-    assert f"[preempt] SIGINT (Ctrl-C): stopped after a checkpoint in {out}/checkpoints; the same command resumes " \
-           f"there" in text and 2 <= done < 60, text[-3000:]
+    step = os.path.join(out, "checkpoints", f"step_{done:06d}")
+    assert f"[preempt] SIGINT (Ctrl-C): stopped after step {done}; the weights after step {done} are in {step} (the " \
+           f"same command resumes there)" in text and 2 <= done < 60, text[-3000:]
     before = text.split("[preempt]")[0]
     assert "Traceback" not in before and "KeyboardInterrupt" not in before and "error:" not in before, text[-3000:]
     meta = checkpoint.read_meta(checkpoint.checkpoint_dir(out))
