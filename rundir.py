@@ -457,10 +457,11 @@ def _on_stop(signum, frame):
                 f"the same command resumes from {last}" if last else "no checkpoint was written: the steps "
                 "trained are lost"), file=sys.stderr, flush=True)
         os._exit(130)
-    if signum == signal.SIGINT and signal.SIGINT not in _signals and _rank0():
+    if signum not in _signals and _rank0():
         then = "a checkpoint" if _run.get("save_freq") else "the weights to final/ (--save_freq=0)" \
             if _run.get("save") else "the end (--save_freq=0 --save=false: nothing is saved)"
-        print(f"[interrupt] Ctrl-C: finishing this step, then {then} (Ctrl-C again stops at once)", flush=True)
+        print(f"[{'interrupt] Ctrl-C' if signum == signal.SIGINT else 'preempt] SIGTERM'}: finishing this step, "
+              f"then {then}" + (" (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""), flush=True)
     _signals.append(signum)
 
 

@@ -156,6 +156,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     cfg = plan.relax(cfg, world, prompt_len, kind, device, rank)   # checkpointing off where the GPU allows
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
+    plan.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
@@ -385,11 +386,11 @@ def train(t: Trainer, start: int) -> bool:
     after the last. Returns False when a SIGTERM or Ctrl-C stopped it (after the step and its checkpoint)."""
     cfg = t.cfg
     metrics_path = rundir.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
+    if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
+        start_stream(t, start)             # (a Ctrl-C meanwhile is set-up's: one line, nothing to save yet)
     rundir.stop_on_sigterm(cfg)
     log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
     t_start, seen = time.time(), {}
-    if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
-        start_stream(t, start)
     step = start - 1
     for step in range(start, cfg.steps):
         with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
