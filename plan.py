@@ -42,9 +42,12 @@ def search(cfg) -> dict:
 
 
 def _needless(cfg, flags: dict) -> bool:
-    """A flag on whose partner (its role's NEEDS) is off: it would change nothing."""
+    """A flag on whose partner (its role's NEEDS) is off, or on beside one that supersedes it (SUPERSEDES):
+    it would change nothing."""
     needs = {f"{n}.{k}": f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "NEEDS", {}).items()}
-    return any(flags[k] and not flags[need] for k, need in needs.items())
+    over = {f"{n}.{k}": f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "SUPERSEDES", {}).items()}
+    return any(flags[k] and not flags[need] for k, need in needs.items()) or \
+        any(flags.get(k) and flags.get(v) for k, v in over.items())
 
 
 def with_options(cfg, changes: dict):

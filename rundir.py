@@ -34,8 +34,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-import actor
 import checkpoint
+import ledger
 
 GB = 2**30
 LOCK = ".run.lock"
@@ -388,7 +388,7 @@ def summary(metrics_path: str) -> list[str]:
     equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
     failed = sum(r["reward/errors"] for r in rows)
     out = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-           f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+           f"{ledger.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
            f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
     val = [r for r in lines if "val/reward_mean" in r]
     if val:
