@@ -387,6 +387,7 @@ def usage() -> str:
     return "\n".join(["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
                       "  --templates  the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
                       "  --plot=RUN   RUN/memory.png from its metrics.jsonl",
+                      "  the margin, the engine and the kernels are the run's own: --plan_margin, --rollout.engine, --kernels",
                       options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3]
                       .replace("[run]", "plan.py's own options:")])
 
