@@ -125,6 +125,7 @@ def preflight(cfg: Config):
     nproc = int(os.environ.get("WORLD_SIZE", 1))
     rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
     options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
+    rollout.resolve_engine(cfg.rollout, torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # FP8 on HF: now
     check_model(cfg.model)
     reward_model.check_model(cfg.reward_model)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
@@ -153,7 +154,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
-    cfg = plan.relax(cfg, world, prompt_len, kind, device, rank)   # checkpointing off where the GPU allows
+    cfg = plan.relax(cfg, world, prompt_len, kind, ledger.gpu_capacity(device) if device.type == "cuda" else 0, rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
     plan.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))

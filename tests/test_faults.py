@@ -17,6 +17,7 @@ import options
 import plan
 import predict
 from conftest import descendants, launches, metrics, run, start, stop
+from test_checkpoint import in_process  # noqa: F401
 
 S = ["--train_batch_size=4", "--rollout.n=4", "--actor.ppo_mini_batch_size=4", "--logger=none", "--save=false"]
 ASYNC = ["--rollout.mode=async"]
@@ -148,6 +149,24 @@ def test_the_rollout_correction_refuses_a_truncated_sampler():
         with pytest.raises(ValueError, match=r"with the rollout correction .* off by the kept probability mass"):
             options.parse_args(extra)
     assert options.parse_args(["--rollout.top_p=0.8"]).actor.rollout_is == "none"
+
+
+def test_fp8_on_hf_generate_is_refused_at_start_in_one_line(tmp_path, in_process, capsys):
+    """FP8 is vLLM's: on HF generate (given, or auto without vLLM or a GPU) the flags would change nothing but
+    turn the rollout correction on. The run stops before anything is built, with one line naming the flag, the
+    engine and what to change; no step runs, so no correction without a quantizing engine."""
+    import importlib.util
+    auto_is_hf = not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None
+    for extra in [["--rollout.engine=hf", "--rollout.quantization=fp8"]] + [["--rollout.kv_cache_dtype=fp8"]] * auto_is_hf:
+        out = tmp_path / extra[-1].split("=")[0][2:]
+        with pytest.raises(SystemExit) as e:
+            in_process([f"--out_dir={out}", "--steps=1", *S, *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        how = "--rollout.engine=hf" if "--rollout.engine=hf" in extra else "--rollout.engine=auto found no vLLM"
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: {extra[-1]} needs the vLLM engine, and this run generates with HF generate "
+                                 f"({how}") and err[0].endswith("use --rollout.engine=vllm on a GPU with vLLM, or drop the flag")
+        assert not os.path.exists(out / "metrics.jsonl")
 
 
 def test_the_set_up_says_when_a_stage_is_inside_the_margin(monkeypatch):

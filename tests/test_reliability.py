@@ -358,6 +358,23 @@ def test_save_freq_0_keeps_final_room_through_a_full_disk_and_says_true_advice(s
         rundir.reserve_final(options.parse_args([f"--out_dir={lost}", "--save_freq=0"]), policy, 0)
 
 
+def test_an_earlier_attempts_reservation_goes_when_the_run_keeps_checkpoints(tmp_path):
+    """out_dir/.final.reserve left by an earlier --save_freq=0 attempt is removed by a run that keeps
+    checkpoints (or saves nothing): its bytes are no run's room now. A --save_freq=0 run reuses it; a rank
+    other than 0 leaves it."""
+    import types
+    import torch
+    policy = types.SimpleNamespace(model=torch.nn.Linear(64, 64), lora=None)
+    leftover = tmp_path / checkpoint.RESERVE
+    for args, kept in ((["--save_freq=5"], False), (["--save=false", "--save_freq=0"], False), (["--save_freq=0"], True)):
+        leftover.write_bytes(b"\0" * 4096)
+        rundir.reserve_final(options.parse_args([f"--out_dir={tmp_path}", *args]), policy, 0)
+        assert leftover.exists() == kept, args
+        leftover.write_bytes(b"\0" * 4096)
+        rundir.reserve_final(options.parse_args([f"--out_dir={tmp_path}", *args]), policy, 1)
+        assert leftover.stat().st_size == 4096, args
+
+
 def test_a_full_disk_mid_run_is_one_line_and_metrics_jsonl_keeps_whole_lines(small_disk, in_process, monkeypatch,
                                                                               capsys):
     """The disk fills to 1000 bytes free after step 0's checkpoint: step 1's metrics line (~2.4 KB)
