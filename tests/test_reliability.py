@@ -178,8 +178,8 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=1", "--save_freq=1"] + SMALL
     cfg = options.parse_args(args)
-    data, _ = train_grpo.preflight(cfg)
-    t = train_grpo.setup(cfg, data=data)
+    (data, val), _ = train_grpo.preflight(cfg)
+    t = train_grpo.setup(cfg, data=data, val=val)
     step0 = train_grpo.train_step(t, 0)
     assert any(line.startswith(f"[disk] writes up to ~0.0") and "GB free" in line for line in train_grpo.report(t))
     with monkeypatch.context() as m:
@@ -489,7 +489,7 @@ def test_profile_steps_past_the_run_warn_and_lines_are_said_once_under_torchrun(
     r = run([f"--out_dir={tmp_path / 'o'}", "--steps=1", "--save=false", f"--data={path}", "--max_prompt_length=64",
              "--profile_steps=99", "--train_batch_size=4", "--actor.ppo_mini_batch_size=4", "--rollout.n=2"], nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.count("[data] dropped 1 prompts longer than max_prompt_length=64") == 1, r.stdout[-3000:]
+    assert r.stdout.count(f"[data] dropped 1 prompts of {path} longer than max_prompt_length=64") == 1, r.stdout[-3000:]
     assert r.stdout.count("[profile] warning: --profile_steps=99: step(s) 99 never run (--steps=1") == 1
     r = run(["--help"], nproc=2)
     assert r.returncode == 0 and r.stdout.count("--keep_checkpoints") == 1, r.stdout[-3000:]
