@@ -223,7 +223,7 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
                                           rf"removed; {_step(out, 1)} is kept: free space, then run the same "
                                           rf"command \(it writes final/ from it, without training\)"):
             checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=1)
-    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]      # no final/, no final.tmp
+    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl", "val_samples.jsonl"]   # no final/, no final.tmp
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "was never written (a final save that failed): writing it" in r.stdout
