@@ -360,7 +360,7 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not (a.cfg.optimizer_load_at_step or a.windows):
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
-        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, a.adam, a.windows)
+        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, adam=a.adam, windows=a.windows)
         metrics.update(offload.offload(a.adam))   # frees 2 x fp32 shard bytes until the next update
     return stats
 
@@ -370,7 +370,7 @@ IS_STATS = STATS[-2:]                           # reported only with actor.rollo
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
-                  temperature: float, adam: offload.Stash | None = None, windows: list | None = None) -> dict:
+                  temperature: float, *, adam: offload.Stash | None = None, windows: list | None = None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
     micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
     sequence counts, times the world size because FSDP averages gradients over ranks, so the
