@@ -3,7 +3,6 @@
     python -m pytest tests/test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest tests/test_dist.py   # 2 ranks == 1 rank
     python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, the base is the ref
-    python copy_set.py actor                         # the files to copy into a script of yours (README: "Copying one role")
 
 What it holds on the GPU: its fp32 shards, their grads during the update, Adam's two moments
 (2 x the fp32 shards, born at the first step), and a layer's gathered bf16 weights in a forward.
@@ -15,7 +14,9 @@ stash knows at build whether its flag puts it on the host, so every bracket read
                         free them without a copy back.
     optimizer_offload   Adam's exp_avg + exp_avg_sq live on the host outside `update`. They come
                         back on a side stream while the first forward/backward runs;
-                        `clipped_step` waits for them right before `optimizer.step()`.
+                        `clipped_step` waits for them right before `optimizer.step()`. With
+                        optimizer_stream they step a window of layers at a time instead
+                        (offload.streamed_step): the update never holds all of them.
     the levers          prefetch_update (`prefetch_update`, called during the ref forward),
                         defer_param_offload (`update` keeps the params; the next sync copies them
                         out), optimizer_load_at_step (Adam copied in at the step, not before).
@@ -26,11 +27,8 @@ LoRA (lora_rank > 0, lora.py): only the adapters train (grads and Adam for them 
 base is held in the compute dtype and is the reference (`compute_ref_log_probs`: adapter off). The
 params group splits in two: `Actor.params` (the adapters) and `Actor.base` (frozen: copied out once,
 at build; later brackets only free it). What the planner counts of all this: the `predicted` section.
-
-Batches are dicts of tensors, one row per sample (prompt left-padded to P, response right-padded to R):
-    input_ids, attention_mask, position_ids  (B, P+R)
-    responses, response_mask                 (B, R)
-    old_log_probs, ref_log_probs, advantages (B, R)   when the stage that makes them has run
+Batches are rollout.make_batch's dicts (B rows; old_log_probs, ref_log_probs, advantages (B, R) as their
+stages add them).
 """
 import contextlib
 import math
@@ -41,12 +39,14 @@ import torch
 import torch.distributed as dist
 
 import offload
+import ledger
 import lora
 import packing
 import ulysses
 import weights
-from model import (LOSS_AGG_MODES, ForwardSettings, agg_loss, all_sum, build_optimizer, clipped_step, compute_log_probs,
-                   forward, global_counts, in_use, load_model, make_layout, shard, split, state, update_phases)
+from model import (LOSS_AGG_MODES, ForwardSettings, optimizer_windows, window_peak, agg_loss, all_sum, build_optimizer,
+                   clipped_step, compute_log_probs, forward, global_counts, in_use, load_model, make_layout, shard, split,
+                   state, update_phases)
 
 
 @dataclass
@@ -61,10 +61,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2            # the ratio is clipped below at 1 - this
     clip_ratio_high: float = 0.2           # ... and above at 1 + this
     clip_ratio_c: float = 3.0              # dual-clip bound for negative advantages
-    rollout_is: str = "auto"               # token: each token's policy loss x min(pi_old / pi_rollout, threshold),
-                                           # truncated importance sampling against the engine's log-probs (verl's
-                                           # rollout correction) | none; auto: token with rollout.mode=async
-                                           # or an FP8 engine (rollout.kv_cache_dtype or quantization fp8)
+    rollout_is: str = "auto"               # token: each token's loss x min(pi_old / pi_rollout, threshold), truncated
+                                           # importance sampling against the engine's log-probs (verl's rollout
+                                           # correction) | none; auto: token with rollout.mode=async or an FP8 engine
     rollout_is_threshold: float = 2.0      # the truncation C of those weights
     loss_agg_mode: str = "token-mean"      # or seq-mean-token-sum, seq-mean-token-mean
     entropy_coeff: float = 0.0             # weight of the entropy bonus in the loss
@@ -81,6 +80,10 @@ class ActorConfig:
     optimizer_load_at_step: bool = False   # with optimizer_offload: Adam comes in just before optimizer.step
                                            # (verl #5282): the update's peak loses the activations, the copy
                                            # is no longer hidden behind the forward/backward
+    optimizer_stream: bool = False         # with optimizer_offload: Adam steps a window of layers at a time, each
+                                           # window's state in and out on side streams: the step's peak holds ~3
+                                           # windows of Adam instead of all of it (8 bytes a param), same numbers
+    optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = True    # recompute each layer's activations in backward: at 0.5B, micro-batch
                                            # 32 x 320 tokens, the update's peak 25 -> 12 GB for +0.2 s (verl's and
@@ -93,21 +96,17 @@ class ActorConfig:
     save_merged: bool = False              # with lora_rank: the final save also writes base + adapter merged,
                                            # as a Hugging Face model, to <save dir>/merged
     param_dtype: str = ForwardSettings.param_dtype   # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
-    # how samples go through the model (packing.py), for every role that runs this architecture (ref,
-    # critic); these defaults and param_dtype's: model.ForwardSettings (what a role gets without this config)
-    remove_padding: bool = ForwardSettings.remove_padding   # pack each micro-batch into one row: no
-                                           # compute on padding
+    # how samples go through the model (packing.py) in every role of this architecture; defaults: ForwardSettings'
+    remove_padding: bool = ForwardSettings.remove_padding   # pack each micro-batch into one row: no compute on padding
     logits_chunk_tokens: int = ForwardSettings.logits_chunk_tokens   # LM head on response tokens only, this
-                                           # many at a time: one (chunk, vocab) fp32 block alive, recomputed in
-                                           # backward (0: all at once, kept for backward)
-    use_dynamic_bsz: bool = ForwardSettings.use_dynamic_bsz   # micro-batches filled to a token budget
-                                           # instead of a sample count
+                                           # many at a time: one (chunk, vocab) fp32 block, recomputed in backward
+                                           # (0: all at once, kept for backward)
+    use_dynamic_bsz: bool = ForwardSettings.use_dynamic_bsz   # micro-batches filled to a token budget, not a count
     ppo_max_token_len_per_gpu: int = 16384     # with use_dynamic_bsz: tokens per update micro-batch
     log_prob_max_token_len_per_gpu: int = 32768  # with use_dynamic_bsz: tokens per old-log-prob forward
     ulysses_sequence_parallel_size: int = ForwardSettings.ulysses_sequence_parallel_size   # k ranks split
-                                           # each packed row (ulysses.py): activations and the LM head's tokens
-                                           # per rank / k, two all-to-alls per layer; the data-parallel size is
-                                           # world / k (ref and critic use the same k)
+                                           # each packed row (ulysses.py): activations and LM-head tokens per
+                                           # rank / k, two all-to-alls a layer; data-parallel size world / k (all roles)
 
 
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -118,13 +117,15 @@ RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_ba
           "clip_ratio_low": "[0, 1)", "clip_ratio_high": ">= 0", "clip_ratio_c": "> 1", "entropy_coeff": "any",
           "kl_loss_coef": ">= 0", "param_offload_layers": ">= -1", "logits_chunk_tokens": ">= 0",
           "ppo_max_token_len_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1", "lora_rank": ">= 0",
-          "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1", "rollout_is_threshold": "> 0"}
+          "lora_alpha": "> 0", "ulysses_sequence_parallel_size": ">= 1", "rollout_is_threshold": "> 0",
+          "optimizer_window_layers": ">= 1"}
 CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "kl_loss_type": KL_TYPES, "rollout_is": ("auto", "token", "none"),
            "param_dtype": ("bfloat16", "float16", "float32")}
 SEARCH = {  # what --offload=auto may turn (plan.py), cheapest first; NEEDS: a flag that only acts with another
     "gradient_checkpointing": (False, True), "param_offload": (False, True), "optimizer_offload": (False, True),
-    "optimizer_load_at_step": (False, True)}
-NEEDS = {"optimizer_load_at_step": "optimizer_offload"}
+    "optimizer_load_at_step": (False, True), "optimizer_stream": (False, True)}
+NEEDS = {"optimizer_load_at_step": "optimizer_offload", "optimizer_stream": "optimizer_offload"}
+SUPERSEDES = {"optimizer_stream": "optimizer_load_at_step"}   # on, it makes the other needless (plan.py)
 LIFTED = ("gradient_checkpointing",)    # on by default, off when the run fits without it (plan.relax)
 RESCUE = {  # what plan.py names when no combination of SEARCH fits
     "lora_rank": (64, "train adapters only: no ref model, grads and Adam for the adapters"),
@@ -135,7 +136,8 @@ RELIEF = {  # the actor's terms of a stage's prediction -> the change that remov
     "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
     "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
     "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
-    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens"}
+    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens",
+    "Adam windows (in, stepping, out)": "a smaller actor.optimizer_window_layers"}
 
 
 def check(cfg: ActorConfig, world: int):
@@ -143,6 +145,9 @@ def check(cfg: ActorConfig, world: int):
     if cfg.offload_policy and (cfg.param_offload or cfg.optimizer_offload):
         raise ValueError("actor.offload_policy (FSDP2 CPUOffloadPolicy) already keeps params and Adam state "
                          "on the CPU; turn actor.param_offload / actor.optimizer_offload off")
+    if cfg.optimizer_stream and not cfg.optimizer_offload:
+        raise ValueError("actor.optimizer_stream steps Adam a window at a time from the host: it needs "
+                         "--actor.optimizer_offload=true (without it the state stays on the GPU)")
     if cfg.ulysses_sequence_parallel_size > 1 and not cfg.remove_padding:
         raise ValueError("actor.ulysses_sequence_parallel_size splits packed rows: keep actor.remove_padding=true")
 
@@ -215,9 +220,8 @@ def prefetches(cfg: ActorConfig, ppo: bool) -> bool:
 
 
 def on_policy(cfg: ActorConfig, train_batch_size: int) -> bool:
-    """One epoch over one mini-batch of the whole batch: the update's first forward is the policy
-    that sampled, so the old log-probs are its own (detached) and the old_logp stage is skipped.
-    The planner counts the same stages by this rule."""
+    """One epoch over one mini-batch of the whole batch: the update's first forward is the policy that
+    sampled, so the old log-probs are its own (detached) and the old_logp stage is skipped (the planner's rule too)."""
     return cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size == train_batch_size
 
 
@@ -235,6 +239,7 @@ class Actor:
     adam: offload.Stash                    # exp_avg + exp_avg_sq: empty until Adam's first step
     device: torch.device
     lora: object = None                    # LoRA: peft's wrapper around `model` (disable_adapter, the config)
+    windows: list | None = None            # optimizer_stream: the params Adam steps together (model.optimizer_windows)
 
 
 def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | None = None, seed: int = 0,
@@ -254,7 +259,8 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
               params=offload.param_stash("actor_params", *groups, trainable=True if adapters else None, enabled=on),
               base=offload.param_stash("actor_base", *(groups if adapters else []), trainable=False, enabled=on),
               adam=offload.optimizer_stash("actor_optimizer", optimizer, enabled=cfg.optimizer_offload),
-              device=device, lora=adapters)
+              device=device, lora=adapters, windows=optimizer_windows(model, optimizer, cfg.optimizer_window_layers)
+              if cfg.optimizer_stream else None)
     offload.offload(a.base)                # frees the shard bytes until their first use (flags off: no-ops)
     offload.offload(a.params)
     return a
@@ -284,7 +290,12 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
                                          else "after the update")
                       + ("" if not early else " and stay after the ref forward (adapter off) for the update"
                          if a.lora else " and return during the ref forward"))
-    if c.optimizer_offload:
+    if a.windows:                          # the largest window's Adam (both moments, fp32), ~3 of them at the step
+        w = max(sum(8 * p.to_local().numel() for p in w) for w in a.windows) / offload.GB
+        timing.append(f"Adam steps in {len(a.windows)} windows (by {c.optimizer_window_layers} layer(s)), in and out "
+                      f"on side streams: ~3 x {w:.3f} GB at the step, not {adam_bytes / offload.GB:.3f} GB"
+                      + (" (optimizer_load_at_step: superseded)" if c.optimizer_load_at_step else ""))
+    elif c.optimizer_offload:
         timing.append("Adam returns " + ("just before optimizer.step" if c.optimizer_load_at_step
                                          else "on a side stream during the forward/backward"))
     if timing:
@@ -321,15 +332,13 @@ def compute_old_log_probs(a: Actor, batch: dict, temperature: float, train_batch
     with resident(a, metrics):
         batch["old_log_probs"] = compute_log_probs(a.model, batch, layout, temperature)
     if "rollout_log_probs" in batch:
-        metrics.update(logprob_mismatch(batch["old_log_probs"], batch))
+        metrics.update(ledger.logprob_mismatch(batch["old_log_probs"], batch))
 
 
 def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict, ppo: bool) -> torch.Tensor:
-    """LoRA's reference log-probs: the actor's own forward with its adapter off, i.e. the frozen
-    base, which is the policy at step 0 (no reference model is built or held). Inside the actor's
-    bracket; when it `prefetches` (GRPO: the update is the next stage) the params stay on the GPU
-    after it, so the update copies nothing in (the ref forward needs them itself: no copy to hide,
-    one to save)."""
+    """LoRA's reference log-probs: the actor's own forward with its adapter off (the frozen base, the
+    policy at step 0: no reference model is held), inside its bracket; when it `prefetches` the params
+    stay after it for the update (the ref forward needs them itself: no copy to hide, one to save)."""
     layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
     with resident(a, metrics, keep=prefetches(a.cfg, ppo)), a.lora.disable_adapter():
         return compute_log_probs(a.model, batch, layout, temperature)
@@ -349,9 +358,9 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     the optimizer step, in `clipped_step`) -> update -> Adam out -> params out, or kept on the GPU
     until the next weight sync has read them (defer_param_offload: one reload fewer per step)."""
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
-        if not a.cfg.optimizer_load_at_step:
+        if not (a.cfg.optimizer_load_at_step or a.windows):
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
-        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, a.adam)
+        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, adam=a.adam, windows=a.windows)
         metrics.update(offload.offload(a.adam))   # frees 2 x fp32 shard bytes until the next update
     return stats
 
@@ -361,19 +370,20 @@ IS_STATS = STATS[-2:]                           # reported only with actor.rollo
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
-                  temperature: float, adam: offload.Stash | None = None) -> dict:
+                  temperature: float, *, adam: offload.Stash | None = None, windows: list | None = None) -> dict:
     """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
     micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
     sequence counts, times the world size because FSDP averages gradients over ranks, so the
     update is the same for any micro-batch size and any number of ranks.
-    `adam`: the optimizer state's stash, made ready right before each optimizer step."""
+    `adam`: the optimizer state's stash, made ready right before each optimizer step (or streamed in a
+    window at a time for it: `windows`, optimizer_stream)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # the old_logp stage was skipped: old == current
     batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
     layout = make_layout(cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
     sums = torch.zeros(len(STATS), device=batch["responses"].device, dtype=torch.float64)  # no syncs
     norms, mismatch, moved = [], [], {}
-    before = probe(model)
+    before = ledger.probe(model)
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
@@ -386,7 +396,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
                 sums += stats
                 if on_policy and "rollout_log_probs" in mb:   # this forward is the rollout policy
                     mismatch.append((logp, mb))
-            norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor"))
+            norms.append(clipped_step(model, optimizer, cfg.grad_clip, adam, moved, "actor", windows))
     optimizer.zero_grad(set_to_none=True)           # frees the fp32 grad shards before the next stage
     sums = ulysses.once(sums, layout.sp)
     out = update_stats(model, before, sums, norms, mismatch, moved)
@@ -423,7 +433,7 @@ def micro_loss(model, mb: dict, cfg: ActorConfig, temperature: float, layout: pa
 def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, mismatch: list, moved: dict) -> dict:
     """The update's metrics: means over optimizer steps of global means, the grad norm, skipped
     steps, |delta w| on the probe, the offload figures, and the on-policy log-prob mismatch."""
-    dw = (probe(model) - before).abs()
+    dw = (ledger.probe(model) - before).abs()
     dw_sums = torch.stack([dw.sum(), torch.tensor(float(dw.numel()), device=dw.device)]).to(sums)
     sums = all_sum(torch.cat([sums / len(norms), dw_sums]))
     out = dict(zip(STATS, sums.tolist()))
@@ -432,31 +442,10 @@ def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, m
                skipped_steps=sum(not math.isfinite(n) for n in norms),
                delta_w_abs_mean=(sums[-2] / sums[-1]).item(), **moved)
     if mismatch:
-        out.update(logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
+        out.update(ledger.logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
                                     {k: torch.cat([mb[k] for _, mb in mismatch])
                                      for k in ("response_mask", "rollout_log_probs")}))
     return out
-
-
-def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
-    """|trainer log-prob - rollout engine log-prob| over valid tokens, mean and max over all ranks."""
-    m = batch["response_mask"]
-    d = (logp.detach() - batch["rollout_log_probs"]).abs() * m
-    s = all_sum(torch.stack([d.sum(), m.sum()]).double())
-    mx = d.max().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
-
-
-PROBE = 1024                                    # weights per parameter tensor watched for |delta w|
-
-
-def probe(model) -> torch.Tensor:
-    """The first PROBE elements of each local shard, fp32 (a few KB per tensor): how far an update
-    moved the weights, without a copy of the model (`update_stats` reports the mean |delta|)."""
-    return torch.cat([p.detach().to_local().reshape(-1)[:PROBE].float() if hasattr(p, "to_local")
-                      else p.detach().reshape(-1)[:PROBE].float() for p in model.parameters()])
 
 
 # --------------------------------------------------------------------------- predicted
@@ -498,10 +487,25 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     grads = {"actor grads": states["actor_params"][0]}     # fp32 shards of what trains (host-side with the policy)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
             "LM head chunk (backward)": z.head(n, layout, packing.HEAD_BACKWARD)}
+    if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
+        adam = {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
+        return update_phases(params, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
     held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
     return update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
 
 
+def predicted_windows(cfg: ActorConfig, z, states: dict) -> int:
+    """Adam's bytes on a rank at a streamed step's worst moment: model.window_peak over optimizer_windows'
+    windows (the embeddings, k layers each, the final norm, an untied LM head; LoRA: k layers' adapters)."""
+    s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
+    if cfg.lora_rank:
+        return window_peak([states["actor_optimizer"][0] * k // s.layers] * -(-s.layers // k))
+    layers = [k * s.layer_params] * (s.layers // k) + ([s.layers % k * s.layer_params] if s.layers % k else [])
+    sizes = [s.vocab * s.hidden] + layers + [s.hidden] + ([] if s.tied else [s.vocab * s.hidden])
+    return window_peak([z.shard(n, 8) for n in sizes])
+
+
+STREAM_EXPOSED = 0.5   # optimizer_stream: the share of each window's copies the steps beside it do not hide (not measured)
 def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:
     """The actor's copies that do not hide behind compute: its params out at the sync and in again
     (hidden behind the ref forward when it `prefetches`), Adam in (on a side stream behind the
@@ -510,19 +514,18 @@ def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwid
     if cfg.offload_policy:                     # 16.2 s for 1.54B params on one H200 host
         return 10.5e-9 * z.shapes.params / max(z.world, 1) + 1.5 * host["actor_params"] / bandwidth
     exposed = host["actor_params"] * (1 + (0.25 if prefetches(cfg, ppo) else 1)) + host.get("actor_base", 0)
-    exposed += host["actor_optimizer"] * (1 + (1 if cfg.optimizer_load_at_step else 0.5))
+    exposed += host["actor_optimizer"] * (1 + (1 if cfg.optimizer_load_at_step else 0.5 if not cfg.optimizer_stream
+                                               else STREAM_EXPOSED))
     return exposed / bandwidth
 
 
 # --------------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
 def state_in(a: Actor, loading: bool = False):
-    """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read
-    them (a save) or write into them (a load), then back where they were (`offload.holding`). Why
-    through the live tensors and not straight from the host mirrors: those helpers and DCP's
-    resharding work on the model and the optimizer, and a load must initialise Adam's lazily created
-    state on them. Cost: for the checkpoint's length the device holds what the update does minus
-    grads and activations (fp32 params + 2 x params of Adam)."""
+    """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read them
+    (a save) or write into them (a load), then back where they were (`offload.holding`); through the live
+    tensors, as those helpers and DCP's resharding need (docs/runs.md). Device cost for its length: fp32
+    params + 2 x params of Adam, the whole of it (optimizer_stream too)."""
     with offload.holding(policy_stashes(a) + [a.adam], loading):
         yield
         if loading:

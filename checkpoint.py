@@ -447,9 +447,10 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None):
+def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None, *, steps_done: int):
     """The Hugging Face policy (an actor.Actor) to out_dir/final, written aside and swapped in whole
-    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it. Rank 0
+    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it and the steps
+    it trained (`steps_done`: a stopped --save_freq=0 run saves before --steps; rundir.plan reads it). Rank 0
     first frees the room set aside at the start (--save_freq=0: rundir.reserve_final), so a disk that
     filled during the run still holds final/. A full disk leaves no half-written final/, and its
     line says what the same command then does (after_failure)."""
@@ -466,7 +467,7 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
     try:
         what = actor.save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
         if rank == 0:
-            _write_json(os.path.join(tmp, "run_config.json"), config)
+            _write_json(os.path.join(tmp, "run_config.json"), {**config, "steps_done": steps_done})
     except Exception as e:                    # never a half-written final/: it is swapped in only when whole
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ def modules() -> set:
 
 
 def imports(name: str) -> set:
-    """The project modules `name` imports directly."""
+    """The project modules `name` imports directly: anywhere in the file (ast.walk), a function body's too."""
     with open(os.path.join(HERE, name + ".py")) as f:
         tree = ast.parse(f.read())
     out = set()

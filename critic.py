@@ -3,7 +3,6 @@
     python train_grpo.py --algorithm.adv_estimator=gae                          # PPO, separate critic
     python train_grpo.py --algorithm.adv_estimator=gae --critic.mode=shared     # value head on the actor
     python -m pytest tests/test_critic.py -q
-    python copy_set.py critic                        # the files to copy into a script of yours (README: "Copying one role")
 
 Two modes:
 - "separate" (verl's critic): a causal-LM trunk with a scalar head per token
@@ -39,7 +38,7 @@ import actor
 import offload
 import packing
 import ulysses
-from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
+from model import (optimizer_windows, window_peak, LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
                    load_model, make_layout, shard, split, state, update_phases)
 
 
@@ -59,6 +58,9 @@ class CriticConfig:
     lam: float = 1.0                       # GAE lambda
     param_offload: bool = False            # separate mode: trunk shards to pinned host between uses
     optimizer_offload: bool = False        # separate mode: Adam state to pinned host between updates
+    optimizer_stream: bool = False         # with optimizer_offload: Adam steps a window of layers at a time from
+                                           # the host (as actor.optimizer_stream)
+    optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
     gradient_checkpointing: bool = True    # separate mode: recompute each layer in backward (as verl's critic):
                                            # at 1.5B, micro 16 x 320 tokens, the update's activations 14.8 -> 0.8 GB
 
@@ -67,10 +69,13 @@ class CriticConfig:
 RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "cliprange_value": "> 0",
           "ppo_micro_batch_size_per_gpu": ">= 1", "forward_micro_batch_size_per_gpu": ">= 1",
           "gamma": "[0, 1]", "lam": "[0, 1]", "ppo_max_token_len_per_gpu": ">= 1",
-          "forward_max_token_len_per_gpu": ">= 1"}
+          "forward_max_token_len_per_gpu": ">= 1", "optimizer_window_layers": ">= 1"}
 CHOICES = {"mode": ("separate", "shared"), "loss_agg_mode": LOSS_AGG_MODES}
-SEARCH = {"param_offload": (False, True), "optimizer_offload": (False, True)}   # --offload=auto's, separate mode
-RELIEF = {"critic_params": "--critic.param_offload=true", "critic_optimizer": "--critic.optimizer_offload=true"}
+SEARCH = {"param_offload": (False, True), "optimizer_offload": (False, True),   # --offload=auto's, separate mode
+          "optimizer_stream": (False, True)}
+NEEDS = {"optimizer_stream": "optimizer_offload"}
+RELIEF = {"critic_params": "--critic.param_offload=true", "critic_optimizer": "--critic.optimizer_offload=true",
+          "critic Adam windows (in, stepping, out)": "a smaller critic.optimizer_window_layers"}
 
 
 # --------------------------------------------------------------------------- math
@@ -150,6 +155,7 @@ class Critic:
     adam: offload.Stash                    # empty until Adam's first step
     forward_layout: packing.Layout         # the values stage's micro-batches (and packing)
     update_layout: packing.Layout          # the update's
+    windows: list | None = None            # optimizer_stream: the params Adam steps together
 
 
 def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, actor_model=None,
@@ -173,7 +179,9 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.Actor
                offload.param_stash("critic_params", head, enabled=cfg.param_offload and separate),
                offload.optimizer_stash("critic_optimizer", optimizer, enabled=cfg.optimizer_offload and separate),
                make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
-               make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu))
+               make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu),
+               optimizer_windows(head, optimizer, cfg.optimizer_window_layers)
+               if separate and cfg.optimizer_offload and cfg.optimizer_stream else None)
     offload.offload(c.params)              # param_offload: frees the shard bytes until the values stage
     return c
 
@@ -195,8 +203,10 @@ def describe(c: Critic) -> list[str]:
     device = next(c.model.parameters()).device
     lines = [f"[critic] mode={cfg.mode}: {held / offload.GB:.3f} GB of parameters"
              + (" (a value head on the actor's trunk: no second model)" if cfg.mode == "shared" else "")]
-    if cfg.mode == "shared" and (cfg.param_offload or cfg.optimizer_offload):
+    if cfg.mode == "shared" and (cfg.param_offload or cfg.optimizer_offload or cfg.optimizer_stream):
         lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
+    elif cfg.optimizer_stream and not cfg.optimizer_offload:
+        lines.append("[offload] warning: critic.optimizer_stream does nothing without critic.optimizer_offload=true")
     lines.append(offload.describe("critic.param_offload", held, c.params.enabled, device))
     lines.append(offload.describe("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held, c.adam.enabled, device))
     return lines
@@ -273,7 +283,8 @@ def update(c: Critic, batch: dict, mini_size: int, epochs: int, metrics: dict) -
     the step) -> clipped value loss -> both out again (separate mode). Frees the shared mode's
     saved features after it."""
     with offload.loaded([c.params], metrics, modified=True):
-        metrics.update(offload.reload(c.adam, background=True))   # overlaps the first forward/backward
+        if not c.windows:                  # (a streamed step brings Adam in a window at a time, at the step)
+            metrics.update(offload.reload(c.adam, background=True))   # overlaps the first forward/backward
         stats = update_critic(c, batch, mini_size, epochs)
         metrics.update(offload.offload(c.adam))   # frees 2 x fp32 shard bytes until the next update
     batch.pop("features", None)
@@ -306,7 +317,7 @@ def update_critic(c: Critic, batch: dict, mini_size: int, epochs: int) -> dict:
                 (loss * scale).backward()
                 with torch.no_grad():      # vf_clipfrac: a token mean over all ranks, whatever the loss mode
                     sums += torch.stack([loss, (clipped * m).sum() / tokens]).double()
-            norms.append(clipped_step(model, optimizer, cfg.grad_clip, c.adam, moved, "critic"))
+            norms.append(clipped_step(model, optimizer, cfg.grad_clip, c.adam, moved, "critic", c.windows))
     optimizer.zero_grad(set_to_none=True)           # frees the grads before the actor's update
     sums = all_sum(ulysses.once(sums, layout.sp)) / len(norms)
     return {"critic/vf_loss": sums[0].item(), "critic/vf_clipfrac": sums[1].item(),
@@ -347,8 +358,14 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
     layout = make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
     n = z.tokens(layout)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c)}
-    return update_phases(in_use(states, "critic_params", "critic_optimizer"), {"critic grads": states["critic_params"][0]},
-                         busy, z.accumulating(layout))
+    grads = {"critic grads": states["critic_params"][0]}
+    if cfg.optimizer_stream and cfg.optimizer_offload:   # a few windows of Adam at the step (model.window_peak)
+        s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
+        sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
+        held = in_use(states, "critic_params")
+        return update_phases(held, grads, busy, z.accumulating(layout), {**held, **grads,
+                             "critic Adam windows (in, stepping, out)": window_peak([z.shard(n, 8) for n in sizes])})
+    return update_phases(in_use(states, "critic_params", "critic_optimizer"), grads, busy, z.accumulating(layout))
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -134,6 +134,22 @@ def with_instruction(p, instruction: str):
     return [*p[:last], {**p[last], "content": f"{p[last]['content']} {instruction}"}, *p[last + 1:]]
 
 
+CHARS_PER_TOKEN = 64                       # more than any tokenizer's token holds, but for runs of one character
+
+
+def tokens(tokenizer, text: str, limit: int) -> list[int] | None:
+    """The prompt's token ids, or None when it has more than `limit`. A prefix of (limit + 2) x CHARS_PER_TOKEN
+    characters is tokenized first: a huge line (one of 50 MB cost 15 GB of RAM and minutes whole) is dropped
+    in bounded time and memory; a prefix that is short of the limit (runs of one character) means the whole."""
+    head = text[:(limit + 2) * CHARS_PER_TOKEN]
+    ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+    if len(ids) > limit + 1:               # the cut can merge or split one token at most
+        return None
+    if len(head) < len(text):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return None if len(ids) > limit else ids
+
+
 def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", max_prompt_length=1024, seed=0, *,
               instruction="", held_out=False, option="--data") -> tuple[list[list[int]], list[str], list[list[dict]]]:
     """Prompt token ids, answers, and each prompt's chat messages (a string prompt becomes one
@@ -160,10 +176,10 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
         raw = with_instruction(row[key], instruction)
         p, answer = prompt_text(raw, tokenizer, where), answer_text(row[answer_key], where)
         msgs = raw if isinstance(raw, list) else [{"role": "user", "content": raw}]   # for a reward model's template
-        ids = tokenizer(p, add_special_tokens=False)["input_ids"]
-        if not ids:
+        ids = tokens(tokenizer, p, max_prompt_length)
+        if ids == []:
             raise ValueError(f"{where}: the prompt tokenizes to nothing")
-        if len(ids) > max_prompt_length:
+        if ids is None:
             dropped += 1
             continue
         prompts.append(ids)
@@ -339,6 +355,11 @@ def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[st
     return score(reward_fn, name, texts, answers)
 
 
+class EveryRank(ValueError):
+    """An error every rank raises at the same point (after an all-reduce): the run keeps its weights (a
+    collective save) before it stops."""
+
+
 def reward_errors(errors: list, policy: str, warned: set, device, copies: int = 1) -> int:
     """Rewards that raised or returned no finite number, over all ranks (one all-reduce). With
     `policy` (--reward_error) stop every rank raises the first one (so rank 0 can say it); with zero
@@ -358,7 +379,7 @@ def reward_errors(errors: list, policy: str, warned: set, device, copies: int = 
             dist.all_gather_object(first, errors[0] if errors else None)
         message = next(e for e in first if e)
         if policy == "stop":
-            raise ValueError(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
+            raise EveryRank(f"{message} (--reward_error=zero scores such samples 0 and counts them instead)")
         warned.add("reward")
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(f"[warn] {n} rewards failed this step and scored 0 (reward/errors counts them; shown once): "

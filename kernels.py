@@ -32,9 +32,26 @@ FUSED = ("liger", "compile")
 
 
 def fused(kind: str, model_type: str) -> bool:
-    """Does a GPU run with `--kernels=kind` keep the fused kernels' activations? (The planner's question:
-    a plan is for a GPU run, wherever it is made; `auto` as `resolve` takes it on a GPU.)"""
-    return (resolve(kind, torch.device("cuda"), model_type)[0] if kind == "auto" else kind) in FUSED
+    """Does a GPU run with `--kernels=kind` keep the fused kernels' activations? (`planned`'s answer.)"""
+    return planned(kind, model_type)[0] in FUSED
+
+
+def planned(kind: str, model_type: str) -> tuple[str, str]:
+    """(the kernels a GPU run with `--kernels=kind` uses, why): the planner's assumption wherever it runs, by
+    `resolve`'s rule on a GPU. What it cannot see is the GPU node's liger-kernel: this machine's stands in
+    for it under `auto` (the why says so, and how to plan the other way); an explicit liger is planned as
+    given (the run checks it is installed), but not for a model the run refuses it for."""
+    if kind == "liger" and model_type != "qwen2":
+        raise ValueError(f"--kernels=liger needs a Qwen2 model (this one is {model_type}); use --kernels=torch")
+    if kind != "auto":
+        return kind, "as given"
+    used, why = resolve(kind, torch.device("cuda"), model_type)
+    if model_type != "qwen2":                  # the model decides, wherever the run is
+        return used, why
+    if used == "liger":                        # the package decides: this machine's may not be the GPU node's
+        return used, "auto: liger-kernel imports on this machine; a GPU node without it runs torch: " \
+                     "--kernels=torch plans that"
+    return used, f"auto: this machine lacks {_liger()[1]}; a GPU node with it runs liger: --kernels=liger plans that"
 
 
 @functools.cache
@@ -61,8 +78,8 @@ def _liger() -> tuple:
 
 def resolve(kind: str, device: torch.device, model_type: str) -> tuple[str, str]:
     """(the kernels used, why): `auto` becomes liger or torch; liger where it cannot run is an error."""
-    missing = ("a GPU" if device.type != "cuda" else _liger()[1] or
-               (f"a Qwen2 model (this one is {model_type})" if model_type != "qwen2" else ""))
+    missing = ("a GPU" if device.type != "cuda" else      # the model before the package: installing would not help
+               f"a Qwen2 model (this one is {model_type})" if model_type != "qwen2" else _liger()[1])
     if kind == "auto":
         return ("liger", "auto: installed, a GPU, Qwen2") if not missing else ("torch", f"auto: liger needs {missing}")
     if kind == "liger" and missing:

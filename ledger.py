@@ -7,6 +7,7 @@ are offload.py's (and each role's brackets).
 import contextlib
 import os
 import resource
+import threading
 import time
 
 import torch
@@ -43,6 +44,15 @@ def host_bytes_per_rank() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
 
 
+def host_available() -> int:
+    """The node's RAM that is free to take now (MemAvailable: free plus what the kernel can reclaim)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def memory(device: torch.device, external: int = 0) -> dict:
     """Allocated / peak / reserved by PyTorch's allocator for the trainer, and the whole device's
     use from `mem_get_info` (the only figure that sees vLLM's mapped pool). `external`: bytes of
@@ -62,6 +72,22 @@ def memory(device: torch.device, external: int = 0) -> dict:
     return {"allocated_gb": rss, "peak_gb": peak, "reserved_gb": rss, "device_used_gb": rss}
 
 
+PROGRESS_S = 60.0                          # a stage running longer says so this often (rank 0)
+_now: dict = {}                            # the stage running now and when it began (for `_watch`)
+
+
+def _watch():
+    """Rank 0's thread: a stage that runs past PROGRESS_S says so, and again each PROGRESS_S after, so a
+    long step (a large batch, long responses, a slow engine) is never silent."""
+    said = None
+    while True:
+        time.sleep(PROGRESS_S / 4)
+        name, t0, step = _now.get("name"), _now.get("t0", 0.0), _now.get("step")
+        if name and time.perf_counter() - t0 >= PROGRESS_S and said != (name, t0, int((time.perf_counter() - t0) // PROGRESS_S)):
+            said = (name, t0, int((time.perf_counter() - t0) // PROGRESS_S))
+            print(f"[progress] step {step}: {name} has run {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 @contextlib.contextmanager
 def stage(name: str, metrics: dict, device: torch.device, external: int = 0):
     """Time a stage and record memory at its end, with the peak reached inside it (`external`: see memory).
@@ -71,11 +97,15 @@ def stage(name: str, metrics: dict, device: torch.device, external: int = 0):
         torch.cuda.reset_peak_memory_stats(device)
         before = _allocator_counts(device)
     t0 = time.perf_counter()
+    if not _now and int(os.environ.get("RANK", 0)) == 0:
+        threading.Thread(target=_watch, daemon=True, name="stage-progress").start()
+    _now.update(name=name, t0=t0, step=metrics.get("step"))
     with torch.profiler.record_function(f"stage:{name}"):
         yield
         if device.type == "cuda":
             torch.cuda.synchronize(device)   # so the time covers the stage's kernels
     metrics[f"time/{name}"] = time.perf_counter() - t0
+    _now["name"] = None
     if device.type == "cuda":              # near the memory limit a stage slows down here, not in a copy
         for k, v in _allocator_counts(device).items():
             metrics[f"mem/{name}/{k}"] = float(v - before[k])
@@ -138,6 +168,28 @@ def reduce(m: dict, device) -> dict:
         m.update(zip(keys, t))
         m.update({"time_min/" + k[5:]: -v for k, v in zip(times, t[len(keys):])})
     return m
+
+
+# --------------------------------------------------------------------------- what an update measured
+def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
+    """|trainer log-prob - rollout engine log-prob| over valid tokens, mean and max over all ranks."""
+    m = batch["response_mask"]
+    d = (logp.detach() - batch["rollout_log_probs"]).abs() * m
+    s, mx = torch.stack([d.sum(), m.sum()]).double(), d.max().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(s)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+    return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
+
+
+PROBE = 1024                                    # weights per parameter tensor watched for |delta w|
+
+
+def probe(model) -> torch.Tensor:
+    """The first PROBE elements of each local shard, fp32 (a few KB per tensor): how far an update
+    moved the weights, without a copy of the model (actor.update_stats reports the mean |delta|)."""
+    return torch.cat([p.detach().to_local().reshape(-1)[:PROBE].float() if hasattr(p, "to_local")
+                      else p.detach().reshape(-1)[:PROBE].float() for p in model.parameters()])
 
 
 # --------------------------------------------------------------------------- throughput

@@ -253,14 +253,37 @@ def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs
     return per_seq.sum() / ((mask.sum(-1) > 0).sum() if seqs is None else seqs)
 
 
+def optimizer_windows(model, optimizer, layers: int) -> list[list]:
+    """The streamed step's windows (offload.streamed_step): the optimizer's params by decoder layer, `layers`
+    layers at a time, and each param outside the layers in a window of its own: the first of those (the
+    embeddings) before the layers, the rest (the final norm, the LM head, a value head) after them, so the
+    two largest windows are never side by side (the step holds about three neighbours at once)."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    blocks = getattr(getattr(model, "model", None), "layers", [])   # a bare value head has none
+    windows = [[p for b in blocks[i:i + layers] for p in b.parameters() if id(p) in ids]
+               for i in range(0, len(blocks), layers)]
+    inside = {id(p) for w in windows for p in w}
+    rest = [[p] for g in optimizer.param_groups for p in g["params"] if id(p) not in inside]
+    return rest[:1] + [w for w in windows if w] + rest[1:]
+
+
+def window_peak(sizes: list) -> int:
+    """The most of a streamed step's windows (`sizes`, in their order) on the device at once: one coming
+    in, one stepping, one going out."""
+    return max(sum(sizes[max(k - 1, 0):k + 2]) for k in range(len(sizes))) if sizes else 0
+
+
 def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None, metrics: dict,
-                 who: str) -> float:
+                 who: str, windows: list | None = None) -> float:
     """Clip the global grad norm and step; a non-finite norm skips the step (weights kept, the
     gradients dropped by the caller's next zero_grad). `adam`: the optimizer state's stash (a no-op
-    when its flag keeps it on the device). Returns the norm."""
+    when its flag keeps it on the device); `windows`: step it a window at a time from the host
+    (optimizer_stream: offload.streamed_step). Returns the norm."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-    if math.isfinite(norm):
+    if math.isfinite(norm) and windows:
+        metrics.update(offload.streamed_step(optimizer, adam, windows))
+    elif math.isfinite(norm):
         metrics.update(offload.ready(adam))   # Adam state: wait for its side-stream copy (or copy it in now)
         optimizer.step()
     elif not dist.is_initialized() or dist.get_rank() == 0:   # the norm is global: one rank says it

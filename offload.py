@@ -39,10 +39,18 @@ class Stash:
     frozen: bool = False                   # never written after build (a LoRA base): once on the host, the
                                            # host copy stays current, so no bracket copies it out again
     marks: list = field(default_factory=list, repr=False)  # CUDA events: reload issued, use reached, wait done
+    slots: dict = field(default_factory=dict, repr=False)  # an optimizer stash: id(param) -> its state's indices
+    spare: list = field(default_factory=list, repr=False)  # a streamed first step: host views not yet taken
 
     @property
     def nbytes(self) -> int:
         return sum(v.numel() for v in self.views)
+
+    @property
+    def device(self) -> torch.device:
+        if self.views:
+            return self.views[0].device
+        return next(p.device for g in self.source.param_groups for p in g["params"])
 
 
 def _add(stash: Stash, tensors) -> Stash:
@@ -77,26 +85,33 @@ def optimizer_stash(name: str, optimizer: torch.optim.Optimizer, enabled: bool =
     return _fill(Stash(name, enabled, source=optimizer))
 
 
-def _fill(stash: Stash) -> Stash:
-    if stash.source is not None and not stash.views:
-        _add(stash, [_local(v) for st in stash.source.state.values() for v in st.values()
-                     if torch.is_tensor(v) and v.dim() > 0])
+def _fill(stash: Stash, params=None) -> Stash:
+    """An optimizer stash takes in the state of `params` (None: every param, once the state exists), each
+    param's tensors at indices remembered in `slots` (a streamed step moves a window's)."""
+    if stash.source is None or (params is None and stash.views):
+        return stash
+    for p, st in stash.source.state.items():
+        if (params is None or any(p is q for q in params)) and id(p) not in stash.slots:
+            before = len(stash.storages)
+            _add(stash, [_local(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0])
+            stash.slots[id(p)] = list(range(before, len(stash.storages)))
     return stash
 
 
-def host_buffers(stash: Stash) -> list:
-    """One exact-size host allocation for the whole stash, carved into a view per storage and,
-    on CUDA, page-locked once with cudaHostRegister. Not torch.empty(pin_memory=True) per
-    tensor: torch's pinned allocator rounds every buffer up to a power of two, which at Qwen2.5-7B
-    shapes pins 189 GB of host RAM for 99 GB of shards + Adam + ref (+90 %)."""
-    sizes = [v.numel() for v in stash.views]
+def host_buffers(stash: Stash, sizes: list | None = None) -> list:
+    """One exact-size host allocation for the whole stash, carved into a view per storage (or per
+    one of `sizes`, bytes: a streamed first step carves as Adam's state appears) and, on CUDA,
+    page-locked once with cudaHostRegister. Not torch.empty(pin_memory=True) per tensor: torch's
+    pinned allocator rounds every buffer up to a power of two, which at Qwen2.5-7B shapes pins 189 GB
+    of host RAM for 99 GB of shards + Adam + ref (+90 %)."""
+    sizes = sizes or [v.numel() for v in stash.views]
     offsets = [0]
     for n in sizes:
         offsets.append(offsets[-1] + -(-n // 512) * 512)          # each view 512-byte aligned
     # an anonymous mapping: page-aligned pages of its own (no neighbour can have registered them), and
     # the tensor's storage starts where the registration does, which is what is_pinned() looks at
     arena = torch.frombuffer(mmap.mmap(-1, max(offsets[-1], 1)), dtype=torch.uint8)
-    cuda = stash.views[0].device.type == "cuda"
+    cuda = stash.device.type == "cuda"
     if cuda:
         cudart = torch.cuda.cudart()
         register = getattr(cudart, "cudaHostRegister", None)
@@ -105,7 +120,7 @@ def host_buffers(stash: Stash) -> list:
             print(f"[offload] warning: cudaHostRegister of {arena.numel() / GB:.2f} GB failed (cudaError "
                   f"{err}); {stash.name} falls back to torch's pinned allocator (sizes rounded up to 2^k)")
             try:    # the failed call left CUDA's last-error set: let one checked launch read and clear it
-                torch.zeros(1, device=stash.views[0].device).add_(1)
+                torch.zeros(1, device=stash.device).add_(1)
             except RuntimeError:
                 pass
             return [torch.empty(n, dtype=torch.uint8, pin_memory=True) for n in sizes]
@@ -185,6 +200,103 @@ def ready(stash: Stash | None) -> dict:
         _wait(stash, marked=True)
         return {}
     return reload(stash)
+
+
+# --------------------------------------------------------------------------- Adam stepped a window at a time
+_in_stream = _out_stream = None
+
+
+def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
+    """optimizer.step() a window of params at a time with Adam's state on the host before and after
+    (optimizer_stream): a window's state comes in on one side stream while the window before it steps,
+    goes back out on another once its own step is done, and its device bytes are freed behind that copy,
+    so the device holds about three windows' state instead of all of it (8 bytes a trained param). The
+    same fused AdamW on the same tensors, bit-exact with one optimizer.step(). The host copy of a window
+    is overwritten only after that window has stepped. The first step makes the state window by window
+    (AdamW's lazy init) and takes the pinned host room for all of it at once. `windows`: lists of the
+    optimizer's params (model.optimizer_windows)."""
+    global _in_stream, _out_stream
+    t0, cuda = time.perf_counter(), stash.device.type == "cuda"
+    if cuda:
+        _in_stream, _out_stream = _in_stream or torch.cuda.Stream(stash.device), _out_stream or torch.cuda.Stream(stash.device)
+    if not stash.host:                     # the first step: host room for both moments of every param, in order
+        stash.spare = host_buffers(stash, [_local(p).numel() * _local(p).element_size()
+                                           for w in windows for p in w for _ in range(2)])
+    peak, pending = 0, _window_in(stash, windows[0], cuda)
+    for k, w in enumerate(windows):
+        landed = pending
+        pending = _window_in(stash, windows[k + 1], cuda) if k + 1 < len(windows) else None   # next one's copy in
+        if landed is not None:
+            torch.cuda.current_stream(stash.device).wait_event(landed)
+        with _only(optimizer, w):
+            optimizer.step()
+        _fill(stash, w)                    # the first step: the state it just made
+        while len(stash.host) < len(stash.storages):
+            n = stash.views[len(stash.host)].numel()
+            if not stash.spare or stash.spare[0].numel() != n:
+                raise RuntimeError(f"{stash.name}: the optimizer's state does not have its params' sizes (a state "
+                                   f"tensor of {n} bytes); the streamed step knows AdamW's two moments only")
+            stash.host.append(stash.spare.pop(0))
+        peak = max(peak, sum(st.nbytes() for st in stash.storages))
+        _window_out(stash, w, cuda)
+    if cuda:
+        _out_stream.synchronize()          # every window's host bytes are complete
+    stash.on_device, stash.host_current = False, True
+    gb = stash.nbytes / GB
+    return {f"offload/{stash.name}/stream_gb": 2 * gb, f"offload/{stash.name}/stream_s": time.perf_counter() - t0,
+            f"offload/{stash.name}/stream_gbps": 2 * gb * GB / 1e9 / max(time.perf_counter() - t0, 1e-9),
+            f"offload/{stash.name}/stream_window_peak_gb": peak / GB}
+
+
+def _indices(stash: Stash, window: list) -> list:
+    return [i for p in window for i in stash.slots.get(id(p), [])]
+
+
+def _window_in(stash: Stash, window: list, cuda: bool):
+    """A window's state back into its device storages (on the side stream on CUDA: returns its event)."""
+    idx = _indices(stash, window)
+    for i in idx:                          # allocated on the current stream, written on the side one after it
+        stash.storages[i].resize_(stash.host[i].numel())
+    if not cuda:
+        for i in idx:
+            stash.views[i].copy_(stash.host[i])
+        return None
+    _in_stream.wait_stream(torch.cuda.current_stream(stash.device))
+    with torch.cuda.stream(_in_stream):
+        for i in idx:
+            stash.views[i].copy_(stash.host[i], non_blocking=True)
+    return _in_stream.record_event()
+
+
+def _window_out(stash: Stash, window: list, cuda: bool):
+    """A stepped window's state out to its host mirrors, its device storages freed behind the copy (on
+    CUDA the allocator reuses them only once the side stream has read them: record_stream)."""
+    idx = _indices(stash, window)
+    if cuda:
+        _out_stream.wait_stream(torch.cuda.current_stream(stash.device))
+        with torch.cuda.stream(_out_stream):
+            for i in idx:
+                stash.host[i].copy_(stash.views[i], non_blocking=True)
+        for i in idx:
+            stash.views[i].record_stream(_out_stream)
+    else:
+        for i in idx:
+            stash.host[i].copy_(stash.views[i])
+    for i in idx:
+        stash.storages[i].resize_(0)
+
+
+@contextlib.contextmanager
+def _only(optimizer, params: list):
+    """The optimizer's param groups cut to `params` for one step (every group's other settings kept)."""
+    ids, kept = {id(p) for p in params}, [g["params"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["params"] = [p for p in g["params"] if id(p) in ids]
+    try:
+        yield
+    finally:
+        for g, ps in zip(optimizer.param_groups, kept):
+            g["params"] = ps
 
 
 def _wait(stash: Stash, marked: bool):

@@ -74,7 +74,7 @@ class Config:
                                            # <out_dir>/profile/; "": off (no profiler is created)
     offload: str = "manual"                # manual: the flags as given; auto: plan.py picks the offload flags,
                                            # checkpointing and micro-batch sizes that fit this GPU, fastest first
-    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, and its warnings)
+    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, its warnings, python plan.py)
     memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
                                            # then shows who allocated what, not only the blocks
     save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one

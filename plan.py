@@ -14,18 +14,20 @@ builds no model, and it names no role's flag: the roles declare them (SEARCH, NE
 """
 import dataclasses
 import itertools
+import math
 import sys
 from dataclasses import dataclass, replace
 
 import actor
 import critic
+import kernels
 import ledger
 import ref
 import reward_model
 import rollout
 import rollout_engine
 import ulysses
-from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, predict, shapes, table
+from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, model_config, predict, shapes, table
 
 
 # --------------------------------------------------------------------------- choosing flags
@@ -42,9 +44,12 @@ def search(cfg) -> dict:
 
 
 def _needless(cfg, flags: dict) -> bool:
-    """A flag on whose partner (its role's NEEDS) is off: it would change nothing."""
+    """A flag on whose partner (its role's NEEDS) is off, or on beside one that supersedes it (SUPERSEDES):
+    it would change nothing."""
     needs = {f"{n}.{k}": f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "NEEDS", {}).items()}
-    return any(flags[k] and not flags[need] for k, need in needs.items())
+    over = {f"{n}.{k}": f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "SUPERSEDES", {}).items()}
+    return any(flags[k] and not flags[need] for k, need in needs.items()) or \
+        any(flags.get(k) and flags.get(v) for k, v in over.items())
 
 
 def with_options(cfg, changes: dict):
@@ -258,8 +263,8 @@ def async_suggestion(cfg, t: Target, colocated: Plan | None) -> str | None:
 
 # --------------------------------------------------------------------------- reporting
 def report(cfg, t: Target) -> str:
-    """The table for `cfg`, then the fastest configuration that fits (or what would), and whether
-    async rollout would be faster (`async_suggestion`)."""
+    """The assumptions (`assumed`), the table for `cfg`, then the fastest configuration that fits (or what
+    would), and whether async rollout would be faster (`async_suggestion`)."""
     plan = predict(cfg, t.world, t.prompt_len, t.engine)
     ro = cfg.rollout
     gpus = f"{t.world} trainer + {ro.gpus} rollout" if ro.mode == "async" and ro.gpus else f"{t.world}"
@@ -267,28 +272,64 @@ def report(cfg, t: Target) -> str:
         else f"{t.engine} rollout"
     out = [f"[plan] {cfg.model or 'tiny'} on {gpus} x {t.gpu_bytes / GB:.0f} GB, {mode}, "
            f"prompt {t.prompt_len} + response {ro.response_length} tokens"
-           + (f", {t.host_bytes / GB:.0f} GB of host RAM per rank:" if t.host_bytes else ":"), table(plan, t.gpu_bytes)]
+           + (f", {t.host_bytes / GB:.0f} GB of host RAM per rank:" if t.host_bytes else ":"), assumed(cfg, t.engine),
+           table(plan, t.gpu_bytes)]
     try:
         best, best_plan = choose(cfg, t)
     except ValueError as e:                    # async: the engine's GPU does not fit
         return "\n".join(out + [f"[plan] {e}"])
-    budget = t.room(plan.beside)               # the same for every candidate: it follows the rollout mode
     if best is None:
-        fits = what_would_fit(cfg, t)
-        room = (f"under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin)" if budget > 0 else
-                f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
-                f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'a sleeping vLLM'}) "
-                f"leave it no room")
-        out.append(f"[plan] nothing fits {room} with any combination of offload flags, checkpointing, micro-batch and "
-                   f"sequence-parallel sizes; what would: " + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)"))
+        out += _nothing_fits(cfg, t, plan)
     else:
         flags = changes(cfg, best)
-        out.append(f"[plan] fastest that fits under {budget / GB:.1f} GB ({t.margin:.0%} margin): "
+        out.append(f"[plan] fastest that fits under {t.room(plan.beside) / GB:.1f} GB ({t.margin:.0%} margin): "
                    + (" ".join(flags) if flags else "the configuration as given")
                    + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
                    f"step ~{best_plan.seconds:.1f} s)")
     suggestion = async_suggestion(cfg, t, best_plan)
     return "\n".join(out + ([suggestion] if suggestion else []))
+
+
+def assumed(cfg, engine: str) -> str:
+    """The report's line of what the plan takes for the run's own choices, each with why and how to plan the
+    other: the rollout engine (`auto`: vLLM, a GPU node's) and the kernels (kernels.planned: the run's rule).
+    A ValueError where the run would refuse the options (FP8 on HF generate, liger for a model not Qwen2)."""
+    rollout.check_fp8(cfg.rollout, engine)
+    used, why = kernels.planned(cfg.kernels, model_config(cfg.model).model_type)
+    how = "as given" if cfg.rollout.engine != "auto" else "auto: a GPU node with vLLM; --rollout.engine=hf plans HF generate"
+    return f"[plan] assumed: {engine} rollout ({how}); {used} kernels ({why})"
+
+
+def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
+    """The report's lines when nothing keeps the margin: what would (`what_would_fit`), and, when a smaller
+    margin is what fits (`margin_fit`), that margin with the fastest configuration under it."""
+    budget, ro = t.room(plan.beside), cfg.rollout
+    fits, under = what_would_fit(cfg, t), margin_fit(cfg, t)
+    if under:
+        m, p = under[0], under[2]
+        fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the {t.gpu_bytes / GB:.0f} "
+                f"GB GPU; the {t.margin:.0%} margin keeps {t.margin * t.gpu_bytes / GB:.1f} GB free)"] + fits
+    room = (f"under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin)" if budget > 0 else
+            f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
+            f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'a sleeping vLLM'}) "
+            f"leave it no room")
+    out = [f"[plan] nothing fits {room} with any combination of offload flags, checkpointing, micro-batch and "
+           f"sequence-parallel sizes; what would: " + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)")]
+    if under:
+        m, best, p = under
+        out.append(f"[plan] with --plan_margin={m:.2f}: {' '.join(changes(cfg, best)) or 'the configuration as given'} "
+                   f"(peak {p.peak / GB:.1f} GB allocated, {p.device_peak / GB:.1f} GB device-level, step ~{p.seconds:.1f} "
+                   f"s; near the top the allocator may have to free its cache and retry)")
+    return out
+
+
+def margin_fit(cfg, t: Target):
+    """When nothing keeps `t.margin` free: (the largest margin in hundredths that some configuration keeps, the
+    fastest configuration there, its Plan), or None when nothing fits the GPU with any margin."""
+    for m in (x / 100 for x in range(math.ceil(t.margin * 100 - 1e-6) - 1, -1, -1)):
+        if fits_at_all(cfg, replace(t, margin=m)):
+            return (m,) + choose(cfg, replace(t, margin=m))
+    return None
 
 
 def templates() -> str:
@@ -319,16 +360,14 @@ def templates() -> str:
 class PlanConfig:                          # plan.py's own options (everything else is a train_grpo.py option)
     nproc: int = 1                         # GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)
     gpu_gb: float = 80.0                   # memory of one GPU, GB
-    margin: float = 0.1                    # share of each GPU kept free at the device level
     prompt_len: int = 0                    # the longest prompt in tokens (0: read from --data, or the copy task's)
-    engine: str = "vllm"                   # the rollout engine
     host_gb: float = 0.0                   # host RAM per node, GB (0: pinned memory not checked)
     nproc_per_node: int = 0                # ranks per node (0: min(nproc, 8))
 
 
-RANGES = {"nproc": ">= 1", "gpu_gb": "> 0", "margin": "[0, 1)", "prompt_len": ">= 0", "host_gb": ">= 0",
-          "nproc_per_node": ">= 0"}
-CHOICES = {"engine": ("vllm", "hf")}
+RANGES = {"nproc": ">= 1", "gpu_gb": "> 0", "prompt_len": ">= 0", "host_gb": ">= 0", "nproc_per_node": ">= 0"}
+CHOICES = {}                               # the margin (--plan_margin), the engine (--rollout.engine) and the
+                                           # kernels (--kernels) are the run's options: the plan reads them
 
 
 def _own(argv: list) -> tuple:
@@ -351,6 +390,7 @@ def usage() -> str:
     return "\n".join(["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
                       "  --templates  the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
                       "  --plot=RUN   RUN/memory.png from its metrics.jsonl",
+                      "  the margin, the engine and the kernels are the run's own: --plan_margin, --rollout.engine, --kernels",
                       options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3]
                       .replace("[run]", "plan.py's own options:")])
 
@@ -375,12 +415,14 @@ def main(argv=None):
         rollout_engine.check(cfg.rollout, own.nproc, cfg.train_batch_size)
         world = rollout_engine.trainer_world(cfg.rollout, own.nproc)   # async: less the engine ranks
         options.check_sizes(cfg, world)
+        engine = "hf" if cfg.rollout.engine == "hf" else "vllm"   # auto: a GPU node with vLLM (`assumed` says so)
+        assumed(cfg, engine)                   # what the run would refuse (FP8 on HF, liger off Qwen2): refused here
         prompt_len = own.prompt_len or _prompt_len(cfg)
     except (ValueError, OSError) as e:     # FileNotFoundError included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     per_node = own.nproc_per_node or min(own.nproc, 8)
-    print(report(cfg, Target(world, prompt_len, int(own.gpu_gb * GB), own.margin, own.engine,
+    print(report(cfg, Target(world, prompt_len, int(own.gpu_gb * GB), cfg.plan_margin, engine,
                              int(own.host_gb * GB / per_node))))
 
 
@@ -428,22 +470,43 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     return best
 
 
-def relax(cfg, world: int, prompt_len: int, engine: str, device, rank: int):
+def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: int = 0):
     """Without --offload=auto: a role's lever that costs time and is on by default (its LIFTED: the actor's
-    gradient checkpointing, ~1/4 more update compute) is turned off when the run still keeps plan_margin
-    free without it by the plan, unless the command line set it; said in one line. A new config."""
-    if device.type != "cuda" or cfg.offload == "auto":
+    gradient checkpointing, ~1/4 more update compute) is turned off when the run still fits a GPU of
+    `gpu_bytes` without it, keeping plan_margin free by the plan (`Target.fits`), unless the command line set
+    it; said in one line. `gpu_bytes` 0: no GPU (a CPU run), nothing to plan. A new config."""
+    if not gpu_bytes or cfg.offload == "auto":
         return cfg
     given = getattr(cfg, "_given", ())       # the options the command line set (options.parse_args)
     off = {f"actor.{k}": False for k in actor.LIFTED if getattr(cfg.actor, k) and f"actor.{k}" not in given}
-    gpu = ledger.gpu_capacity(device)
-    if not off or predict(with_options(cfg, off), world, prompt_len, engine).device_peak > gpu * (1 - cfg.plan_margin):
+    t = Target(world, prompt_len, gpu_bytes, cfg.plan_margin, engine)
+    if not off or not t.fits(predict(with_options(cfg, off), world, prompt_len, engine)):
         return cfg
     if rank == 0:
-        print(f"[plan] {', '.join(k + '=false' for k in off)}: the run keeps {cfg.plan_margin:.0%} of the {gpu / GB:.0f} GB "
-              f"GPU free without it by the plan, and is faster (pass {' '.join('--' + k + '=true' for k in off)} to keep it)",
-              flush=True)
+        print(f"[plan] {', '.join(k + '=false' for k in off)}: the run keeps {cfg.plan_margin:.0%} of the "
+              f"{gpu_bytes / GB:.0f} GB GPU free without it by the plan, and is faster (pass "
+              f"{' '.join('--' + k + '=true' for k in off)} to keep it)", flush=True)
     return with_options(cfg, off)
+
+
+def host_fits(cfg, p: Plan, device, available: int, local: int):
+    """Raise one line, before any model is built, when this node's RAM cannot hold what the run puts there:
+    each of its `local` ranks reads the model in fp32 (each role's model in turn: the largest, once) and keeps
+    its pinned mirrors (p.pinned_host); on the CPU the stages' memory is the host's too (the plan's peak).
+    `available`: the node's free RAM now (ledger.host_available)."""
+    models = [cfg.model] + ([cfg.reward_model.path] if cfg.reward_model.path else [])
+    load = max(4 * shapes(m).params for m in models)
+    stages = p.peak if device.type == "cpu" else 0
+    need = local * (load + p.pinned_host + stages)
+    if need <= available:
+        return
+    parts = " + ".join(f"{what} {b / GB:.1f} GB" for what, b in (("the model read in fp32", load), (
+        "pinned offload mirrors", p.pinned_host), ("the step's largest stage (on the CPU, host memory)", stages))
+        if b >= GB // 20)
+    raise ValueError(f"this node has {available / GB:.1f} GB of RAM free but the run needs ~{need / GB:.1f} GB there "
+                     f"({local} rank(s) x ({parts})): run on a node with more RAM or fewer ranks per node"
+                     + (", or make the step smaller (train_batch_size, rollout.n, rollout.response_length)"
+                        if stages else "") + (", or turn offload flags off" if p.pinned_host else ""))
 
 
 def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:

@@ -2,7 +2,6 @@
 
     torchrun --nproc_per_node=2 train_grpo.py --ref.param_offload=true
     python -m pytest test_memory.py -k ref          # on a GPU: ref offload frees its shard bytes
-    python copy_set.py ref                           # the files to copy into a script of yours (README: "Copying one role")
 
 What it holds on the GPU: its shards in the compute dtype (bf16: params x 2 / world bytes), no
 grads, no optimizer; a layer's gathered weights and one micro-batch's activations in its forward.

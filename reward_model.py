@@ -6,7 +6,6 @@ the rule reward, micro-batched, in the compute dtype, FSDP2-sharded, with its ow
         --reward_model.path=/models/my-reward-model --reward_model.param_offload=true
     python -m pytest tests/test_reward_model.py -q               # CPU: parity, micro-batches, 2 ranks, tokenizers
     python -m pytest test_memory.py -q -k reward_model     # GPU: its offload frees its bytes
-    python copy_set.py reward_model                  # the files to copy into a script of yours (README: "Copying one role")
 
 What it reads: each sample's prompt and response as the reward model's own tokenizer writes them.
 When its tokenizer gives every policy token the same id and its chat template is the policy's,

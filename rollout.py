@@ -3,7 +3,6 @@
     python train_grpo.py --rollout.engine=hf                      # HF generate on the FSDP actor
     torchrun --nproc_per_node=8 train_grpo.py --rollout.engine=vllm --model=/models/Qwen2.5-1.5B
     python -m pytest tests/test_vllm.py -q                              # GPU + vLLM: parity, sleep, memory
-    python copy_set.py rollout                       # the files to copy into a script of yours (README: "Copying one role")
 
 HF engine: gathers the actor's FSDP2 shards once for the whole generate call (one all-gather per
 layer, not one per decoded token), samples, and frees the gathered weights again. A LoRA actor
@@ -124,9 +123,20 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
     if cfg.engine == "vllm" and not (has_vllm and device.type == "cuda"):
         raise ValueError("--rollout.engine=vllm needs a CUDA GPU and vLLM installed "
                          "(docs/rollout.md: vLLM on a GPU node); use --rollout.engine=hf")
-    if cfg.engine == "auto":
-        return "vllm" if has_vllm and device.type == "cuda" else "hf"
-    return cfg.engine
+    kind = ("vllm" if has_vllm and device.type == "cuda" else "hf") if cfg.engine == "auto" else cfg.engine
+    check_fp8(cfg, kind)
+    return kind
+
+
+def check_fp8(cfg: RolloutConfig, kind: str):
+    """FP8 is vLLM's: HF generate keeps its weights and its KV cache in the weights' dtype, so there the
+    flags would change nothing but turn the rollout correction on (actor.rollout_is auto): refused, for
+    the run (`resolve_engine`) and the planner alike."""
+    asked = [f"--rollout.{k}=fp8" for k in ("kv_cache_dtype", "quantization") if getattr(cfg, k) == "fp8"]
+    if asked and kind == "hf":
+        how = "--rollout.engine=hf" if cfg.engine == "hf" else "--rollout.engine=auto found no vLLM or no CUDA GPU"
+        raise ValueError(f"{' '.join(asked)} needs the vLLM engine, and this run generates with HF generate ({how}), "
+                         f"which would ignore it; use --rollout.engine=vllm on a GPU with vLLM, or drop the flag")
 
 
 @dataclass(frozen=True)

@@ -146,11 +146,16 @@ def spawn(address, authkey: bytes, index: int, device: torch.device):
     if device.type == "cuda":
         visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index or 0]
+    # ignored signals stay ignored across exec: the engine ignores Ctrl-C and SIGTERM from its first
+    # instruction (a Ctrl-C during its imports, before `_deaf`, would print a KeyboardInterrupt traceback)
+    handlers = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        p = multiprocessing.get_context("spawn").Process(target=serve, args=(address, authkey, index),
+        p = multiprocessing.get_context("spawn").Process(target=serve, args=(address, authkey, index, os.getpid()),
                                                          name=f"rollout-engine-{index}", daemon=False)
         p.start()
     finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
         os.environ.update(launcher)
         if env is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -174,6 +179,19 @@ def engine_rank(cfg: RolloutConfig) -> int:
     return 0
 
 
+def _die_with_parent(parent: int):
+    """Linux: the kernel ends this process when the one that started it (`parent`) ends (a trainer stopped
+    by a Ctrl-C in its set-up, or killed), rather than let it build an engine nobody will use and hold its
+    GPU."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):      # not Linux: the closed connection ends it, later
+        return
+    if os.getppid() != parent:             # it was gone before the line above (during this process's imports)
+        os._exit(0)
+
+
 def _deaf():
     """Ctrl-C and SIGTERM are the trainer's to handle: the terminal sends Ctrl-C to the whole process group
     (with plain python the engine process is in it), torchrun forwards both to each worker's group (the
@@ -183,10 +201,12 @@ def _deaf():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def serve(address, authkey: bytes, index: int):
+def serve(address, authkey: bytes, index: int, parent: int):
     """An engine process: connect to trainer rank 0, build the engine, then in order: receive
-    weights, take orders, generate each order once its weights are new enough, send the samples."""
+    weights, take orders, generate each order once its weights are new enough, send the samples.
+    `parent`: the process that started it (it ends with it)."""
     _deaf()
+    _die_with_parent(parent)
     conn = Client(address, authkey=authkey)
     conn.send(("hello", index, os.getpid()))
     try:

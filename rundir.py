@@ -11,8 +11,8 @@ lines, and how a run stops on a preemption or Ctrl-C.
   left no checkpoint, is refused with a line that says what to pass instead. Nothing of an earlier
   run is overwritten except by resuming it, and nothing that no run wrote (a foreign
   run_config.json). A run's own checkpoint resumes in place.
-- One run per out_dir (`lock_out_dir`): global rank 0 holds an flock on out_dir/.run.lock for the
-  run's life; a second run stops at once naming the holder (pid, host, since when).
+- One run per out_dir (runlock.py, `claimed`): global rank 0 holds an flock on out_dir/.run.lock for
+  the run's life; a second run stops at once naming the holder (pid, host, since when).
 - Disk (`disk_report`): what the run writes (checkpoints x keep + final, from the shapes) against
   what is free, said at start; a run that cannot fit is refused. With --save_freq=0 final/'s room
   is set aside for the run's length (`reserve_final`). metrics.jsonl holds whole lines only
@@ -21,142 +21,32 @@ lines, and how a run stops on a preemption or Ctrl-C.
   line; a second Ctrl-C stops at once.
 """
 import contextlib
-import datetime
-import fcntl
 import errno
 import json
 import os
 import shlex
 import signal
-import socket
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-import actor
 import checkpoint
+import ledger
+from runlock import check_writable
+from runlock import LOCK, claimed, lock_out_dir  # noqa: F401 - one run per out_dir, runlock.py's, named here as before
 
 GB = 2**30
-LOCK = ".run.lock"
-_held: dict = {}                               # realpath of a locked out_dir -> its open lock file
-_made: dict = {}                               # realpath of a locked out_dir -> what this process made there
-
-
-# --------------------------------------------------------------------------- one run per out_dir
-def lock_out_dir(out: str, rank: int):
-    """Make `out` this run's: an exclusive flock on out/.run.lock, held until the process ends (the
-    kernel drops it when the process dies, kill -9 included, so a killed run never leaves a stale
-    lock and torchrun's restarted workers take it again). Taken before anything else is written.
-    One run is one lock holder: only the global rank 0 (RANK) locks; every other rank, on this node
-    or another that shares the folder, does not, so the nodes of one run never lock each other out.
-    On NFS, Linux implements flock with byte-range locks that every client sees; a filesystem
-    without locks (e.g. Lustre mounted without -o flock) gets a warning and no lock.
-    Raises ValueError naming the holder (pid, host, since when) when another run holds it. Returns
-    whether this call took the lock (not: another rank, an earlier call of this process, no locks)."""
-    if rank != 0 or os.path.realpath(out) in _held:
-        return False
-    folder = [] if os.path.exists(out) else [out]   # what this run makes, a refused run takes away (`release_refused`)
-    _check_writable(out)
-    path = os.path.join(out, LOCK)
-    while True:
-        new = not os.path.exists(path)
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                print(f"[lock] warning: {path} cannot be locked on this filesystem ({e.strerror}): nothing "
-                      f"stops a second run from using --out_dir={shlex.quote(out)} at the same time", flush=True)
-                f.close()
-                return False
-            raise ValueError(f"--out_dir={shlex.quote(out)} is in use by another run ({_holder(f)}; lock {path}): "
-                             f"wait for it to end or stop it, or pass another --out_dir") from None
-        if _same_file(f, path):
-            break
-        f.close()                          # a refused run removed the file we opened (`release_refused`): again
-    f.seek(0)
-    f.truncate()
-    f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                        "since": datetime.datetime.now().isoformat(timespec="seconds")}) + "\n")
-    f.flush()
-    _held[os.path.realpath(out)] = f            # kept open (never closed): the lock lives as long as the process
-    _made[os.path.realpath(out)] = ([path] if new else []) + folder
-    return True
-
-
-def _holder(f) -> str:
-    """Who holds the lock file `f` (open, not locked by us), from what it wrote; closes f."""
-    f.seek(0)
-    holder = f.read().strip()
-    f.close()
-    try:
-        h = json.loads(holder)
-        return f"pid {h['pid']} on host {h['host']} since {h['since']}"
-    except (ValueError, KeyError, TypeError):   # the holder is between its lock and its write
-        return "a process that is just starting"
-
-
-def _same_file(f, path: str) -> bool:
-    """The open lock file is still the one at `path` (a lock on a removed file would lock nothing)."""
-    try:
-        return os.path.samestat(os.fstat(f.fileno()), os.stat(path))
-    except FileNotFoundError:
-        return False
-
-
-@contextlib.contextmanager
-def claimed(out: str, rank: int):
-    """`lock_out_dir` for the pre-flight's length: the lock stays for the run, unless the block raises
-    (the out_dir refused, bad input, Ctrl-C), which leaves the folder as it was found. A lock this
-    process took before (an earlier run in it) is not this block's to release."""
-    took = lock_out_dir(out, rank)
-    try:
-        yield
-    except BaseException:
-        if took:
-            release_refused(out)
-        raise
-
-
-def release_refused(out: str):
-    """A refused run leaves `out` as it was found: the lock file goes if this run made it (removed
-    while still locked, so no other run can take the file in between: one that opened it finds it
-    gone, `_same_file`), and so does the folder if this run made it and it is empty; a lock file
-    that was there before (an earlier run's) stays."""
-    real = os.path.realpath(out)
-    f = _held.pop(real, None)
-    if f is None:                          # not rank 0, or no lock on this filesystem
-        return
-    for path in _made.pop(real, []):       # the lock file, then the folder
-        with contextlib.suppress(OSError):   # a folder something else wrote into stays
-            os.rmdir(path) if path == out else os.remove(path)
-    f.close()
 
 
 # --------------------------------------------------------------------------- the out_dir policy
-def _check_writable(out: str):
-    """out_dir exists (made here) and a file can be created in it, before anything else runs."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"--out_dir={shlex.quote(out)} is a file; pass a directory")
-    try:
-        os.makedirs(out, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        raise ValueError(f"--out_dir={shlex.quote(out)} is not a writable directory ({e.strerror}); "
-                         f"pass another") from None
-
-
 def plan(cfg, data_fingerprint: str) -> str | None:
     """Where this run starts, decided before the process group and the models: the checkpoint to
     resume from, or None for a fresh start. Raises (one line, what to pass instead) for an
     out_dir that would have to be overwritten."""
     out = cfg.out_dir
     q = shlex.quote(out)                   # in the advice: pasteable whatever the path holds
-    _check_writable(out)
+    check_writable(out)
     final = os.path.join(out, "final")
     if os.path.exists(final) and not os.path.isdir(final):
         raise ValueError(f"{final} is a file; the policy is saved there at the end: move it")
@@ -174,8 +64,7 @@ def plan(cfg, data_fingerprint: str) -> str | None:
     if cfg.resume == "auto":
         path = latest
         if path is None and earlier:
-            raise ValueError(f"--out_dir={q} holds an earlier run ({', '.join(earlier)}) but no checkpoint "
-                             f"to resume from: pass another --out_dir, or remove {q}")
+            raise ValueError(_without_checkpoint(out, earlier))
         if path is None:
             return None
     else:
@@ -194,6 +83,23 @@ def plan(cfg, data_fingerprint: str) -> str | None:
                              f"{cfg.resume} into an empty --out_dir")
     _check_resumable(cfg, path, latest, data_fingerprint)
     return path
+
+
+def _without_checkpoint(out: str, earlier: list) -> str:
+    """What an out_dir holding a run but no checkpoint is, and what to pass: with --save_freq=0 final/ holds
+    the weights (its run_config.json the steps it trained: a finished run, or one stopped early)."""
+    q = shlex.quote(out)                   # in the advice: pasteable whatever the path holds
+    try:
+        with open(os.path.join(out, "final", "run_config.json")) as f:
+            meta = json.load(f)
+        done, steps = int(meta["steps_done"]), int(meta["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (f"--out_dir={q} holds an earlier run ({', '.join(earlier)}) but no checkpoint to resume from: "
+                f"pass another --out_dir, or remove {q}")
+    what = f"a finished run ({done} steps" if done >= steps else f"a run stopped after {done} of {steps} steps ("
+    return (f"--out_dir={q} holds {what}{', ' if done >= steps else ''}the policy in {out}/final; it kept no checkpoint, "
+            f"--save_freq=0): to train it further start from it, --model={shlex.quote(os.path.join(out, 'final'))} "
+            f"with another --out_dir; to start anew pass another --out_dir, or remove {q}")
 
 
 # what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
@@ -329,7 +235,12 @@ def _remove(path: str):
 
 def _failed(e: OSError, what: str, path: str, need: int, out: str) -> OSError:
     """A failed write's one line: on a full disk the path, the bytes needed and free, and what the
-    same command then does (checkpoint.after_failure); otherwise the path and the reason."""
+    same command then does (checkpoint.after_failure); otherwise the path and the reason. A write
+    `on_rank0` defers says neither: the run keeps its weights first, then says where (train_grpo.run)."""
+    if _deferring:
+        free = checkpoint.size(checkpoint.free_bytes(out)) if checkpoint.no_space(e) else ""
+        return OSError(f"{what} {path} failed: " + (f"no space left on device (it needs ~{checkpoint.size(need)}, "
+                                                    f"{free} free)" if free else f"{e.strerror or e}"))
     if checkpoint.no_space(e):
         return checkpoint.space_error(what, path, need, checkpoint.after_failure(out))
     return OSError(f"{what} {path} failed ({e.strerror or e}); " + checkpoint.after_failure(out, "fix that"))
@@ -392,12 +303,14 @@ def write_step(path: str, log, m: dict, step: int):
     try:
         log.log(m, step)
     except Exception as e:                 # noqa: BLE001 - a logger's own errors (tensorboard's thread) are any kind
+        out = os.path.dirname(path)
         if not checkpoint.no_space(e):
             fix = f"fix {log.path} (or add --logger=none: metrics.jsonl holds every step)"
-            raise OSError(f"the logger's copy of step {step} to {log.path} failed ({type(e).__name__}: {e}); "
-                          + checkpoint.after_failure(os.path.dirname(path), fix)) from None
-        raise checkpoint.space_error(f"the logger's copy of step {step} to", log.path, len(line),
-                                     checkpoint.after_failure(os.path.dirname(path))) from None
+            raise OSError(f"the logger's copy of step {step} to {log.path} failed ({type(e).__name__}: {e}); " +
+                          (fix if _deferring else checkpoint.after_failure(out, fix))) from None
+        err = checkpoint.space_error(f"the logger's copy of step {step} to", log.path, len(line),
+                                     "" if _deferring else checkpoint.after_failure(out))
+        raise OSError(str(err).rstrip("; ")) from None
 
 
 def write_val_samples(out_dir: str, samples: list, step: int):
@@ -419,7 +332,7 @@ def summary(metrics_path: str) -> list[str]:
     equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
     failed = sum(r["reward/errors"] for r in rows)
     out = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-           f"{actor.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+           f"{ledger.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
            f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
     val = [r for r in lines if "val/reward_mean" in r]
     if val:
@@ -432,8 +345,45 @@ def summary(metrics_path: str) -> list[str]:
     return out
 
 
-# --------------------------------------------------------------------------- preemption, Ctrl-C
+def keep(cfg, n: int, saved: int, updating: bool, *, checkpoint_at, final_at) -> str:
+    """After a stop or an error, the weights of the `n` steps trained so far kept, and where (the run's last
+    line says it): a checkpoint of step n (`checkpoint_at(n)`; not when an update was cut short: `updating`),
+    else, or when that write fails, final/ (`final_at(n)`; with --save_freq=0 the only copy, its room set
+    aside at the start: reserve_final). `saved`: the step of the newest checkpoint (-1: none)."""
+    if n == saved or n == 0:
+        return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes " \
+               f"there)" if n else "nothing was trained yet"
+    why = f" (the update of step {n + 1} was cut short)" if updating else ""
+    if cfg.save_freq and not updating:
+        try:
+            checkpoint_at(n)
+            return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes there)"
+        except OSError as e:
+            why = " (no room for their checkpoint)" if checkpoint.no_space(e) else f" (no checkpoint: {e})"
+    resumes = f"; the checkpoint of step {saved} resumes" if saved > 0 else \
+        (f"; --save_freq=0 keeps no checkpoint: train further with --model={cfg.out_dir}/final in another --out_dir"
+         if not cfg.save_freq else "")
+    if not cfg.save:
+        return f"the weights after step {n} are not kept{why}{' (--save=false)' if not why else ''}{resumes}"
+    try:
+        final_at(n)
+        return f"the weights after step {n} are in {cfg.out_dir}/final{why}{resumes}"
+    except OSError as e:
+        return f"the weights after step {n} are lost: writing final/ failed too ({e}){resumes}"
+
+
+def finished_line(cfg, steps: int) -> str:
+    """A finished run's last line: that it finished, and where its weights are."""
+    where = [f"the policy in {cfg.out_dir}/final" if cfg.save else "",
+             f"its checkpoint in {checkpoint.newest(cfg.out_dir)}" if cfg.save_freq else ""]
+    return f"[done] finished: {steps} steps; " + (", ".join(w for w in where if w) or "nothing saved (--save=false)")
+
+
+# --------------------------------------------------------------------------- preemption, Ctrl-C, a failed write
 _signals: list = []
+_failure: list = []                        # rank 0's failed write (an OSError), said once the weights are kept
+_deferring = False                         # inside on_rank0: a failed write's line leaves out what comes next
+_run: dict = {}                            # what the signal handlers say: --save_freq and out_dir (stop_on_sigterm)
 NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT (Ctrl-C)"}
 
 
@@ -446,11 +396,16 @@ def _on_stop(signum, frame):
     checkpoint, no traceback: os._exit skips the unwinding that would print one per rank)."""
     if signum == signal.SIGINT and signal.SIGINT in _signals:
         if _rank0():
-            print("[interrupt] second Ctrl-C: stopped at once, without a checkpoint; the same command resumes "
-                  "from the last one", file=sys.stderr, flush=True)
+            last = checkpoint.newest(_run["out_dir"]) if _run else None
+            print("[interrupt] second Ctrl-C: stopped at once; " + (
+                f"the same command resumes from {last}" if last else "no checkpoint was written: the steps "
+                "trained are lost"), file=sys.stderr, flush=True)
         os._exit(130)
-    if signum == signal.SIGINT and signal.SIGINT not in _signals and _rank0():
-        print("[interrupt] Ctrl-C: finishing this step, then a checkpoint (Ctrl-C again stops at once)", flush=True)
+    if signum not in _signals and _rank0():
+        then = "a checkpoint" if _run.get("save_freq") else "the weights to final/ (--save_freq=0)" \
+            if _run.get("save") else "the end (--save_freq=0 --save=false: nothing is saved)"
+        print(f"[{'interrupt] Ctrl-C' if signum == signal.SIGINT else 'preempt] SIGTERM'}: finishing this step, "
+              f"then {then}" + (" (Ctrl-C again stops at once)" if signum == signal.SIGINT else ""), flush=True)
     _signals.append(signum)
 
 
@@ -464,27 +419,52 @@ def exit_on_sigint():
     signal.signal(signal.SIGINT, stop)
 
 
-def stop_on_sigterm():
+def stop_on_sigterm(cfg):
     """SIGTERM (a preemption; torchrun forwards it to every rank and waits 30 s before SIGKILL) and
     SIGINT (Ctrl-C; torchrun forwards that too, so each worker handles it): the current step
-    finishes, a checkpoint is written, the run exits; a second SIGINT stops at once."""
+    finishes, the weights are kept (a checkpoint, or final/ with --save_freq=0), the run exits; a
+    second SIGINT stops at once."""
+    _run.update(save_freq=cfg.save_freq, save=cfg.save, out_dir=cfg.out_dir)
+    _signals.clear()                       # an earlier run's in this process (a notebook, the tests)
+    _failure.clear()
     signal.signal(signal.SIGTERM, _on_stop)
     signal.signal(signal.SIGINT, _on_stop)
 
 
-def stop_line(cfg) -> tuple[str, int]:
-    """The stopped run's one line (how to resume) and its exit code: 130 for Ctrl-C, 143 for SIGTERM
-    (the signal this rank got; a rank that got none was stopped by another's: SIGTERM)."""
+def on_rank0(write, *args):
+    """A write rank 0 alone makes (a metrics line, the logger's copy, held-out samples): a failure (a full
+    disk) does not end rank 0 at once, which would strand the others in a collective and lose the weights:
+    every rank stops after this step (stop_requested), the weights are kept, then it is said (`failure`)."""
+    global _deferring
+    _deferring = True
+    try:
+        write(*args)
+    except OSError as e:
+        _failure.append(e)
+    finally:
+        _deferring = False
+
+
+def stop_line(cfg, steps: int, where: str) -> tuple[str, int]:
+    """The stopped run's last line (after which step, where the weights are) and its exit code: 130 for
+    Ctrl-C, 143 for SIGTERM (the signal this rank got; a rank that got none was stopped by another's)."""
     sig = _signals[0] if _signals else signal.SIGTERM
-    line = f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped " + (
-        f"after a checkpoint in {cfg.out_dir}/checkpoints; the same command resumes there" if cfg.save_freq
-        else "without a checkpoint (--save_freq=0)")
-    return line, 130 if sig == signal.SIGINT else 143
+    return f"[preempt] {NAMES.get(sig, 'SIGTERM')}: stopped after step {steps}; {where}", \
+        130 if sig == signal.SIGINT else 143
 
 
 def stop_requested(device) -> bool:
-    """Did any rank get SIGTERM or SIGINT? One all-reduce per step, so every rank stops after the same step."""
-    flag = torch.tensor([float(bool(_signals))], device=device)
+    """Did any rank get SIGTERM or SIGINT, or fail a write (`on_rank0`)? One all-reduce per step, so every
+    rank stops after the same step."""
+    flag = torch.tensor([float(bool(_signals or _failure))], device=device)
     if dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+def failure(device) -> str | None:
+    """Rank 0's failed write, as one line on every rank (None: none). Collective."""
+    said = [str(_failure[0]) if _failure else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(said, src=0)
+    return said[0]

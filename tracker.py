@@ -35,6 +35,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 
 KINDS = ("auto", "tensorboard", "wandb", "none")
 
@@ -211,6 +212,22 @@ def profiled(out_dir: str, steps: set, step: int, rank: int, device):
     prof.export_chrome_trace(path)
     if rank == 0:
         print(f"[profile] step {step}: {path} (one file per rank)", flush=True)
+
+
+# --------------------------------------------------------------------------- the progress line
+def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
+    """The step's one line; `first`: the step this process started at (a resume), for the eta."""
+    done = (step + 1) / steps
+    eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
+    bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
+    head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
+    keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
+            "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
+            "rollout/logp_diff_max", "critic/vf_loss"]
+    keys += [k for k in m if k.startswith("time/") and k != "time/step"]
+    keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
+    keys += [k for k in m if k.endswith("/alloc_retries") and m[k]]   # a stage at the memory limit
+    return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
 
 
 # --------------------------------------------------------------------------- the memory picture

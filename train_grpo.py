@@ -111,6 +111,9 @@ class Trainer:
     kernels: str = ""                      # the set-up line of the models' kernels (kernels.use)
     val: tuple | None = None               # held-out (prompt ids, answers, chats), or None: no validation (validate.py)
     prompt_len: int = 0                    # the longest prompt, training or held-out: what the engine is built for
+    updates: int = 0                       # steps whose update is done: the weights a stop or an error keeps
+    saved: int = -1                        # the step of the newest checkpoint written or resumed from
+    updating: bool = False                 # inside the update stage: the weights are between two steps
 
 
 def preflight(cfg: Config):
@@ -122,6 +125,7 @@ def preflight(cfg: Config):
     nproc = int(os.environ.get("WORLD_SIZE", 1))
     rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
     options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
+    rollout.resolve_engine(cfg.rollout, torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # FP8 on HF: now
     check_model(cfg.model)
     reward_model.check_model(cfg.reward_model)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
@@ -150,9 +154,10 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
-    cfg = plan.relax(cfg, world, prompt_len, kind, device, rank)   # checkpointing off where the GPU allows
+    cfg = plan.relax(cfg, world, prompt_len, kind, ledger.gpu_capacity(device) if device.type == "cuda" else 0, rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
+    plan.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
@@ -220,22 +225,6 @@ def report(t: Trainer) -> list[str]:
     return lines + (critic.describe(t.critic) if t.critic is not None else [])
 
 
-# --------------------------------------------------------------------------- logging
-def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
-    """The step's one line; `first`: the step this process started at (a resume), for the eta."""
-    done = (step + 1) / steps
-    eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
-    bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-    head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
-    keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
-            "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
-            "rollout/logp_diff_max", "critic/vf_loss"]
-    keys += [k for k in m if k.startswith("time/") and k != "time/step"]
-    keys += [k for k in m if k.endswith("/peak_gb")] + ["host_rss_gb"]
-    keys += [k for k in m if k.endswith("/alloc_retries") and m[k]]   # a stage at the memory limit
-    return " | ".join([head] + [f"{k}={m[k]:.4g}" for k in keys if k in m])
-
-
 # --------------------------------------------------------------------------- one step
 class StageOutOfMemory(RuntimeError):
     """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
@@ -287,7 +276,9 @@ def train_step(t: Trainer, step: int) -> dict:
         with stage("critic_update"):
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
     with stage("update"):
+        t.updating = True
         m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
+    t.updates, t.updating = step + 1, False
     if t.stream is not None:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
             rollout_async.push(t.stream, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
@@ -334,20 +325,10 @@ def perf(t: Trainer, batch: dict, m: dict) -> dict:
     return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
 
 
-def held_out(t: Trainer, step: int, m: dict):
-    """The val stage (validate.py): greedy answers to the held-out prompts through the run's engine, scored
-    by the run's reward; rank 0 writes the first few to val_samples.jsonl and, after the first validation
-    with the built-in GSM8K reward, what share of the answers each of its forms found."""
-    cfg = t.cfg
-    v, samples = validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=cfg,
-                                   reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device,
-                                   rank=t.rank, world=t.world)
-    m.update(v)
-    if t.rank == 0:
-        rundir.write_val_samples(cfg.out_dir, samples, step)
-        if "val/strict" in v and "val" not in t.warned:
-            print(validate.first_line(v, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)), flush=True)
-    t.warned.add("val")
+def held_out(t: Trainer, step: int, m: dict):   # the val stage: the policy after `step` updates (validate.py)
+    m.update(validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=t.cfg,
+                               reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device,
+                               rank=t.rank, world=t.world, step=step))
 
 
 def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
@@ -406,18 +387,18 @@ def train(t: Trainer, start: int) -> bool:
     after the last. Returns False when a SIGTERM or Ctrl-C stopped it (after the step and its checkpoint)."""
     cfg = t.cfg
     metrics_path = rundir.keep_metrics(cfg.out_dir, start, t.rank)   # each step once
-    rundir.stop_on_sigterm()
+    if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
+        start_stream(t, start)             # (a Ctrl-C meanwhile is set-up's: one line, nothing to save yet)
+    rundir.stop_on_sigterm(cfg)
     log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
     t_start, seen = time.time(), {}
-    if cfg.rollout.mode == "async":        # after a resume: the engines start from the checkpoint's policy
-        start_stream(t, start)
     step = start - 1
     for step in range(start, cfg.steps):
         with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
         if t.rank == 0:
-            rundir.write_step(metrics_path, log, m, step)   # whole lines only; the logger gets the same
-            print(log_line(m, step, cfg.steps, t_start, start), flush=True)
+            rundir.on_rank0(rundir.write_step, metrics_path, log, m, step)   # a failure stops every rank after the step
+            print(tracker.log_line(m, step, cfg.steps, t_start, start), flush=True)
             for line in predict.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
             if step == start and (line := ledger.perf_line(m, t.peak)):    # each compute stage's throughput
@@ -428,9 +409,9 @@ def train(t: Trainer, start: int) -> bool:
                 print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
                       f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
                       f"in reward/equal_groups_frac and at the end", flush=True)
-        stop = rundir.stop_requested(t.device)   # a SIGTERM or Ctrl-C on any rank: all stop after this step
-        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps or stop):
-            save(t, step + 1)
+        stop = rundir.stop_requested(t.device)   # a SIGTERM, Ctrl-C or failed write on any rank: all stop now
+        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps) and not stop:
+            save(t, step + 1)              # (a stop keeps the weights in run: a checkpoint, or final/)
         if stop and step + 1 < cfg.steps:
             break
     if step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
@@ -448,7 +429,7 @@ def last_validation(t: Trainer, metrics_path: str, log):
         held_out(t, t.cfg.steps, m)
     m = ledger.reduce(m, t.device)
     if t.rank == 0:
-        rundir.write_step(metrics_path, log, m, t.cfg.steps)
+        rundir.on_rank0(rundir.write_step, metrics_path, log, m, t.cfg.steps)
         print(f"validation after step {t.cfg.steps} | " + " | ".join(
             f"{k}={v:.4g}" for k, v in m.items() if k in ("val/reward_mean", "val/strict", "val/flexible",
                                                          "val/response_length", "time/val")), flush=True)
@@ -473,12 +454,19 @@ def save(t: Trainer, step: int):          # a checkpoint after `step` steps, wit
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
         "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
         "world_size": t.world, "config": asdict(t.cfg)})
+    t.saved = step
+
+
+def keep(t: Trainer) -> str:            # after a stop or an error: the weights trained so far, kept (rundir.keep)
+    return rundir.keep(t.cfg, t.updates, t.saved, t.updating, checkpoint_at=lambda n: save(t, n), final_at=lambda n:
+                       checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n))
 
 
 def resume(t: Trainer, path: str) -> int:
     """Load the checkpoint at `path` into the roles; returns the step to start at."""
     meta = checkpoint.load(path, trained(t), asdict(t.cfg), t.world)
     t.data_offset = meta["prompts_seen"] - meta["step"] * t.cfg.train_batch_size   # 0 unless the batch size changed
+    t.updates = t.saved = meta["step"]
     return meta["step"]
 
 
@@ -524,9 +512,18 @@ def run(cfg: Config, rank: int):
         resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
         print(json.dumps(resolved, indent=1))
         rundir.write_run_config(cfg.out_dir, resolved)
-    finished = train(t, resume(t, start) if start else 0)
-    if not finished:                       # SIGTERM or Ctrl-C: checkpointed; the same command resumes
-        line, code = rundir.stop_line(cfg)
+    try:
+        finished = train(t, resume(t, start) if start else 0)
+    except (ValueError, OSError, StageOutOfMemory) as e:   # after the first update: the weights are kept first
+        if t.world == 1 or isinstance(e, data_io.EveryRank):   # (other ranks may be inside a collective)
+            e.args = (f"{e.args[0] if e.args else e}; {keep(t)}",)
+        raise
+    failed = rundir.failure(t.device)      # a write that failed on rank 0 (metrics.jsonl, the logger's copy)
+    if failed or not finished:             # a failed write, SIGTERM or Ctrl-C: the weights kept, then said
+        where = keep(t)
+        if failed:
+            raise OSError(f"{failed}; {where}")
+        line, code = rundir.stop_line(cfg, t.updates, where)
         if t.rank == 0:
             print(line, flush=True)
         sys.exit(code)
@@ -534,7 +531,9 @@ def run(cfg: Config, rank: int):
         print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
         tracker.picture_at_end(cfg.out_dir, t.device.type)   # <out_dir>/memory.png on a GPU
     if cfg.save:
-        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model)
+        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model, steps_done=t.updates)
+    if t.rank == 0:
+        print(rundir.finished_line(cfg, t.updates), flush=True)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch
 import data as data_io
 import rollout
 import rollout_async
+import rundir
 from model import all_sum
 
 VAL_SAMPLES = 8                            # held-out prompts written to val_samples.jsonl at each validation
@@ -88,10 +89,11 @@ def answer(engine, stream, model, stashes: list, prompts: list, idx: list, *, cf
 
 
 def validate(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn, tokenizer, warned: set, device,
-             rank: int, world: int) -> tuple[dict, list]:
-    """One validation of the policy `model` (its offloaded groups `stashes` in for the weight sync only;
-    `stream`: async rollout's, else None): (metrics summed over ranks, rank 0's first VAL_SAMPLES samples as
-    dicts for val_samples.jsonl)."""
+             rank: int, world: int, step: int) -> dict:
+    """One validation of the policy `model` after `step` updates (its offloaded groups `stashes` in for the
+    weight sync only; `stream`: async rollout's, else None): its metrics, summed over ranks. Rank 0 writes the
+    first VAL_SAMPLES samples to val_samples.jsonl and, after the first validation with the built-in GSM8K
+    reward, says what share of the answers each of its forms found (`warned` remembers)."""
     prompts, answers = val[0], val[1]
     idx, bracket = share(len(prompts), rank, world), {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):   # the run's RNG untouched
@@ -109,9 +111,14 @@ def validate(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn
          "val/reward_errors": failed, **{f"val/{k}": v / sums[1] for k, v in zip(forms, sums[3:])}}
     if "rollout/generate_s" in bracket:   # a colocated vLLM engine's bracket
         m.update({"val/generate_s": bracket["rollout/generate_s"], "val/device_peak_gb": bracket["rollout/device_peak_gb"]})
-    samples = [{"prompt": tokenizer.decode(prompts[i], skip_special_tokens=True), "response": text, "answer": a,
-                "score": s} for (i, _), text, a, s in zip(mine[:VAL_SAMPLES], texts, truth, scores)] if rank == 0 else []
-    return m, samples
+    if rank == 0:
+        samples = [{"prompt": tokenizer.decode(prompts[i], skip_special_tokens=True), "response": text, "answer": a,
+                    "score": s} for (i, _), text, a, s in zip(mine[:VAL_SAMPLES], texts, truth, scores)]
+        rundir.on_rank0(rundir.write_val_samples, cfg.out_dir, samples, step)   # a full disk: stop after the step
+        if forms and "val" not in warned:
+            print(first_line(m, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)), flush=True)
+    warned.add("val")
+    return m
 
 
 def first_line(m: dict, reward: str) -> str:

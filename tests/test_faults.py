@@ -17,6 +17,7 @@ import options
 import plan
 import predict
 from conftest import descendants, launches, metrics, run, start, stop
+from test_checkpoint import in_process  # noqa: F401
 
 S = ["--train_batch_size=4", "--rollout.n=4", "--actor.ppo_mini_batch_size=4", "--logger=none", "--save=false"]
 ASYNC = ["--rollout.mode=async"]
@@ -61,8 +62,9 @@ def test_ctrl_c_of_an_async_run_checkpoints_stops_the_engines_and_resumes(tmp_pa
         proc.wait(timeout=180)
     text = open(tmp_path / "log").read()
     done = len(metrics(out))
-    assert f"[preempt] SIGINT (Ctrl-C): stopped after a checkpoint in {out}/checkpoints; the same command resumes " \
-           f"there" in text and 2 <= done < 60, text[-3000:]
+    step = os.path.join(out, "checkpoints", f"step_{done:06d}")
+    assert f"[preempt] SIGINT (Ctrl-C): stopped after step {done}; the weights after step {done} are in {step} (the " \
+           f"same command resumes there)" in text and 2 <= done < 60, text[-3000:]
     before = text.split("[preempt]")[0]
     assert "Traceback" not in before and "KeyboardInterrupt" not in before and "error:" not in before, text[-3000:]
     meta = checkpoint.read_meta(checkpoint.checkpoint_dir(out))
@@ -153,10 +155,27 @@ def test_rollout_is_help_says_when_auto_turns_the_correction_on():
     """--help's "auto" for actor.rollout_is names both cases options.check_config turns it on for."""
     help_line = next(line for line in options.usage(options.sections(options.Config())).splitlines()
                      if line.startswith("  --actor.rollout_is="))
-    assert help_line.endswith("auto: token with rollout.mode=async or an FP8 engine (rollout.kv_cache_dtype or "
-                              "quantization fp8)")
+    assert help_line.endswith("auto: token with rollout.mode=async or an FP8 engine")
     for extra in (["--rollout.mode=async"], ["--rollout.kv_cache_dtype=fp8"], ["--rollout.quantization=fp8"]):
         assert options.parse_args(extra).actor.rollout_is == "token", extra
+
+
+def test_fp8_on_hf_generate_is_refused_at_start_in_one_line(tmp_path, in_process, capsys):
+    """FP8 is vLLM's: on HF generate (given, or auto without vLLM or a GPU) the flags would change nothing but
+    turn the rollout correction on. The run stops before anything is built, with one line naming the flag, the
+    engine and what to change; no step runs, so no correction without a quantizing engine."""
+    import importlib.util
+    auto_is_hf = not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None
+    for extra in [["--rollout.engine=hf", "--rollout.quantization=fp8"]] + [["--rollout.kv_cache_dtype=fp8"]] * auto_is_hf:
+        out = tmp_path / extra[-1].split("=")[0][2:]
+        with pytest.raises(SystemExit) as e:
+            in_process([f"--out_dir={out}", "--steps=1", *S, *extra])
+        err = capsys.readouterr().err.strip().splitlines()
+        how = "--rollout.engine=hf" if "--rollout.engine=hf" in extra else "--rollout.engine=auto found no vLLM"
+        assert e.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith(f"error: {extra[-1]} needs the vLLM engine, and this run generates with HF generate "
+                                 f"({how}") and err[0].endswith("use --rollout.engine=vllm on a GPU with vLLM, or drop the flag")
+        assert not os.path.exists(out / "metrics.jsonl")
 
 
 def test_the_set_up_says_when_a_stage_is_inside_the_margin(monkeypatch):

@@ -207,6 +207,25 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     assert modeling_qwen2.Qwen2RMSNorm is norm and kernels.compile_layers([load_model(None)], used) == 0
 
 
+def test_torch_kernels_put_back_what_liger_replaced(monkeypatch):
+    """use("liger") swaps classes in transformers' Qwen2 module; use("torch") afterwards puts transformers' own
+    back, so the next model built has them. Liger is a stand-in here (the swap is the same on the CPU)."""
+    import kernels
+    from transformers.models.qwen2 import modeling_qwen2 as m
+    own = {name: getattr(m, name) for name in ("Qwen2RMSNorm", "Qwen2MLP", "apply_rotary_pos_emb")}
+    for name, obj in own.items():
+        monkeypatch.setattr(m, name, obj)      # put back whatever this test leaves
+    stand_in = (type("StandInNorm", (m.Qwen2RMSNorm,), {}), type("StandInMLP", (m.Qwen2MLP,), {}), lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "_liger", lambda: (stand_in, ""))
+    assert kernels.use("liger", torch.device("cuda"), "qwen2")[0] == "liger"   # resolve only reads the device's type
+    assert (m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb) == stand_in
+    assert type(load_model(None).model.norm).__name__ == "StandInNorm"
+    assert kernels.use("torch", torch.device("cpu"), "qwen2")[0] == "torch"
+    assert {name: getattr(m, name) for name in own} == own
+    built = load_model(None)
+    assert type(built.model.norm) is own["Qwen2RMSNorm"] and type(built.model.layers[0].mlp) is own["Qwen2MLP"]
+
+
 def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "bfloat16") -> tuple:
     """(log-probs, entropies, grads) of the ~430M model with `kind`'s kernels, packed, checkpointing on."""
     import kernels

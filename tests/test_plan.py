@@ -291,8 +291,10 @@ def _gpt2_dir(tmp_path):
     (["--gpu_gb=0"], "--gpu_gb=0.0: must be > 0"),
     (["--gpu_gb=-80"], "--gpu_gb=-80.0: must be > 0"),
     (["--prompt_len=-5"], "--prompt_len=-5: must be >= 0"),
-    (["--margin=1"], "--margin=1.0: must be [0, 1)"),
-    (["--engine=sglang"], "--engine=sglang: use one of vllm, hf"),
+    (["--plan_margin=1"], "--plan_margin=1.0: must be [0, 1)"),   # the run's margin: plan.py has none of its own
+    (["--margin=0.05"], "unknown option --margin"),
+    (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
+    (["--rollout.engine=hf", "--rollout.quantization=fp8"], "--rollout.quantization=fp8 needs the vLLM engine"),
     (["--model=/nonexistent/model"], "no config.json there; pass a local Hugging Face model directory"),
     (["--nproc=3", "--train_batch_size=8"], "not divisible by the world size 3"),
     (["--actor.lr=fast"], "--actor.lr"),
@@ -491,3 +493,140 @@ def test_async_stage_names_in_the_run_glue():
     assert len(lines) == 1 and "push peaked at" in lines[0] and "--" in lines[0]
     msg = predict.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
     assert "stage push" in msg and "after update" in msg and f"{push:.1f} GB" in msg
+
+
+# --------------------------------------------------------------------------- the plan and the run read the same options
+def _report(capsys, *args) -> list[str]:
+    """plan.py's lines for `args` (no table rows)."""
+    plan.main(list(args))
+    return [x for x in capsys.readouterr().out.splitlines() if x.startswith("[plan]")]
+
+
+def test_plan_keeps_the_runs_margin(capsys):
+    """plan.py reads --plan_margin, the run's option (--offload=auto, the set-up's verdict, plan.relax keep
+    it), not a default of its own."""
+    args = ["--model=random:qwen2.5-0.5b", "--prompt_len=64"]
+    for given, margin in (None, 0.1), ("--plan_margin=0.3", 0.3):
+        lines = _report(capsys, *args, *[given] if given else [])
+        fit = next(x for x in lines if x.startswith("[plan] fastest that fits under"))
+        room = plan.Target(1, 64, 80 * GB, margin).room(predict.VLLM_RESIDENT)
+        assert f"under {room / GB:.1f} GB ({margin:.0%} margin)" in fit, fit
+
+
+def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
+    """7B full fine-tuning on a 133 GB GPU: nothing keeps 10 % free, but the least device memory fits inside
+    it. The plan names the margin that fits (the largest in hundredths), what the 10 % keeps, and the
+    fastest flags there, not "a bigger GPU"; those flags do fit at that margin."""
+    args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+            "--rollout.response_length=128", "--prompt_len=128", "--gpu_gb=133"]
+    lines = _report(capsys, *args)
+    nothing = next(x for x in lines if x.startswith("[plan] nothing fits"))
+    m = float(nothing.split("what would: --plan_margin=")[1].split(" ")[0])
+    assert 0 <= m < 0.1 and "the 10% margin keeps 13.3 GB free" in nothing and "bigger GPU" not in nothing
+    under = next(x for x in lines if x.startswith(f"[plan] with --plan_margin={m:.2f}: "))
+    flags = under.split(": ", 1)[1].split(" (peak")[0].split()
+    cfg, t = _cfg(*args[:4]), plan.Target(1, 128, 133 * GB, m)
+    found = options.parse_args(args[:4] + flags)
+    assert t.fits(predict.predict(found, 1, 128)) and plan.choose(cfg, dataclasses.replace(t, margin=0.1)) == (None, None)
+    assert not plan.fits_at_all(cfg, dataclasses.replace(t, margin=m + 0.01))   # the largest that fits
+
+
+def test_plan_says_the_kernels_it_assumed_as_the_run_on_a_gpu_takes_them(monkeypatch, capsys, tmp_path):
+    """--kernels=auto plans what a GPU run would use, liger when liger-kernel imports (this machine's stands in
+    for the GPU node's) and torch when not, and the report says which, why and how to plan the other; the
+    update's prediction follows. liger for a model the trainer refuses it for (Llama) is the run's one line."""
+    import kernels
+    args = ["--model=random:qwen2.5-0.5b", "--prompt_len=64", "--actor.gradient_checkpointing=false"]
+    update = {}
+    for installed in (True, False):
+        monkeypatch.setattr(kernels, "_liger", lambda: ((object, object, object), "") if installed else
+                            (None, "liger-kernel (pip install liger-kernel)"))
+        used = kernels.resolve("auto", torch.device("cuda"), "qwen2")[0]   # what the run on a GPU takes
+        assert used == ("liger" if installed else "torch") and kernels.planned("auto", "qwen2")[0] == used
+        line = next(x for x in _report(capsys, *args) if x.startswith("[plan] assumed: "))
+        other = "torch" if installed else "liger"
+        assert f"; {used} kernels (auto: " in line and f"--kernels={other} plans that" in line, line
+        update[used] = predict.predict(_cfg(*args[:1], *args[2:]), 1, 64).stage("update").total
+    assert update["liger"] < update["torch"]
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    llama = tmp_path / "llama"
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=128).save_pretrained(llama)
+    save_file({"w": torch.zeros(1)}, str(llama / "model.safetensors"))
+    assert kernels.planned("auto", "llama") == kernels.resolve("auto", torch.device("cuda"), "llama")
+    assert kernels.planned("auto", "llama")[0] == "torch"
+    with pytest.raises(ValueError) as run_says:
+        kernels.resolve("liger", torch.device("cuda"), "llama")
+    with pytest.raises(SystemExit) as e:
+        plan.main([f"--model={llama}", "--kernels=liger", "--prompt_len=64"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {run_says.value}"
+    assert "needs a Qwen2 model (this one is llama); use --kernels=torch" in str(run_says.value)
+
+
+def test_plan_reads_the_runs_engine_and_refuses_fp8_on_hf_generate(capsys):
+    """--rollout.engine is read by the plan as by the run (auto: vLLM, as on a GPU node, and said); FP8
+    with HF generate, which would ignore it, is the run's one line, in the plan too."""
+    args = ["--model=random:qwen2.5-0.5b", "--prompt_len=64"]
+    lines = _report(capsys, *args)
+    assert ", vllm rollout," in lines[0] and "[plan] assumed: vllm rollout (auto: a GPU node with vLLM;" in lines[1]
+    lines = _report(capsys, *args, "--rollout.engine=hf")
+    assert ", hf rollout," in lines[0] and "[plan] assumed: hf rollout (as given)" in lines[1]
+    import rollout
+    with pytest.raises(ValueError) as run_says:
+        rollout.resolve_engine(options.parse_args(["--rollout.kv_cache_dtype=fp8"]).rollout, torch.device("cpu"))
+    assert "--rollout.kv_cache_dtype=fp8 needs the vLLM engine" in str(run_says.value)
+    assert "use --rollout.engine=vllm on a GPU with vLLM, or drop the flag" in str(run_says.value)
+    with pytest.raises(SystemExit):
+        plan.main(args + ["--rollout.engine=hf", "--rollout.kv_cache_dtype=fp8"])
+    assert capsys.readouterr().err.startswith("error: --rollout.kv_cache_dtype=fp8 needs the vLLM engine")
+
+
+# --------------------------------------------------------------------------- FP8's terms
+def test_fp8_kv_cache_and_weights_are_planned_at_one_byte():
+    """The plan's awake vLLM with --rollout.kv_cache_dtype=fp8: its KV cache at one byte an element, half
+    bf16's; with --rollout.quantization=fp8: its weights less one byte per element of every decoder linear
+    weight (counted on the model built on the meta device), embeddings, head and norms kept at two."""
+    from transformers import AutoModelForCausalLM
+    base = ["--model=random:qwen2.5-0.5b", "--rollout.response_length=256"]
+    awake = {k: predict.predict(_cfg(*base, *extra), 1, 64).vllm_device for k, extra in (
+        ("bf16", []), ("kv", ["--rollout.kv_cache_dtype=fp8"]), ("w", ["--rollout.quantization=fp8"]))}
+    assert awake["kv"]["vLLM KV cache"] == pytest.approx(awake["bf16"]["vLLM KV cache"] / 2, abs=1)
+    assert awake["kv"]["vLLM weights"] == awake["bf16"]["vLLM weights"]
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(predict.model_config("random:qwen2.5-0.5b"))
+    linear = sum(x.weight.numel() for x in m.model.layers.modules() if isinstance(x, torch.nn.Linear))
+    assert awake["bf16"]["vLLM weights"] - awake["w"]["vLLM weights"] == linear
+    assert awake["w"]["vLLM KV cache"] == awake["bf16"]["vLLM KV cache"]
+
+
+def test_fp8_kv_is_offered_when_it_is_what_fits():
+    """0.5B, 64 prompts x 8 of 8192 tokens on one 48 GB GPU: the KV cache is what does not fit, whatever the
+    flags; FP8 KV is named among what would, and with it a configuration does fit."""
+    cfg = _cfg("--model=random:qwen2.5-0.5b", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
+               "--rollout.response_length=8192")
+    t = plan.Target(1, 256, 48 * GB)
+    assert plan.choose(cfg, t) == (None, None)
+    assert any(x.startswith("rollout.kv_cache_dtype=fp8 (") for x in plan.what_would_fit(cfg, t))
+    assert plan.choose(plan.with_options(cfg, {"rollout.kv_cache_dtype": "fp8"}), t)[0] is not None
+
+
+# --------------------------------------------------------------------------- plan.relax
+def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_not_given(capsys):
+    """Without --offload=auto, gradient checkpointing (on by default) goes off when the plan keeps plan_margin
+    free without it, said in one line; it stays on a GPU where the run fits only with it, when the
+    command line set it, with --offload=auto, and without a GPU (0 bytes)."""
+    args = ["--model=random:qwen2.5-0.5b", "--train_batch_size=64", "--actor.ppo_mini_batch_size=64",
+            "--rollout.response_length=2048"]
+    cfg = _cfg(*args)
+    relaxed = plan.relax(cfg, 1, 256, "vllm", 80 * GB)
+    assert not relaxed.actor.gradient_checkpointing and cfg.actor.gradient_checkpointing
+    assert capsys.readouterr().out.startswith("[plan] actor.gradient_checkpointing=false: the run keeps 10% of the 80 GB")
+    on, off = (predict.predict(plan.with_options(cfg, {"actor.gradient_checkpointing": v}), 1, 256) for v in (True, False))
+    gpu = int((on.device_peak + off.device_peak) / 2 / 0.9)    # fits with checkpointing, not without
+    assert plan.Target(1, 256, gpu).fits(on) and not plan.Target(1, 256, gpu).fits(off)
+    assert plan.relax(cfg, 1, 256, "vllm", gpu).actor.gradient_checkpointing
+    for kept in (_cfg(*args, "--actor.gradient_checkpointing=true"), _cfg(*args, "--offload=auto")):
+        assert plan.relax(kept, 1, 256, "vllm", 80 * GB).actor.gradient_checkpointing
+    assert plan.relax(cfg, 1, 256, "vllm", 0).actor.gradient_checkpointing
+    assert capsys.readouterr().out == ""

@@ -179,7 +179,7 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=1", "--save_freq=1"] + SMALL
     cfg = options.parse_args(args)
-    (data, val), _ = train_grpo.preflight(cfg)      # (training, held-out) prompts, the checkpoint to resume
+    (data, val), _ = train_grpo.preflight(cfg)
     t = train_grpo.setup(cfg, data=data, val=val)
     step0 = train_grpo.train_step(t, 0)
     assert any(line.startswith(f"[disk] writes up to ~0.0") and "GB free" in line for line in train_grpo.report(t))
@@ -223,7 +223,7 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
                                           rf"device \(it needs ~0.01\d GB, [\d.]+ GB free\); the partial .* "
                                           rf"removed; {_step(out, 1)} is kept: free space, then run the same "
                                           rf"command \(it writes final/ from it, without training\)"):
-            checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model)
+            checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=1)
     assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl", "val_samples.jsonl"]   # no final/, no final.tmp
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -359,12 +359,30 @@ def test_save_freq_0_keeps_final_room_through_a_full_disk_and_says_true_advice(s
         rundir.reserve_final(options.parse_args([f"--out_dir={lost}", "--save_freq=0"]), policy, 0)
 
 
+def test_an_earlier_attempts_reservation_goes_when_the_run_keeps_checkpoints(tmp_path):
+    """out_dir/.final.reserve left by an earlier --save_freq=0 attempt is removed by a run that keeps
+    checkpoints (or saves nothing): its bytes are no run's room now. A --save_freq=0 run reuses it; a rank
+    other than 0 leaves it."""
+    import types
+    import torch
+    policy = types.SimpleNamespace(model=torch.nn.Linear(64, 64), lora=None)
+    leftover = tmp_path / checkpoint.RESERVE
+    for args, kept in ((["--save_freq=5"], False), (["--save=false", "--save_freq=0"], False), (["--save_freq=0"], True)):
+        leftover.write_bytes(b"\0" * 4096)
+        rundir.reserve_final(options.parse_args([f"--out_dir={tmp_path}", *args]), policy, 0)
+        assert leftover.exists() == kept, args
+        leftover.write_bytes(b"\0" * 4096)
+        rundir.reserve_final(options.parse_args([f"--out_dir={tmp_path}", *args]), policy, 1)
+        assert leftover.stat().st_size == 4096, args
+
+
 def test_a_full_disk_mid_run_is_one_line_and_metrics_jsonl_keeps_whole_lines(small_disk, in_process, monkeypatch,
                                                                               capsys):
     """The disk fills to 1000 bytes free after step 0's checkpoint: step 1's metrics line (~2.4 KB)
-    is one line naming metrics.jsonl, the bytes needed and free, and that the same command resumes
-    from step 1's checkpoint; the file keeps whole lines only (the cut-off bytes are removed). A
-    line cut by a kill is dropped by the resume, which then runs steps 1 and 2 once each."""
+    fails, every rank stops after that step, and the run ends in one line naming metrics.jsonl, the bytes
+    needed and free, that the weights after step 2 found no room for their checkpoint (--save=false: no
+    final/ either) and that step 1's checkpoint resumes; the file keeps whole lines only (the cut-off bytes
+    are removed). A line cut by a kill is dropped by the resume, which then runs steps 1 and 2 once each."""
     out = os.path.join(small_disk.root, "run")
     args = [f"--out_dir={out}", "--steps=3", "--save_freq=1", "--keep_checkpoints=1", "--save=false"] + TINY
     with monkeypatch.context() as m:
@@ -374,8 +392,8 @@ def test_a_full_disk_mid_run_is_one_line_and_metrics_jsonl_keeps_whole_lines(sma
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: writing step 1's line to {out}/metrics.jsonl failed: no "
                                                f"space left on device (it needs ~2"), err
-    assert err[0].endswith(f" bytes, 1000 bytes free); {_step(out, 1)} is kept: free space, then run the same "
-                           f"command (it resumes there)"), err
+    assert err[0].endswith(" bytes, 1000 bytes free); the weights after step 2 are not kept (no room for their "
+                           "checkpoint); the checkpoint of step 1 resumes"), err
     assert [m["step"] for m in metrics(out)] == [0]     # every line whole (json.loads of each)
     os.remove(os.path.join(small_disk.root, "filler"))
     with open(os.path.join(out, "metrics.jsonl"), "a") as f:
@@ -422,8 +440,8 @@ def test_ctrl_c_checkpoints_and_a_second_one_stops_at_once(tmp_path, nproc):
         proc.wait(timeout=120)
     text = open(tmp_path / "int.log").read()
     done = len(metrics(out))
-    assert f"[preempt] SIGINT (Ctrl-C): stopped after a checkpoint in {out}/checkpoints; the same command resumes " \
-           f"there" in text and 2 <= done < 200, text[-3000:]
+    assert f"[preempt] SIGINT (Ctrl-C): stopped after step {done}; the weights after step {done} are in " \
+           f"{_step(out, done)} (the same command resumes there)" in text and 2 <= done < 200, text[-3000:]
     assert "KeyboardInterrupt" not in text and "Traceback" not in text.split("[preempt]")[0], text[-3000:]
     if not nproc:
         assert proc.returncode == 130

@@ -95,6 +95,18 @@ def test_each_role_works_from_its_copy_set_alone(role, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_copy_sets_follow_imports_inside_functions(monkeypatch, tmp_path):
+    """A module imported only inside a function body (`import b`, `from c import x`, at any depth) is in the
+    copy set: copied without it, the role fails at the call, not at import."""
+    (tmp_path / "role.py").write_text("import a\n\n\ndef f():\n    import b\n\n\nclass K:\n    def g(self):\n"
+                                      "        if True:\n            from c import x\n")
+    for name in "abcd":
+        (tmp_path / f"{name}.py").write_text("import d\n" if name == "c" else "")
+    monkeypatch.setattr(copy_set, "HERE", str(tmp_path))
+    assert copy_set.imports("role") == {"a", "b", "c"}
+    assert copy_set.copy_set("role") == ["role", "a", "b", "c", "d"]
+
+
 def test_readme_copy_sets_are_the_codes():
     """README's copy-set table: each role's files as copy_set finds them, and its lines within 5 %;
     ref.py's set stays under 1,300 lines."""

@@ -1,0 +1,125 @@
+"""No input without a bound, and Ctrl-C at any moment (CPU): what the run cannot do in the host's memory is
+refused at start in one line (the planner's sizes against the RAM free now), a huge data line is dropped
+without tokenizing it whole, a long stage says it is still running, SIGTERM is answered at once, and a
+Ctrl-C during the async engine's start-up is one line with no traceback from any process.
+
+    python -m pytest -q tests/test_bounds.py
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+import data
+import ledger
+import tiny
+from conftest import launches, start
+from test_checkpoint import in_process  # noqa: F401
+from test_faults import _engines
+
+GB = 2 ** 30
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--rollout.n=100000"], "the step's largest stage (on the CPU, host memory)"),
+    (["--model=random:qwen2.5-7b"], "the model read in fp32 28."),
+], ids=["a huge group", "7B on a small host"])
+def test_what_the_host_cannot_hold_is_refused_before_any_model(tmp_path, in_process, monkeypatch, capsys, args,
+                                                                expect):
+    """A node with 8 GB of RAM free: 100,000 samples a prompt (the HF engine's KV cache for 1.6M rows) or
+    a 7B model (read in fp32 on the host) is one line naming the RAM, what needs it and what to change,
+    and no model is built (the 7B would take a minute and 28 GB)."""
+    monkeypatch.setattr(ledger, "host_available", lambda: 8 * GB)
+    built = []
+    import model
+    monkeypatch.setattr(model, "load_model", lambda *a, **k: built.append(1))
+    with pytest.raises(SystemExit) as stopped:
+        in_process([f"--out_dir={tmp_path / 'run'}", "--logger=none", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and not built, err
+    assert err[0].startswith("error: this node has 8.0 GB of RAM free but the run needs ~") and expect in err[0], err
+
+
+def test_a_huge_data_line_is_dropped_without_tokenizing_it_whole(tmp_path):
+    """A 20 MB prompt beside a normal one: it is dropped and counted, and the tokenizer never sees more than
+    a bounded prefix of it (the whole line once cost 15 GB of RAM and minutes)."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "12=" * 7_000_000, "answer": "1"}) + "\n" +
+                    json.dumps({"prompt": "34=", "answer": "34"}) + "\n")
+    tok, seen = tiny.build_tokenizer(), []
+    real = type(tok).__call__
+
+    class Counting(type(tok)):
+        def __call__(self, text, **kw):
+            seen.append(len(text))
+            return real(self, text, **kw)
+    tok.__class__ = Counting
+    t0 = time.time()
+    prompts, answers, _ = data.load_data(str(path), tok, max_prompt_length=64)
+    assert answers == ["34"] and time.time() - t0 < 30
+    assert max(seen) <= 66 * data.CHARS_PER_TOKEN, max(seen)
+    # a prompt under the limit whose prefix is cut (runs of one character) is still read whole
+    assert data.tokens(tok, "1" * 100, 100) == [3] * 100 and data.tokens(tok, "1" * 101, 100) is None
+
+
+def test_a_long_stage_says_it_is_running(monkeypatch, capsys):
+    monkeypatch.setattr(ledger, "PROGRESS_S", 0.2)
+    m = {"step": 7}
+    import torch
+    with ledger.stage("generate", m, torch.device("cpu")):
+        time.sleep(0.7)
+    time.sleep(0.1)
+    out = capsys.readouterr().out
+    assert out.count("[progress] step 7: generate has run") >= 2, out   # and again while it goes on
+
+
+@launches
+def test_sigterm_is_answered_at_once(tmp_path):
+    """A SIGTERM in the middle of a long step is said when it comes, not only when the step ends."""
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start([f"--out_dir={out}", "--steps=100", "--save=false", "--logger=none"], log=log)
+        deadline = time.time() + 300
+        while not os.path.exists(os.path.join(out, "metrics.jsonl")) and time.time() < deadline:
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    text = open(tmp_path / "log").read()
+    assert "[preempt] SIGTERM: finishing this step, then a checkpoint" in text and proc.returncode == 143, text[-2000:]
+
+
+@launches
+@pytest.mark.timeout(600)
+def test_ctrl_c_during_the_async_engines_start_up_is_one_line(tmp_path):
+    """Ctrl-C (to the whole process group, as a terminal sends it) while the engine process is starting:
+    the run stops with set-up's one line and exit code 130; the engine, which ignores Ctrl-C from its first
+    instruction, prints no KeyboardInterrupt traceback and ends with its trainer."""
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start([f"--out_dir={out}", "--steps=5", "--save=false", "--logger=none", "--rollout.mode=async"],
+                     log=log, start_new_session=True)
+        deadline = time.time() + 300
+        while not _engines(proc.pid) and time.time() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.05)
+        engines = _engines(proc.pid)
+        time.sleep(0.5)                    # inside the engine's imports or its model's build
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    deadline = time.time() + 120               # an engine still importing ends when it starts to run
+    while time.time() < deadline and any(map(_alive, engines)):
+        time.sleep(0.5)
+    text = open(tmp_path / "log").read()
+    assert proc.returncode == 130 and "[interrupt] Ctrl-C during set-up: stopped" in text, text[-3000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert not any(map(_alive, engines)), "the engine outlived its run"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read().lower()
+    except OSError:
+        return False

@@ -1,0 +1,105 @@
+"""Whatever stops a run, the weights trained so far are kept and its last line says where (CPU): a full
+disk at a write other than the final save, SIGTERM and Ctrl-C, a reward that fails after the first update;
+with --save_freq=0 in final/ (its room was set aside at the start), else in a checkpoint; and a finished or
+stopped --save_freq=0 run is called what it is when the same command meets it again.
+
+    python -m pytest -q tests/test_keep.py
+"""
+import json
+import os
+import signal
+
+import pytest
+
+import rundir
+from conftest import launches, metrics, start
+from test_checkpoint import in_process, wait_for_lines  # noqa: F401
+from test_reliability import TINY, _after, small_disk  # noqa: F401
+
+
+def _final_steps(out) -> int:
+    with open(os.path.join(out, "final", "run_config.json")) as f:
+        return json.load(f)["steps_done"]
+
+
+def test_a_full_disk_at_a_metrics_line_keeps_the_weights_in_final(small_disk, in_process, monkeypatch, capsys):
+    """--save_freq=0: the disk fills to 1000 bytes free after step 0's line, so step 1's line fails. Every
+    rank stops after that step, final/ is written from the room set aside at the start, and the one error
+    line names metrics.jsonl, the bytes, and that the weights after step 2 are in final/; the same command
+    then says the folder holds a run stopped after 2 of 4 steps, and how to go on from its weights."""
+    out = os.path.join(small_disk.root, "run")
+    args = [f"--out_dir={out}", "--steps=4", "--save_freq=0"] + TINY
+    with monkeypatch.context() as m:
+        _after(m, rundir, "write_step", 1, lambda: small_disk.fill(1000))
+        with pytest.raises(SystemExit) as stopped:
+            in_process(args)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: writing step 1's line to {out}/metrics.jsonl failed: no "
+                                               f"space left on device (it needs ~"), err
+    assert err[0].endswith(f"the weights after step 2 are in {out}/final; --save_freq=0 keeps no checkpoint: train "
+                           f"further with --model={out}/final in another --out_dir"), err
+    assert "lost" not in err[0] and "is kept" not in err[0], err   # no advice from before the weights were kept
+    assert _final_steps(out) == 2 and [x["step"] for x in metrics(out)] == [0]
+    os.remove(os.path.join(small_disk.root, "filler"))
+    with pytest.raises(SystemExit):
+        in_process(args)
+    assert f"holds a run stopped after 2 of 4 steps (the policy in {out}/final" in capsys.readouterr().err
+
+
+def test_a_reward_that_fails_after_the_first_update_keeps_the_weights(tmp_path, in_process, monkeypatch, capsys):
+    """A reward that raises in step 2 (--reward_error=stop): with --save_freq=0 the weights after step 2 go
+    to final/; with checkpoints every 5 steps a checkpoint of step 2 is written and the same command
+    resumes there. The error line says which."""
+    (tmp_path / "flaky.py").write_text(
+        "import tiny\ncalls = []\n\ndef reward(response, answer):\n    calls.append(1)\n"
+        "    if len(calls) > 8:\n        raise RuntimeError('the grader went away')\n"
+        "    return tiny.copy_reward(response, answer)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import flaky
+    for save_freq, where in (("0", "final"), ("5", "checkpoints/step_000002")):
+        flaky.calls.clear()
+        out = str(tmp_path / f"run{save_freq}")
+        with pytest.raises(SystemExit):
+            in_process([f"--out_dir={out}", "--steps=4", f"--save_freq={save_freq}", "--reward=flaky:reward",
+                        "--val_freq=0", "--val_before_train=false"] + TINY)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "raised RuntimeError: the grader went away" in err[0], err
+        assert f"; the weights after step 2 are in {out}/{where}" in err[0], err
+        assert os.path.isdir(os.path.join(out, where))
+    assert _final_steps(str(tmp_path / "run0")) == 2
+
+
+def test_a_finished_save_freq_0_run_is_called_finished(tmp_path, in_process, capsys):
+    out = str(tmp_path / "run")
+    args = [f"--out_dir={out}", "--steps=2", "--save_freq=0"] + TINY
+    in_process(args)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"[done] finished: 2 steps; the policy in {out}/final"
+    with pytest.raises(SystemExit):
+        in_process(args)
+    err = capsys.readouterr().err
+    assert f"holds a finished run (2 steps, the policy in {out}/final; it kept no checkpoint" in err, err
+    assert "no checkpoint to resume from" not in err
+
+
+@launches
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_and_ctrl_c_of_a_save_freq_0_run_keep_the_weights_in_final(tmp_path, sig, code):
+    """--save_freq=0 keeps no checkpoint: a SIGTERM or Ctrl-C lets the step finish, writes final/ with the
+    weights of the steps done (Ctrl-C first says so) and ends on the line that says where they are."""
+    out = str(tmp_path / "run")
+    with open(tmp_path / "log", "w") as log:
+        proc = start([f"--out_dir={out}", "--steps=200", "--save_freq=0"] + TINY, log=log)
+        wait_for_lines(out, 2, proc)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=120)
+    text = open(tmp_path / "log").read()
+    done = len(metrics(out))
+    assert proc.returncode == code and _final_steps(out) == done, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.endswith(f"stopped after step {done}; the weights after step {done} are in {out}/final; "
+                         f"--save_freq=0 keeps no checkpoint: train further with --model={out}/final in another "
+                         f"--out_dir"), last
+    if sig == signal.SIGINT:
+        assert "[interrupt] Ctrl-C: finishing this step, then the weights to final/ (--save_freq=0)" in text
+    assert "Traceback" not in text
