@@ -11,7 +11,7 @@ lines, and how a run stops on a preemption or Ctrl-C.
   left no checkpoint, is refused with a line that says what to pass instead. Nothing of an earlier
   run is overwritten except by resuming it, and nothing that no run wrote (a foreign
   run_config.json). A run's own checkpoint resumes in place.
-- One run per out_dir (runlock.py, `claimed`): global rank 0 holds an flock on out_dir/.run.lock for
+- One run per out_dir (launch.py, `claimed`): global rank 0 holds an flock on out_dir/.run.lock for
   the run's life; a second run stops at once naming the holder (pid, host, since when).
 - Disk (`disk_report`): what the run writes (checkpoints x keep + final, from the shapes) against
   what is free, said at start; a run that cannot fit is refused. With --save_freq=0 final/'s room
@@ -33,8 +33,7 @@ import torch.distributed as dist
 
 import checkpoint
 import ledger
-from runlock import check_writable
-from runlock import LOCK, claimed, lock_out_dir  # noqa: F401 - one run per out_dir, runlock.py's, named here as before
+from launch import LOCK, check_writable, claimed, lock_out_dir  # noqa: F401 - one run per out_dir, launch.py's
 
 GB = 2**30
 

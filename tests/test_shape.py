@@ -109,7 +109,8 @@ def test_copy_sets_follow_imports_inside_functions(monkeypatch, tmp_path):
 
 def test_readme_copy_sets_are_the_codes():
     """README's copy-set table: each role's files as copy_set finds them, and its lines within 5 %;
-    ref.py's set stays under 1,300 lines."""
+    ref.py's set stays under 1,450 lines (1,300 until offload.py took the streamed Adam step, ~110 lines
+    every role's set carries since every role offloads, and model.py a role's own process group)."""
     rows = _readme_table("Copying one role into your code")
     assert rows
     for role, files, lines in rows:
@@ -117,7 +118,7 @@ def test_readme_copy_sets_are_the_codes():
         assert files.strip("`").split() == [f + ".py" for f in copy_set.copy_set(name)], role
         actual = sum(map(copy_set.lines, copy_set.copy_set(name)))
         assert abs(int(lines.replace(",", "")) - actual) <= 0.05 * actual, (role, lines, actual)
-    assert sum(map(copy_set.lines, copy_set.copy_set("ref"))) <= 1300
+    assert sum(map(copy_set.lines, copy_set.copy_set("ref"))) <= 1450
 
 
 def _mover_callers() -> set:
