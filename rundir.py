@@ -358,7 +358,8 @@ def keep(cfg, n: int, saved: int, updating: bool, *, checkpoint_at, final_at) ->
             checkpoint_at(n)
             return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes there)"
         except OSError as e:
-            why = " (no room for their checkpoint)" if checkpoint.no_space(e) else f" (no checkpoint: {e})"
+            why = " (no room for their checkpoint)" if checkpoint.no_space(e) or "no space left" in str(e) \
+                else f" (no checkpoint: {e})"
     final = shlex.quote(os.path.join(cfg.out_dir, "final"))   # in a command: pasteable whatever the path holds
     resumes = f"; the checkpoint of step {saved} resumes" if saved > 0 else \
         (f"; --save_freq=0 keeps no checkpoint: train further with --model={final} in another --out_dir"

@@ -251,7 +251,7 @@ def train_step(t: Trainer, step: int) -> dict:
     stage = lambda name: in_ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
     idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
-    if validate.due(cfg, step):            # the policy after `step` updates answers the held-out prompts
+    if t.val and validate.due(cfg, step):  # the policy after `step` updates answers the held-out prompts
         with stage("val"):
             held_out(t, step, m)
     with stage("rollout_wait" if t.stream is not None else "generate"):
@@ -414,7 +414,7 @@ def train(t: Trainer, start: int) -> bool:
             save(t, step + 1)              # (a stop keeps the weights in run: a checkpoint, or final/)
         if stop and step + 1 < cfg.steps:
             break
-    if step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
+    if t.val and step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
         last_validation(t, metrics_path, log)
     log.close()
     if t.stream is not None:               # the engines stop once told (Ctrl-C and SIGTERM are the trainer's)

@@ -54,8 +54,8 @@ def resumed(tmp_path_factory):
 @launches
 def test_tensorboard_holds_every_metric_of_every_step_once_after_a_resume(resumed):
     out, before = resumed
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == list(range(6))
+    rows = metrics(out, every_line=True)   # the validation after the last step has a line (and scalars) too
+    assert [r["step"] for r in rows] == list(range(7))
     scalars, texts = events(out)
     numeric = {k for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
     assert set(scalars) == numeric
@@ -90,9 +90,10 @@ def test_picture_from_a_run_folder(resumed, tmp_path):
         assert memory["update"]["plan_device"] == [r["plan/update/device_gb"] for r in rows]
     assert copies == {}                                    # no offload flag on
     # the command draws the same into the run folder
-    r = run(["--plot", out], script="plan.py", timeout=120)
-    assert r.returncode == 0 and r.stdout.strip() == os.path.join(out, "memory.png"), r.stderr
-    assert os.path.getsize(os.path.join(out, "memory.png")) > 20_000
+    r = run(["--plot", out], script="plan.py", timeout=120)         # and val.png: the run validated
+    assert r.returncode == 0 and r.stdout.split() == [os.path.join(out, "memory.png"), os.path.join(out, "val.png")], \
+        r.stderr
+    assert os.path.getsize(os.path.join(out, "memory.png")) > 20_000 and os.path.getsize(os.path.join(out, "val.png")) > 20_000
 
 
 def test_picture_draws_offload_copies_and_vllm_device_use(tmp_path):
@@ -135,7 +136,8 @@ def test_logger_none_writes_nothing(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=1", "--save_freq=0", "--logger=none"] + SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(out)) == [".run.lock", "metrics.jsonl", "run_config.json"]   # the lock: rundir.py
+    assert sorted(os.listdir(out)) == [".run.lock", "metrics.jsonl", "run_config.json", "val.png",   # the lock: launch.py
+                                       "val_samples.jsonl"]
     assert "[logger]" not in r.stdout
 
 
