@@ -125,6 +125,10 @@ def candidates(cfg, world: int, frugal: bool = False):
     tps = [1] if cfg.rollout.mode == "async" else \
         [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]   # async: an engine a GPU
     flag_values = [v[-1:] if frugal else v for v in space.values()]
+    if frugal:                                 # a flag superseded by one at its last value: at its first (needless on)
+        over = {f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "SUPERSEDES", {}).items()
+                if space.get(f"{n}.{k}", (False,))[-1]}
+        flag_values = [v[:1] if key in over else fv for (key, v), fv in zip(space.items(), flag_values)]
     lp = halvings(a.log_prob_micro_batch_size_per_gpu)
     for values, micro, lp_micro, tp, sp in itertools.product(
             itertools.product(*flag_values), halvings(a.ppo_micro_batch_size_per_gpu), lp[-1:] if frugal else lp,

@@ -17,7 +17,7 @@ def figures(out: str, run: str) -> dict | None:
     path = os.path.join(out, run, "metrics.jsonl")
     if not os.path.exists(path):
         return None
-    rows = [json.loads(line) for line in open(path)]
+    rows = [r for r in map(json.loads, open(path)) if "optimizer_steps" in r]   # training steps (not the last validation's)
     rows = rows[2:] or rows
     return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[-1] if isinstance(rows[-1][k], (int, float))}
 

@@ -106,12 +106,13 @@ def test_no_kl_param_offload_has_no_ref_stage_and_no_prefetch():
 
 
 def test_offload_auto_offloads_a_reward_model_when_only_that_fits():
-    """A 7B reward model beside a 0.5B policy: on a GPU where nothing but its offload keeps the margin,
-    the search turns --reward_model.param_offload on (its role declares the flag)."""
+    """A 7B reward model beside a 0.5B policy with every actor flag on (Adam streamed): on a GPU where nothing
+    but its offload keeps the margin, the search turns --reward_model.param_offload on (its role declares it)."""
     cfg = options.parse_args(["--model=random:qwen2.5-0.5b", "--reward_model.path=random:qwen2.5-7b",
                               "--train_batch_size=16", "--actor.ppo_mini_batch_size=16",
                               "--rollout.response_length=256", "--actor.param_offload=true",
-                              "--actor.optimizer_offload=true", "--ref.param_offload=true"])
+                              "--actor.optimizer_offload=true", "--actor.optimizer_stream=true",
+                              "--ref.param_offload=true"])
     held = predict.predict(cfg, 1, 128).device_peak
     off = predict.predict(plan.with_options(cfg, {"reward_model.param_offload": True}), 1, 128).device_peak
     assert off < held
