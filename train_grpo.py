@@ -514,8 +514,10 @@ def run(cfg: Config, rank: int):
         rundir.write_run_config(cfg.out_dir, resolved)
     try:
         finished = train(t, resume(t, start) if start else 0)
-    except (ValueError, OSError, StageOutOfMemory) as e:   # after the first update: the weights are kept first
-        if t.world == 1 or isinstance(e, data_io.EveryRank):   # (other ranks may be inside a collective)
+    except (ValueError, OSError, StageOutOfMemory, rollout_engine.EngineDied) as e:   # the weights kept first
+        # (only where every rank raised it: the others may be inside a collective; a dead engine reaches
+        # every rank through rank 0's broadcast, rollout_async.take / push / greedy)
+        if t.world == 1 or isinstance(e, (data_io.EveryRank, rollout_engine.EngineDied)):
             e.args = (f"{e.args[0] if e.args else e}; {keep(t)}",)
         raise
     failed = rundir.failure(t.device)      # a write that failed on rank 0 (metrics.jsonl, the logger's copy)

@@ -81,7 +81,8 @@ def test_ctrl_c_of_an_async_run_checkpoints_stops_the_engines_and_resumes(tmp_pa
 @pytest.mark.parametrize("nproc", [0, 3])
 def test_a_killed_engine_is_the_documented_line_once(tmp_path, nproc):
     """kill -9 of the engine process mid-run: one `error:` line, the one docs/rollout.md documents (which engine,
-    its pid, its exit code), from rank 0 alone; no traceback from any rank, and nothing hangs."""
+    its pid, its exit code), from rank 0 alone, ending with where the weights trained so far are (a checkpoint
+    of the last finished step, every rank in its save); no traceback from any rank, and nothing hangs."""
     out = str(tmp_path / "run")
     args = [f"--out_dir={out}", "--steps=200", *S, *ASYNC] + (["--rollout.gpus=1"] if nproc else [])
     with open(tmp_path / "log", "w") as log:
@@ -95,6 +96,8 @@ def test_a_killed_engine_is_the_documented_line_once(tmp_path, nproc):
     assert proc.returncode != 0 and len(lines) == 1, text[-3000:]
     assert re.search(rf"error: rollout engine 0 \(pid {engine}\) exited with code -9: its connection closed", lines[0]) \
         or (nproc and re.search(r"error: rollout engine 0 \(its rank\) exited: its connection closed", lines[0])), lines
+    n = int(re.search(r"; the weights after step (\d+) are in (\S+) \(the same command resumes there\)$", lines[0])[1])
+    assert n >= 2 and checkpoint.newest(out).endswith(f"step_{n:06d}"), (lines[0], checkpoint.newest(out))
     assert 'train_grpo.py", line' not in text and ".py\", line" not in text.split("torch/distributed/run.py")[0], \
         text[-3000:]                           # no rank's traceback (torchrun's own summary follows a failed job)
     if nproc:

@@ -13,6 +13,7 @@ import torch
 import train_grpo
 import options
 import ledger
+import tracker
 import offload
 from model import load_model
 from conftest import launches, metrics, run, start
@@ -35,7 +36,9 @@ def test_embedded_run_learns_on_two_processes(tmp_path):
     need += [f"time/{s}" for s in GRPO_STAGES]
     need += [f"mem/{s}/{k}" for s in GRPO_STAGES for k in ("allocated_gb", "peak_gb", "reserved_gb")]
     assert not [k for k in need if k not in m[0]]
-    assert all(0 < x[f"time_min/{s}"] <= x[f"time/{s}"] for x in m for s in GRPO_STAGES)   # fastest <= slowest rank
+    # fastest <= slowest rank, in each stage a step ran (val: before training and every --val_freq=10 steps)
+    assert all(0 < x[f"time_min/{s}"] <= x[f"time/{s}"] for x in m for s in GRPO_STAGES if f"time/{s}" in x)
+    assert [x["step"] for x in m if "time/val" in x] == list(range(0, 60, 10))
     assert "reward_mean=" in r.stdout and "[####" in r.stdout        # the per-step line and its bar
 
 
@@ -184,7 +187,7 @@ def test_profile_steps_option():
     for bad in ("a", "-1", "1;2"):
         with pytest.raises(ValueError, match="give step numbers from 0"):
             options.profile_steps(bad)
-    with train_grpo.profiled(options.parse_args(["--profile_steps=1"]), 0, 0, torch.device("cpu")):
+    with tracker.profiled("unused", options.profile_steps("1"), 0, 0, torch.device("cpu")):
         assert not torch.autograd._profiler_enabled()
 
 
@@ -426,8 +429,8 @@ def test_temperature_zero_is_greedy_end_to_end(tmp_path, dist_env):
     cfg = options.parse_args([f"--out_dir={tmp_path}", "--algorithm.adv_estimator=gae",
                                  "--rollout.temperature=0", "--rollout.n=4", "--steps=1"])
     assert rollout.logprob_temperature(cfg.rollout) == 1.0
-    data, _ = train_grpo.preflight(cfg)
-    t = train_grpo.setup(cfg, data=data)
+    (data, val), _ = train_grpo.preflight(cfg)
+    t = train_grpo.setup(cfg, data=data, val=val)
     batch = rollout.generate_hf(t.actor.model, t.prompts[:3], cfg.rollout, 0, 1, t.device, seed=0)
     groups = batch["responses"].view(3, 4, -1)
     assert all(torch.equal(g[0], g[i]) for g in groups for i in range(4))
@@ -490,15 +493,17 @@ def test_local_model_ppo_critic_and_final_round_trip(tmp_path):
 @launches
 @pytest.mark.timeout(900)                # 60 steps: 210 s on 2 busy cores
 def test_host_memory_flat_over_many_steps(tmp_path):
-    """60 steps of the embedded model with every offload flag on and a checkpoint every 10 steps
-    (the host buffers and the DCP saves are where a leak would live). After a 20-step warm-up
-    (allocator pools and DCP's machinery are set up once) host RSS does not drift: the median of
-    the last 15 steps is within 1 % of steps 20-35's, and the least-squares trend over steps
-    20-60 adds up to less than 1 %. glibc is told to return every freed block of 256 KiB or more
-    and to trim its heap at once, so that RSS follows what is alive rather than what malloc keeps
-    cached (without that it swings by +-3 % from step to step at this scale), and to keep two arenas:
-    glibc opens a new one when a thread finds the others locked, so their count (and RSS) followed the
-    machine's load (+1.5 % once, in a suite run beside other work)."""
+    """60 steps of the embedded model with every offload flag on, a checkpoint and a validation every 10 steps
+    (the host buffers, the DCP saves and the held-out answers are where a leak would live). After a 20-step
+    warm-up (allocator pools and DCP's machinery are set up once) host RSS does not drift: the median of the
+    last 15 steps is within 2 % of steps 20-35's, and the least-squares trend over steps 20-60 adds up to
+    less than 2 % (a leak of 0.4 MB a step fails it). The noise it must pass: 140 steps with validation on
+    and off, 20-step medians from step 20 on within 0.6 % and 0.8 % of each other with no trend, single
+    steps apart by up to 2.4 %, a 15-step window once 1.4 % above another. glibc is told to return every
+    freed block of 256 KiB or more and to trim its heap at once, so that RSS follows what is alive rather
+    than what malloc keeps cached (without that it swings by +-3 % from step to step at this scale), and to
+    keep two arenas: glibc opens a new one when a thread finds the others locked, so their count (and RSS)
+    followed the machine's load (+1.5 % once, in a suite run beside other work)."""
     import statistics
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=60", "--save=false", "--save_freq=10", "--actor.param_offload=true",
@@ -507,9 +512,9 @@ def test_host_memory_flat_over_many_steps(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     rss = [m["host_rss_gb"] for m in metrics(out)][20:]
     early, late = statistics.median(rss[:15]), statistics.median(rss[-15:])
-    assert abs(late - early) <= 0.01 * early, (early, late)
+    assert abs(late - early) <= 0.02 * early, (early, late, rss)
     xs = range(len(rss))
     mx, my = statistics.fmean(xs), statistics.fmean(rss)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, rss)) / sum((x - mx) ** 2 for x in xs)
-    assert abs(slope * len(rss)) <= 0.01 * early, slope
+    assert abs(slope * len(rss)) <= 0.02 * early, (slope, rss)
     assert all(k in metrics(out)[-1] for k in ("mem/update/allocated_gb", "mem/update/reserved_gb"))
