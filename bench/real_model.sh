@@ -6,7 +6,12 @@
 #   MODEL=/models/Qwen2.5-Coder-0.5B-Instruct TRAIN=gsm8k_train.jsonl VAL=gsm8k_val.jsonl bash bench/real_model.sh grpo
 #   bash bench/real_model.sh grpo 540      # the same, stopped by SIGTERM after 540 s; run again: it resumes
 #   bash bench/real_model.sh rows          # PPO, LoRA, FP8 KV, FP8 weights + KV side by side on the GPU (short)
-#   python bench/plot_val.py out/real/grpo  # val.png from a run folder (or a part's unpacked .tgz)
+#   bash bench/real_model.sh trl_speed    # TRL's workload, TRL and ours (bench/bench_step.py) at 0.5B and 1.5B
+#   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10 steps
+#   bash bench/real_model.sh trl_eval     # the base model and TRL's checkpoints through one greedy evaluator
+# TRL's parts want TRL's wheels installed first (no registry on the GPU machine):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .peers/*.whl
+# val.png: each run folder has it (the run draws it); bench/vs_trl.py report draws TRL's against ours.
 # The data: GSM8K rows as published ({"question": ..., "answer": "... #### 72"}); the model: a local folder.
 set -u
 OUT=${OUT:-out/real}; mkdir -p "$OUT"
@@ -51,5 +56,24 @@ case "${1:-}" in
     run "$RUNS/fp8" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 --rollout.quantization=fp8 & jobs+=($!)
     wait "${jobs[@]}"
     kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
-  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds]" >&2; exit 2 ;;
+  trl_speed)   # one process each, one after another: TRL 0.5B, ours 0.5B, TRL 1.5B, ours 1.5B (medians of steps 3-8)
+    for size in 0.5b 1.5b; do
+      PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} timeout 300 torchrun --nproc_per_node=1 bench/vs_trl.py speed \
+        --size=qwen2.5-$size --tokenizer="$MODEL" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
+      echo "[trl_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
+      timeout 300 python bench/bench_step.py --model=random:qwen2.5-$size --steps=8 --warmup=2 \
+        --out="$OUT/ours_speed_$size.json" > "$OUT/ours_speed_$size.log" 2>&1
+      echo "[ours_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
+    done ;;
+  trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
+    PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} timeout -s TERM "${2:-540}" torchrun --nproc_per_node=1 bench/vs_trl.py task \
+      --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
+      --lr=2e-6 --steps=50 --save_steps=10 --out="$RUNS/trl" > "$OUT/trl_task.log" 2>&1
+    echo "[trl_task] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl/steps.json" "$OUT/trl_steps.json" ;;
+  trl_eval)    # the base model first (its engine is reused), then each checkpoint TRL wrote
+    timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval.json" \
+      "$MODEL" $(ls -d "$RUNS"/trl/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo/final 2>/dev/null) \
+      > "$OUT/trl_eval.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
+    echo "[trl_eval] exit $?" | tee -a "$OUT/summary.txt" ;;
+  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds] | trl_speed | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
 esac

@@ -1,0 +1,293 @@
+"""TRL beside this project on one GPU, in one lease (TRL is not a dependency: its wheels travel to the GPU
+machine for this bench only). Three parts, each a process of its own:
+
+    # TRL's GRPO workload on a random Qwen2.5 shape (16 prompts x 8, 64-token prompts, 256-token answers,
+    # micro-batch 32, KL 0.04, colocated vLLM with sleep mode); ours is bench/bench_step.py on the same shape
+    python bench/vs_trl.py speed --size=qwen2.5-0.5b --tokenizer=/tmp/qwen-coder-0.5b --out=trl_speed_0p5b.json
+    # the real task: the same model, GSM8K rows, instruction, strict reward, 32 x 8 a step, lr, KL and answer
+    # length as bench/real_model.sh's GRPO; a checkpoint every --save_steps for `eval`
+    python bench/vs_trl.py task --model=/tmp/qwen-coder-0.5b --train=/tmp/gsm8k_train.jsonl --steps=50 --out=trl_task
+    # greedy held-out accuracy of checkpoints (TRL's, or ours: final/, a checkpoint's hf/ folder) with the
+    # evaluator our validation uses (chat template, instruction, 512 tokens, strict and flexible forms)
+    python bench/vs_trl.py eval --val=/tmp/gsm8k_val.jsonl --out=trl_eval.json trl_task/checkpoint-10 ...
+    python bench/vs_trl.py report --trl=trl_task --eval=trl_eval.json --ours=<our run dir> --out=vs_trl.md
+
+`speed` and `task` write each optimizer step's wall-clock time, TRL's own step_time, reward, KL and
+completion length to JSON as they come (a call cut short keeps its steps). DRY=1 runs `speed` and `task`
+without vLLM (HF generate) on the CPU with a small local model: the plumbing, checked before a lease.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)                   # data.py: the rows, the instruction, the GSM8K reward
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'   # verl's GSM8K sentence
+DRY = os.environ.get("DRY") == "1"
+
+
+def trl_config(out: str, **kw):
+    """GRPOConfig with what both parts share: colocated vLLM asleep between generations, bf16 autocast,
+    a log line every step, no hub, no reports, nothing saved unless asked."""
+    from trl import GRPOConfig
+    base = dict(output_dir=out, use_vllm=not DRY, vllm_mode="colocate", vllm_enable_sleep_mode=not DRY,
+                bf16=not DRY, logging_steps=1, report_to=[], save_strategy="no", seed=0, temperature=1.0,
+                use_cpu=DRY, dataloader_num_workers=0)
+    return GRPOConfig(**{**base, **kw})
+
+
+class Steps:
+    """A TrainerCallback (duck-typed: transformers calls the methods it finds) that writes every optimizer
+    step's wall time since training began and TRL's logged figures to `path`, after each step."""
+
+    def __init__(self, path: str, meta: dict):
+        self.path, self.rows, self.meta, self.t0 = path, [], meta, None
+
+    def __getattr__(self, name):           # every other callback event: nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.t0 = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        import torch
+        row = {"step": state.global_step, "wall_s": time.perf_counter() - self.t0,
+               **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}}
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            row.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / 2 ** 30, device_used_gb=(total - free) / 2 ** 30)
+            torch.cuda.reset_peak_memory_stats()
+        self.rows.append(row)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump({**self.meta, "steps": self.rows}, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+    import trl
+    out = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
+    try:
+        import vllm
+        out["vllm"] = vllm.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
+# --------------------------------------------------------------------------- speed: TRL's workload
+def random_folder(size: str, tokenizer: str, where: str) -> str:
+    """A Qwen2.5 shape with random weights (model.SIZES) saved with a real Qwen tokenizer: vLLM and TRL read a
+    folder. fp32 on disk: TRL trains the dtype it loads (fp32 master weights and bf16 autocast, as ours)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
+    import model
+    if os.path.exists(os.path.join(where, "config.json")):
+        return where
+    cfg = model.size_config(size)
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = None, None, None   # the tokenizer's own
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).float().save_pretrained(where)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(where)
+    return where
+
+
+def speed_prompts(tok, n: int, length: int) -> list[str]:
+    """`n` prompts of `length` tokens each: words of the vocabulary (" word", one token that encodes back
+    to itself), so the text re-tokenizes to the same count; the JSON records the mean."""
+    import re
+    words = [i for i in range(len(tok)) if re.fullmatch(r" [a-z]{3,}", tok.decode([i]))]
+    words = [i for i in words if tok(tok.decode([i]), add_special_tokens=False)["input_ids"] == [i]] or list(range(3, len(tok)))
+    rng = random.Random(0)
+    return [tok.decode([rng.choice(words) for _ in range(length)]) for _ in range(n)]
+
+
+def speed(a):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+    folder = a.model or random_folder(a.size, a.tokenizer, f"/tmp/vs_trl_{a.size}")
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = speed_prompts(tok, a.prompts * (a.steps + 1), a.prompt_len)
+    lengths = [len(tok(p)["input_ids"]) for p in prompts]
+    cfg = trl_config(a.out + ".trl", num_generations=a.n, max_completion_length=a.response_len, beta=a.kl,
+                     per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.prompts * a.n // a.micro,
+                     max_steps=a.steps, learning_rate=1e-6, gradient_checkpointing=a.gradient_checkpointing,
+                     use_liger_kernel=a.liger, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                     shuffle_dataset=False)
+    meta = {"part": "speed", "size": a.size, "args": vars(a), "prompt_tokens_mean": statistics.fmean(lengths),
+            "versions": versions()}
+    trainer = GRPOTrainer(model=folder, reward_funcs=lambda completions, **kw: [float(len(c) % 2) for c in completions],
+                          args=cfg, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
+                          callbacks=[Steps(a.out, meta)])
+    trainer.train()
+
+
+# --------------------------------------------------------------------------- task: the real model on GSM8K
+def gsm8k_rows(path: str, limit: int = 0) -> list[dict]:
+    """{"prompt": [user turn: question + instruction], "answer"} from published GSM8K rows (question,
+    answer) or this project's (prompt, answer), as train_grpo reads them (data.read_rows)."""
+    import data
+    rows = data.read_rows(path)
+    key = data.prompt_key_of(rows[0], data.PROMPT_KEYS[0])
+    out = [{"prompt": data.with_instruction([{"role": "user", "content": r[key]}] if isinstance(r[key], str) else r[key],
+                                            INSTRUCTION), "answer": str(r["answer"])} for r in rows]
+    return out[:limit] if limit else out
+
+
+def strict_reward(completions, answer, **kw) -> list[float]:
+    """The reward our run uses (data.gsm8k_reward: the last `#### N` equals the answer's)."""
+    import data
+    return [data.gsm8k_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+
+def task(a):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOTrainer
+    rows = gsm8k_rows(a.train)
+    tok = AutoTokenizer.from_pretrained(a.model)
+    per_step = a.prompts * a.n              # samples a step; two optimizer steps of `mini` prompts each
+    cfg = trl_config(a.out, num_generations=a.n, max_completion_length=a.response_len, beta=a.kl,
+                     per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.mini * a.n // a.micro,
+                     generation_batch_size=per_step, max_steps=a.steps * a.prompts // a.mini,
+                     learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
+                     max_grad_norm=1.0, gradient_checkpointing=a.gradient_checkpointing, use_liger_kernel=a.liger,
+                     vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
+                     save_strategy="steps", save_steps=a.save_steps * a.prompts // a.mini, save_only_model=True,
+                     model_init_kwargs={"dtype": "float32"})   # fp32 master weights, bf16 autocast: as ours
+    meta = {"part": "task", "args": vars(a), "versions": versions(),
+            "optimizer_steps_per_step": a.prompts // a.mini}
+    os.makedirs(a.out, exist_ok=True)
+    trainer = GRPOTrainer(model=a.model, reward_funcs=strict_reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                          processing_class=tok, callbacks=[Steps(os.path.join(a.out, "steps.json"), meta)])
+    trainer.train()
+
+
+# --------------------------------------------------------------------------- eval: one evaluator for both
+def evaluate(a):
+    """Greedy answers to the held-out rows from each checkpoint folder, scored strict and flexible: one vLLM
+    engine built from the first folder, the next folders' weights loaded into it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import data
+    import importlib.util
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine's model in this process: _load reaches it
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    from vllm import LLM, SamplingParams
+    rows = gsm8k_rows(a.val, a.limit)
+    tok = AutoTokenizer.from_pretrained(a.folders[0])
+    prompts = [tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True) for r in rows]
+    llm = LLM(model=a.folders[0], dtype="bfloat16", gpu_memory_utilization=a.vllm_gpu_memory_utilization, seed=0,
+              max_model_len=max(map(len, prompts)) + a.response_len, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=a.response_len)
+    results = []
+    for i, folder in enumerate(a.folders):
+        if i:                               # the next checkpoint's weights into the same engine
+            _load(llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).state_dict())
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        texts = [o.outputs[0].text for o in outs]
+        strict = statistics.fmean(data.gsm8k_reward(t, r["answer"]) for t, r in zip(texts, rows))
+        flexible = statistics.fmean(data.gsm8k_flexible_reward(t, r["answer"]) for t, r in zip(texts, rows))
+        results.append({"folder": folder, "strict": strict, "flexible": flexible, "prompts": len(rows),
+                        "response_tokens_mean": statistics.fmean(len(o.outputs[0].token_ids) for o in outs),
+                        "generate_s": time.perf_counter() - t0})
+        print(json.dumps(results[-1]), flush=True)
+        with open(a.out, "w") as f:
+            json.dump({"val": a.val, "response_len": a.response_len, "results": results}, f, indent=1)
+
+
+def _load(llm, weights: dict):
+    """Another checkpoint's weights into the engine (this process's model: vLLM's in-process executor)."""
+    import vllm_engine
+    vllm_engine.vllm_model(llm).load_weights(weights.items())
+
+
+# --------------------------------------------------------------------------- report
+def report(a):
+    """Held-out accuracy against training minutes (TRL: wall time at each checkpoint; ours: the step times
+    up to each validation, validation itself left out) as a table and a picture."""
+    trl_steps = json.load(open(os.path.join(a.trl, "steps.json")))
+    per = trl_steps["optimizer_steps_per_step"]
+    wall = {r["step"]: r["wall_s"] for r in trl_steps["steps"] if "train_runtime" not in r}   # (not the summary)
+    evals = json.load(open(a.eval))["results"]
+    step_of = {e["folder"]: int(e["folder"].rstrip("/").rsplit("-", 1)[1]) for e in evals
+               if os.path.basename(e["folder"].rstrip("/")).startswith("checkpoint-")}   # TRL's optimizer steps
+    trl = [(0, 0.0, evals[0]["strict"], evals[0]["flexible"])] + [   # the first folder: the base model
+        (step_of[e["folder"]] // per, wall[step_of[e["folder"]]] / 60, e["strict"], e["flexible"])
+        for e in evals if e["folder"] in step_of]
+    other = [e for e in evals[1:] if e["folder"] not in step_of]   # e.g. our final/: the evaluator against our run's
+    rows = [json.loads(x) for x in open(os.path.join(a.ours, "metrics.jsonl"))]
+    ours, minutes = [], 0.0
+    for r in sorted(rows, key=lambda r: r["step"]):
+        if "val/strict" in r:
+            ours.append((r["step"], minutes, r["val/strict"], r["val/flexible"]))
+        minutes += (r.get("time/step", 0) - r.get("time/val", 0)) / 60
+    lines = ["| run | step | training min | strict | flexible |", "|---|---|---|---|---|"]
+    lines += [f"| {name} | {s} | {m:.2f} | {st:.3f} | {fl:.3f} |" for name, pts in (("TRL", trl), ("ours", ours))
+              for s, m, st, fl in pts]
+    lines += [f"| (evaluator) {e['folder']} | | | {e['strict']:.3f} | {e['flexible']:.3f} |" for e in other]
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if a.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, pts in (("TRL", trl), ("ours", ours)):
+            ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], marker="o", label=f"{name} (flexible)")
+            ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker=".", ls="--", label=f"{name} (strict)")
+        ax.set_xlabel("training minutes (validation left out)")
+        ax.set_ylabel("held-out accuracy, greedy (%)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(a.plot, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=("speed", "task", "eval", "report"))
+    ap.add_argument("folders", nargs="*", help="eval: checkpoint folders, the first one's engine reused")
+    ap.add_argument("--size", default="qwen2.5-0.5b")
+    ap.add_argument("--tokenizer", default="/tmp/qwen-coder-0.5b", help="speed: a Qwen2.5 tokenizer's folder")
+    ap.add_argument("--model", default="", help="task: the model folder; speed: a folder instead of --size")
+    ap.add_argument("--train", default="/tmp/gsm8k_train.jsonl")
+    ap.add_argument("--val", default="/tmp/gsm8k_val.jsonl")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--mini", type=int, default=16, help="task: prompts an optimizer step")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--prompt_len", type=int, default=64)
+    ap.add_argument("--response_len", type=int, default=256)
+    ap.add_argument("--micro", type=int, default=32)
+    ap.add_argument("--kl", type=float, default=0.04)
+    ap.add_argument("--lr", type=float, default=2e-6)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--save_steps", type=int, default=10, help="task: a checkpoint every this many steps")
+    ap.add_argument("--limit", type=int, default=0, help="eval: the first this many held-out rows (0: all)")
+    ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--liger", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
+    ap.add_argument("--trl", default="", help="report: TRL's task folder")
+    ap.add_argument("--eval", default="", help="report: eval's JSON")
+    ap.add_argument("--ours", default="", help="report: our run's out_dir")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    {"speed": speed, "task": task, "eval": evaluate, "report": report}[a.part](a)
+
+
+if __name__ == "__main__":
+    main()
