@@ -55,7 +55,10 @@ CONFIGS = {  # name: overrides of the role configs (the copy levers are on unles
     "ref_optim": {"ref.param_offload": True, "actor.optimizer_offload": True},
     "ref_optim_at_step": {"ref.param_offload": True, "actor.optimizer_offload": True,
                           "actor.optimizer_load_at_step": True},   # Adam in after the backward: lower peak
+    "optim_stream": {"actor.optimizer_offload": True, "actor.optimizer_stream": True},   # Adam a window at a time
+    "ref_optim_stream": {"ref.param_offload": True, "actor.optimizer_offload": True, "actor.optimizer_stream": True},
     "all": ALL,
+    "all_stream": {**ALL, "actor.optimizer_stream": True},
     "all_no_prefetch": {**ALL, "actor.prefetch_update": False},   # what the prefetch lever buys
     "all_no_levers": {**ALL, **NO_LEVERS},                          # ... and the deferred offload
     "param_no_levers": {"actor.param_offload": True, **NO_LEVERS},

@@ -8,6 +8,9 @@
 #   bash bench/one_gpu.sh fp8bench                             # bf16 / FP8 KV / FP8 weights + KV at 1.5B and 7B
 #   bash bench/one_gpu.sh kernels [0.5b|1.5b]                  # --kernels torch / liger / compile: the step
 #   bash bench/one_gpu.sh rest; bash bench/one_gpu.sh rest2    # the GPU tests round 7 did not reach; the kernels' accuracy
+#   bash bench/one_gpu.sh stream                               # Adam whole vs streamed: the update at 1.5B and 7B
+#   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
+#   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -17,6 +20,19 @@ part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<na
   echo "[$name] exit $? in $((SECONDS - t0)) s" | tee -a "$OUT/$name.txt" "$OUT/summary.txt"
 }
 case "${1:-}" in
+  stream)     # the same steps with Adam brought in whole for the step and streamed a layer at a time, one process
+    part stream_1p5b 240 python bench/bench_offload.py --model=random:qwen2.5-1.5b --configs=optim,optim_stream,all,all_stream \
+      --steps=3 --out="$OUT/stream_1p5b.json"
+    part stream_7b 340 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim,ref_optim_stream \
+      --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --out="$OUT/stream_7b.json" ;;
+  stream80)   # plan.py's template row "qwen2.5-7b | 1 x 80": every stage's device level against 80 GB and the plan
+    part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
+      --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
+      --out="$OUT/stream_7b_80.json" ;;
+  leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
+    part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
+    part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b --variants="default;default;default" \
+      --steps=2 --warmup=1 --out="$OUT/leak_0p5b.json" ;;
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
     part test_memory 560 python -m pytest -q -rf test_memory.py ;;    # 22 tests, about 6 min (240 s + 124 s, rounds 7-8)
