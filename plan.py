@@ -101,7 +101,7 @@ class Target:
         if self.host_bytes and p.pinned_host + p.buffer_host > 0.9 * self.host_bytes:
             return False
         top = self.gpu_bytes * (1 - self.margin)
-        return (max(s.total for s in p.stages) <= self.room(p.beside) and p.device_peak <= top
+        return (max([s.total for s in p.stages] + [p.checkpoint]) <= self.room(p.beside) and p.device_peak <= top
                 and sum(p.engine_device.values()) <= top)
 
 
@@ -221,6 +221,10 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", t.world, {"rollout.n": max(1, cfg.rollout.n // k)}))
         length = max(1, cfg.rollout.response_length // k)
         tries.append((f"rollout.response_length={length}", t.world, {"rollout.response_length": length}))
+    if cfg.save_freq:                          # a checkpoint's bracket: a role's params and all of its Adam at once
+        ck = predict(cfg, t.world, t.prompt_len, t.engine).checkpoint
+        tries.append((f"save_freq=0 (a checkpoint brings a role's params and all of its Adam in at once, {ck / GB:.1f} GB; "
+                       f"final/ keeps the weights whatever stops the run)", t.world, {"save_freq": 0}))
     for section, mod in (("rollout", rollout), ("actor", actor)):   # each role's last resorts (RESCUE)
         for name, (value, why) in mod.RESCUE.items():
             if getattr(getattr(cfg, section), name) != value and not (name == "lora_rank" and cfg.actor.lora_rank):
@@ -350,12 +354,15 @@ def templates() -> str:
             host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
             target = Target(world, 512, gb * GB, 0.1, "vllm", host)
             best, p = choose(cfg, target)
+            if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
+                best, p = choose(with_options(cfg, {"save_freq": 0}), target)
             if best is None:
                 fits = what_would_fit(cfg, target)
                 rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} "
                             f"| - | - | - |")
             else:
-                rows.append(f"| {size} | {world} x {gb} | {' '.join(changes(cfg, best)) or '(none)'} | "
+                flags = (["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
+                rows.append(f"| {size} | {world} x {gb} | {' '.join(flags) or '(none)'} | "
                             f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
     return "\n".join(rows)
 

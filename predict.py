@@ -99,6 +99,7 @@ class Plan:
     buffer_host: int = 0                       # async: the host's rollout buffer, bytes
     beside: int = 0                            # bytes on a trainer GPU outside PyTorch's allocator and the trainer's
                                                # CUDA context: a sleeping vLLM's (colocated), the engine's (gpus=0)
+    checkpoint: int = 0                        # allocated at a checkpoint's bracket (0: --save_freq=0, none written)
 
     @property
     def peak(self) -> int:
@@ -233,7 +234,16 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                                              "CUDA context": CUDA_CONTEXT}
         plan = Plan(stages, awake, pinned, _seconds(r, st), beside=VLLM_RESIDENT if engine == "vllm" else 0)
     plan.device = _device_levels(plan, r, sum(stage("between", st, [{}]).terms.values()))
+    plan.checkpoint = checkpoint_bytes(r, st) if cfg.save_freq else 0
     return plan
+
+
+def checkpoint_bytes(r: Run, st: dict) -> int:
+    """A checkpoint's bracket (checkpoint._write, one trained role at a time): that role's fp32 params and all
+    of its Adam in at once (optimizer_stream too: torch's state-dict helpers and DCP read the live tensors),
+    beside what every other group holds between uses; the larger role's."""
+    roles = [actor.GROUPS + ("actor_optimizer",)] + ([("critic_params", "critic_optimizer")] if r.separate else [])
+    return max(stage("checkpoint", st, [model.in_use(st, *g)]).total for g in roles)
 
 
 def _device_levels(plan: Plan, r: Run, between: int) -> dict:
@@ -276,6 +286,18 @@ def _device_levels(plan: Plan, r: Run, between: int) -> dict:
     if "val" in out:                           # validation's bracket: the same sync, the same engine awake
         out["val"] = out["generate"]
     return out
+
+
+def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
+    """A run whose checkpoint cannot fit the GPU at all (the plan's allocated bytes at its bracket, past the
+    GPU less the CUDA context and what lies beside the trainer) is refused at start with its fix, not after
+    --save_freq steps of work. `gpu_bytes` 0 (no GPU): nothing to check."""
+    room = gpu_bytes - CUDA_CONTEXT - p.beside
+    if gpu_bytes and p.checkpoint > room:
+        raise ValueError(f"a checkpoint every --save_freq={cfg.save_freq} steps brings a trained role's fp32 params "
+                         f"and all of its Adam onto the GPU at once ({p.checkpoint / GB:.1f} GB by the plan; "
+                         f"{room / GB:.1f} GB can be allocated here): use --save_freq=0 (final/ keeps the weights "
+                         f"whatever stops the run), or more GPUs")
 
 
 # --------------------------------------------------------------------------- time

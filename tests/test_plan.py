@@ -133,7 +133,8 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     fits with flags the planner names (every stage under the allocator budget and the device-level
     margin). 7B full fine-tuning keeps 10 % of one 80 GB GPU free only with Adam streamed from the host
     (the whole-state offload brings all of Adam back for the step: 114 GiB of fp32 params, grads and
-    moments at the update); the least-memory choice streams it too. Below that device level (64 GB)
+    moments at the update) and without checkpoints (one brings the params and all of Adam in at once: the
+    planner names --save_freq=0); the least-memory choice streams it too. Below that device level (64 GB)
     nothing fits; 72B on one 80 GB GPU fits with nothing, and the planner names more GPUs."""
     cfg = _cfg("--model=random:qwen2.5-3b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                "--rollout.response_length=1024", "--actor.ppo_micro_batch_size_per_gpu=64",
@@ -144,9 +145,12 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     assert best is not None and plan.changes(cfg, best)
     assert max(s.total for s in p.stages) <= h200.budget
     assert p.device_peak <= 0.9 * 141 * GB and p.device_peak >= max(s.total for s in p.stages)
-    big7 = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
-                "--rollout.response_length=512", "--actor.ppo_micro_batch_size_per_gpu=8")
+    every50 = _cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+                   "--rollout.response_length=512", "--actor.ppo_micro_batch_size_per_gpu=8")
     gpu80 = plan.Target(world=1, prompt_len=256, gpu_bytes=80 * GB)
+    assert plan.choose(every50, gpu80) == (None, None)   # a checkpoint brings params and all of Adam in: 86 GB
+    assert any(x.startswith("save_freq=0 (a checkpoint brings") for x in plan.what_would_fit(every50, gpu80))
+    big7 = plan.with_options(every50, {"save_freq": 0})
     found, fp = plan.choose(big7, gpu80)
     assert "--actor.optimizer_stream=true" in plan.changes(big7, found) and gpu80.fits(fp)
     assert not gpu80.fits(predict.predict(plan.with_options(found, {"actor.optimizer_stream": False}), 1, 256))
@@ -516,10 +520,10 @@ def test_plan_keeps_the_runs_margin(capsys):
 
 
 def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
-    """7B full fine-tuning on a 76 GB GPU: nothing keeps 10 % free (Adam streamed, the least device level is
-    71.9 GB), but the least device memory fits inside it. The plan names the margin that fits (the largest in hundredths), what the 10 % keeps, and the
+    """7B full fine-tuning without checkpoints on a 76 GB GPU: nothing keeps 10 % free (Adam streamed, the least
+    device level is 71.9 GB), but the least device memory fits inside it. The plan names the margin that fits (the largest in hundredths), what the 10 % keeps, and the
     fastest flags there, not "a bigger GPU"; those flags do fit at that margin."""
-    args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+    args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--save_freq=0",
             "--rollout.response_length=128", "--prompt_len=128", "--gpu_gb=76"]
     lines = _report(capsys, *args)
     nothing = next(x for x in lines if x.startswith("[plan] nothing fits"))
@@ -527,8 +531,8 @@ def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
     assert 0 <= m < 0.1 and "the 10% margin keeps 7.6 GB free" in nothing and "bigger GPU" not in nothing
     under = next(x for x in lines if x.startswith(f"[plan] with --plan_margin={m:.2f}: "))
     flags = under.split(": ", 1)[1].split(" (peak")[0].split()
-    cfg, t = _cfg(*args[:4]), plan.Target(1, 128, 76 * GB, m)
-    found = options.parse_args(args[:4] + flags)
+    cfg, t = _cfg(*args[:5]), plan.Target(1, 128, 76 * GB, m)
+    found = options.parse_args(args[:5] + flags)
     assert t.fits(predict.predict(found, 1, 128)) and plan.choose(cfg, dataclasses.replace(t, margin=0.1)) == (None, None)
     assert not plan.fits_at_all(cfg, dataclasses.replace(t, margin=m + 0.01))   # the largest that fits
 
@@ -632,3 +636,21 @@ def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_
         assert plan.relax(kept, 1, 256, "vllm", 80 * GB).actor.gradient_checkpointing
     assert plan.relax(cfg, 1, 256, "vllm", 0).actor.gradient_checkpointing
     assert capsys.readouterr().out == ""
+
+
+def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
+    """A checkpoint brings one trained role's fp32 params and all of its Adam in at once (checkpoint._write), the
+    stream too: the plan holds that bracket (the actor's 12 bytes a parameter beside what the others hold
+    between uses) when --save_freq > 0 and none with --save_freq=0; a run whose bracket is past its GPU is
+    refused at start with --save_freq=0 named (not after 50 steps), and a CPU run (0 bytes) is not."""
+    args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
+            "--actor.optimizer_offload=true", "--actor.optimizer_stream=true", "--ref.param_offload=true"]
+    p = predict.predict(_cfg(*args), 1, 256)
+    params = predict.shapes("random:qwen2.5-7b").params
+    assert p.checkpoint == pytest.approx((12 * params + predict.CUBLAS) * predict.ALLOC_SLACK, rel=1e-6)
+    assert p.checkpoint > max(s.total for s in p.stages)       # the stream's update is below it
+    assert predict.predict(_cfg(*args, "--save_freq=0"), 1, 256).checkpoint == 0
+    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* \(86\.\d GB by the plan; .* use --save_freq=0"):
+        predict.checkpoint_fits(_cfg(*args), p, 80 * GB)
+    predict.checkpoint_fits(_cfg(*args), p, 141 * GB)
+    predict.checkpoint_fits(_cfg(*args), p, 0)
