@@ -87,7 +87,8 @@ def versions() -> dict:
 # --------------------------------------------------------------------------- speed: TRL's workload
 def random_folder(size: str, tokenizer: str, where: str) -> str:
     """A Qwen2.5 shape with random weights (model.SIZES) saved with a real Qwen tokenizer: vLLM and TRL read a
-    folder. fp32 on disk: TRL trains the dtype it loads (fp32 master weights and bf16 autocast, as ours)."""
+    folder. bf16 on disk, as published checkpoints are: vLLM serves that dtype, and TRL at its defaults
+    (dtype "auto") trains it as loaded."""
     import torch
     from transformers import AutoTokenizer, Qwen2ForCausalLM
     import model
@@ -96,7 +97,7 @@ def random_folder(size: str, tokenizer: str, where: str) -> str:
     cfg = model.size_config(size)
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = None, None, None   # the tokenizer's own
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).float().save_pretrained(where)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(where)
     return where
 
@@ -125,7 +126,7 @@ def speed(a):
                      use_liger_kernel=a.liger, vllm_gpu_memory_utilization=a.vllm_gpu_memory_utilization,
                      shuffle_dataset=False)
     meta = {"part": "speed", "size": a.size, "args": vars(a), "prompt_tokens_mean": statistics.fmean(lengths),
-            "versions": versions()}
+            "versions": versions(), "trl_dtype": "as loaded (TRL's default)"}
     trainer = GRPOTrainer(model=folder, reward_funcs=lambda completions, **kw: [float(len(c) % 2) for c in completions],
                           args=cfg, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                           callbacks=[Steps(a.out, meta)])
