@@ -94,11 +94,11 @@ def random_folder(size: str, tokenizer: str, where: str) -> str:
     import model
     if os.path.exists(os.path.join(where, "config.json")):
         return where
-    cfg = model.size_config(size)
-    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = None, None, None   # the tokenizer's own
+    cfg, tok = model.size_config(size), AutoTokenizer.from_pretrained(tokenizer)
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = tok.pad_token_id, tok.eos_token_id, None   # the tokenizer's
     torch.manual_seed(0)
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
-    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(where)
+    tok.save_pretrained(where)
     return where
 
 
