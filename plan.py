@@ -223,7 +223,8 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         tries.append((f"rollout.response_length={length}", t.world, {"rollout.response_length": length}))
     if cfg.save_freq:                          # a checkpoint's bracket: a role's params and all of its Adam at once
         ck = predict(cfg, t.world, t.prompt_len, t.engine).checkpoint
-        tries.append((f"save_freq=0 (a checkpoint brings a role's params and all of its Adam in at once, {ck / GB:.1f} GB; "
+        tries.append((f"save_freq=0 (a checkpoint brings a role's params and all of its Adam in at once, a resume zero "
+                       f"grads too: {ck / GB:.1f} GB; "
                        f"final/ keeps the weights whatever stops the run)", t.world, {"save_freq": 0}))
     for section, mod in (("rollout", rollout), ("actor", actor)):   # each role's last resorts (RESCUE)
         for name, (value, why) in mod.RESCUE.items():

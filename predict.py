@@ -239,11 +239,14 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
 
 
 def checkpoint_bytes(r: Run, st: dict) -> int:
-    """A checkpoint's bracket (checkpoint._write, one trained role at a time): that role's fp32 params and all
-    of its Adam in at once (optimizer_stream too: torch's state-dict helpers and DCP read the live tensors),
-    beside what every other group holds between uses; the larger role's."""
-    roles = [actor.GROUPS + ("actor_optimizer",)] + ([("critic_params", "critic_optimizer")] if r.separate else [])
-    return max(stage("checkpoint", st, [model.in_use(st, *g)]).total for g in roles)
+    """A checkpoint's bracket (checkpoint._write and load, one trained role at a time), beside what every other
+    group holds between uses; the larger role's. A save holds the role's fp32 params and all of its Adam at once
+    (optimizer_stream too: torch's state-dict helpers and DCP read the live tensors); a resume's load adds a zero
+    grad for every trained param, with which torch's helper makes the fresh optimizer's state before DCP fills it."""
+    roles = [(actor.GROUPS + ("actor_optimizer",), "actor_params")] + \
+        ([(("critic_params", "critic_optimizer"), "critic_params")] if r.separate else [])
+    return max(stage("checkpoint", st, [{**model.in_use(st, *g), "zero grads (a load)": st[p][0]}]).total
+               for g, p in roles)
 
 
 def _device_levels(plan: Plan, r: Run, between: int) -> dict:
@@ -295,7 +298,8 @@ def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
     room = gpu_bytes - CUDA_CONTEXT - p.beside
     if gpu_bytes and p.checkpoint > room:
         raise ValueError(f"a checkpoint every --save_freq={cfg.save_freq} steps brings a trained role's fp32 params "
-                         f"and all of its Adam onto the GPU at once ({p.checkpoint / GB:.1f} GB by the plan; "
+                         f"and all of its Adam onto the GPU at once, and a resume from it zero grads too "
+                         f"({p.checkpoint / GB:.1f} GB by the plan; "
                          f"{room / GB:.1f} GB can be allocated here): use --save_freq=0 (final/ keeps the weights "
                          f"whatever stops the run), or more GPUs")
 

@@ -640,17 +640,18 @@ def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_
 
 def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
     """A checkpoint brings one trained role's fp32 params and all of its Adam in at once (checkpoint._write), the
-    stream too: the plan holds that bracket (the actor's 12 bytes a parameter beside what the others hold
-    between uses) when --save_freq > 0 and none with --save_freq=0; a run whose bracket is past its GPU is
-    refused at start with --save_freq=0 named (not after 50 steps), and a CPU run (0 bytes) is not."""
+    stream too, and a resume's load adds a zero grad a param (torch's helper makes the optimizer's state with
+    them): the plan holds that bracket (the actor's 16 bytes a parameter beside what the others hold between
+    uses) when --save_freq > 0 and none with --save_freq=0; a run whose bracket is past its GPU is refused at
+    start with --save_freq=0 named (not after 50 steps), and a CPU run (0 bytes) is not."""
     args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
             "--actor.optimizer_offload=true", "--actor.optimizer_stream=true", "--ref.param_offload=true"]
     p = predict.predict(_cfg(*args), 1, 256)
     params = predict.shapes("random:qwen2.5-7b").params
-    assert p.checkpoint == pytest.approx((12 * params + predict.CUBLAS) * predict.ALLOC_SLACK, rel=1e-6)
+    assert p.checkpoint == pytest.approx((16 * params + predict.CUBLAS) * predict.ALLOC_SLACK, rel=1e-6)
     assert p.checkpoint > max(s.total for s in p.stages)       # the stream's update is below it
     assert predict.predict(_cfg(*args, "--save_freq=0"), 1, 256).checkpoint == 0
-    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* \(86\.\d GB by the plan; .* use --save_freq=0"):
+    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* \(114\.\d GB by the plan; .* use --save_freq=0"):
         predict.checkpoint_fits(_cfg(*args), p, 80 * GB)
     predict.checkpoint_fits(_cfg(*args), p, 141 * GB)
     predict.checkpoint_fits(_cfg(*args), p, 0)
