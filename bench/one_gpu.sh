@@ -26,7 +26,7 @@ case "${1:-}" in
     part stream_7b 340 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim,ref_optim_stream \
       --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --out="$OUT/stream_7b.json" ;;
   stream80)   # plan.py's template row "qwen2.5-7b | 1 x 80": every stage's device level against 80 GB and the plan
-    part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
+    part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 --save_freq=0 \
       --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
       --out="$OUT/stream_7b_80.json" ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
