@@ -12,23 +12,20 @@ stash knows at build whether its flag puts it on the host, so every bracket read
                         (rollout.py loads and frees `[a.base, a.params]`), for old log-probs
                         (`compute_old_log_probs`) and for the update (`update`); forward-only uses
                         free them without a copy back.
-    optimizer_offload   Adam's exp_avg + exp_avg_sq live on the host outside `update`. They come
-                        back on a side stream while the first forward/backward runs;
-                        `clipped_step` waits for them right before `optimizer.step()`. With
-                        optimizer_stream they step a window of layers at a time instead
-                        (offload.streamed_step): the update never holds all of them.
+    optimizer_offload   Adam's exp_avg + exp_avg_sq live on the host outside `update`, back on a side
+                        stream during the first forward/backward (`clipped_step` waits right before
+                        `optimizer.step()`), or with optimizer_stream a window of layers at a time at the
+                        step (offload.streamed_step): then the update never holds all of them.
     the levers          prefetch_update (`prefetch_update`, called during the ref forward),
                         defer_param_offload (`update` keeps the params; the next sync copies them
                         out), optimizer_load_at_step (Adam copied in at the step, not before).
-    checkpoints         `state_in`: every group in while a checkpoint reads (or a resume writes)
-                        them, then out again (checkpoint.py).
+    checkpoints         `state_in`: every group in while a checkpoint reads (or a resume writes) them.
 
 LoRA (lora_rank > 0, lora.py): only the adapters train (grads and Adam for them alone); the frozen
 base is held in the compute dtype and is the reference (`compute_ref_log_probs`: adapter off). The
 params group splits in two: `Actor.params` (the adapters) and `Actor.base` (frozen: copied out once,
 at build; later brackets only free it). What the planner counts of all this: the `predicted` section.
-Batches are rollout.make_batch's dicts (B rows; old_log_probs, ref_log_probs, advantages (B, R) as their
-stages add them).
+Batches: rollout.make_batch's dicts (old_log_probs, ref_log_probs, advantages (B, R) as their stages add them).
 """
 import contextlib
 import math
@@ -487,10 +484,9 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     grads = {"actor grads": states["actor_params"][0]}     # fp32 shards of what trains (host-side with the policy)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
             "LM head chunk (backward)": z.head(n, layout, packing.HEAD_BACKWARD)}
-    if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
-        adam = {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
-        return update_phases(params, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
     held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
+    if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
+        held, adam = params, {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
     return update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
 
 
@@ -505,7 +501,6 @@ def predicted_windows(cfg: ActorConfig, z, states: dict) -> int:
     return window_peak([z.shard(n, 8) for n in sizes])
 
 
-STREAM_EXPOSED = 0.5   # optimizer_stream: the share of each window's copies the steps beside it do not hide (not measured)
 def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:
     """The actor's copies that do not hide behind compute: its params out at the sync and in again
     (hidden behind the ref forward when it `prefetches`), Adam in (on a side stream behind the
@@ -514,9 +509,15 @@ def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwid
     if cfg.offload_policy:                     # 16.2 s for 1.54B params on one H200 host
         return 10.5e-9 * z.shapes.params / max(z.world, 1) + 1.5 * host["actor_params"] / bandwidth
     exposed = host["actor_params"] * (1 + (0.25 if prefetches(cfg, ppo) else 1)) + host.get("actor_base", 0)
-    exposed += host["actor_optimizer"] * (1 + (1 if cfg.optimizer_load_at_step else 0.5 if not cfg.optimizer_stream
-                                               else STREAM_EXPOSED))
+    exposed += host["actor_optimizer"] * (1 + (1 if cfg.optimizer_load_at_step and not cfg.optimizer_stream
+                                               else 0.5))   # in: half hidden (the stream's windows too: not measured)
     return exposed / bandwidth
+
+
+def predicted_checkpoint(states: dict) -> list:
+    """A checkpoint's bracket (`state_in`): the fp32 params and all of Adam at once (optimizer_stream too), and at a
+    resume's load a zero grad a trained param, with which torch's helper makes a fresh optimizer's state."""
+    return [{**in_use(states, *GROUPS, "actor_optimizer"), "zero grads (a load)": states["actor_params"][0]}]
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -524,8 +525,7 @@ def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwid
 def state_in(a: Actor, loading: bool = False):
     """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read them
     (a save) or write into them (a load), then back where they were (`offload.holding`); through the live
-    tensors, as those helpers and DCP's resharding need (docs/runs.md). Device cost for its length: fp32
-    params + 2 x params of Adam, the whole of it (optimizer_stream too)."""
+    tensors, as those helpers and DCP's resharding need (docs/runs.md). Its bytes: `predicted_checkpoint`."""
     with offload.holding(policy_stashes(a) + [a.adam], loading):
         yield
         if loading:

@@ -38,8 +38,8 @@ import actor
 import offload
 import packing
 import ulysses
-from model import (optimizer_windows, window_peak, LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
-                   load_model, make_layout, shard, split, state, update_phases)
+from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
+                   load_model, make_layout, optimizer_windows, shard, split, state, update_phases, window_peak)
 
 
 @dataclass
@@ -366,6 +366,12 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
         return update_phases(held, grads, busy, z.accumulating(layout), {**held, **grads,
                              "critic Adam windows (in, stepping, out)": window_peak([z.shard(n, 8) for n in sizes])})
     return update_phases(in_use(states, "critic_params", "critic_optimizer"), grads, busy, z.accumulating(layout))
+
+
+def predicted_checkpoint(states: dict) -> list:
+    """A checkpoint's bracket (`state_in`, separate mode), as the actor's: params and all of Adam at once, and a
+    resume's zero grads."""
+    return [{**in_use(states, "critic_params", "critic_optimizer"), "zero grads (a load)": states["critic_params"][0]}]
 
 
 # --------------------------------------------------------------------------- checkpoints

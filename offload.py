@@ -230,7 +230,8 @@ def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
             torch.cuda.current_stream(stash.device).wait_event(landed)
         with _only(optimizer, w):
             optimizer.step()
-        _fill(stash, w)                    # the first step: the state it just made
+        if stash.spare:                    # the first step: take in the state it just made
+            _fill(stash, w)
         while len(stash.host) < len(stash.storages):
             n = stash.views[len(stash.host)].numel()
             if not stash.spare or stash.spare[0].numel() != n:

@@ -239,14 +239,10 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
 
 
 def checkpoint_bytes(r: Run, st: dict) -> int:
-    """A checkpoint's bracket (checkpoint._write and load, one trained role at a time), beside what every other
-    group holds between uses; the larger role's. A save holds the role's fp32 params and all of its Adam at once
-    (optimizer_stream too: torch's state-dict helpers and DCP read the live tensors); a resume's load adds a zero
-    grad for every trained param, with which torch's helper makes the fresh optimizer's state before DCP fills it."""
-    roles = [(actor.GROUPS + ("actor_optimizer",), "actor_params")] + \
-        ([(("critic_params", "critic_optimizer"), "critic_params")] if r.separate else [])
-    return max(stage("checkpoint", st, [{**model.in_use(st, *g), "zero grads (a load)": st[p][0]}]).total
-               for g, p in roles)
+    """A checkpoint's bracket (checkpoint._write and load: one trained role at a time, its predicted_checkpoint),
+    beside what every other group holds between uses; the larger role's."""
+    return max(stage("checkpoint", st, role.predicted_checkpoint(st)).total
+               for role in [actor] + ([critic] if r.separate else []))
 
 
 def _device_levels(plan: Plan, r: Run, between: int) -> dict:

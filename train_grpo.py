@@ -154,11 +154,11 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
-    cfg = plan.relax(cfg, world, prompt_len, kind, ledger.gpu_capacity(device) if device.type == "cuda" else 0, rank)
+    cfg = plan.relax(cfg, world, prompt_len, kind, (gpu := ledger.gpu_capacity(device) if device.type == "cuda" else 0), rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
     plan.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    predict.checkpoint_fits(cfg, predicted, ledger.gpu_capacity(device) if device.type == "cuda" else 0)
+    predict.checkpoint_fits(cfg, predicted, gpu)
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
