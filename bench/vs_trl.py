@@ -45,7 +45,7 @@ class Steps:
     step's wall time since training began and TRL's logged figures to `path`, after each step."""
 
     def __init__(self, path: str, meta: dict):
-        self.path, self.rows, self.meta, self.t0 = path, [], meta, None
+        self.path, self.rows, self.saves, self.meta, self.t0 = path, [], [], meta, None
 
     def __getattr__(self, name):           # every other callback event: nothing
         if name.startswith("on_"):
@@ -64,8 +64,17 @@ class Steps:
             row.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / 2 ** 30, device_used_gb=(total - free) / 2 ** 30)
             torch.cuda.reset_peak_memory_stats()
         self.rows.append(row)
+        self._write()
+
+    def on_save(self, args, state, control, **kw):
+        # the Trainer logs a step, then saves: the time since that log is the save's, left out of training time
+        last = self.rows[-1]["wall_s"] if self.rows else 0.0
+        self.saves.append({"step": state.global_step, "save_s": time.perf_counter() - self.t0 - last})
+        self._write()
+
+    def _write(self):
         with open(self.path + ".tmp", "w") as f:
-            json.dump({**self.meta, "steps": self.rows}, f, indent=1)
+            json.dump({**self.meta, "steps": self.rows, "saves": self.saves}, f, indent=1)
         os.replace(self.path + ".tmp", self.path)
 
 
@@ -217,11 +226,14 @@ def _load(llm, weights: dict):
 
 # --------------------------------------------------------------------------- report
 def report(a):
-    """Held-out accuracy against training minutes (TRL: wall time at each checkpoint; ours: the step times
-    up to each validation, validation itself left out) as a table and a picture."""
+    """Held-out accuracy against training minutes (TRL: wall time at each checkpoint, its checkpoint writes
+    left out; ours: the step times up to each validation, validation itself left out) as a table and a
+    picture."""
     trl_steps = json.load(open(os.path.join(a.trl, "steps.json")))
     per = trl_steps["optimizer_steps_per_step"]
-    wall = {r["step"]: r["wall_s"] for r in trl_steps["steps"] if "train_runtime" not in r}   # (not the summary)
+    saved = trl_steps.get("saves", [])         # checkpoint writes (for `eval`) are not training time
+    wall = {r["step"]: r["wall_s"] - sum(x["save_s"] for x in saved if x["step"] < r["step"])
+            for r in trl_steps["steps"] if "train_runtime" not in r}   # (not the summary)
     evals = json.load(open(a.eval))["results"]
     step_of = {e["folder"]: int(e["folder"].rstrip("/").rsplit("-", 1)[1]) for e in evals
                if os.path.basename(e["folder"].rstrip("/")).startswith("checkpoint-")}   # TRL's optimizer steps
