@@ -139,6 +139,25 @@ def gpu_bytes(*objs) -> int:
     return sum(seen.values())
 
 
+def held_blocks(top: int = 8) -> list[str]:
+    """What the CUDA allocator holds now, by where it was made: the live blocks of its snapshot summed by
+    pool (the default one, or a private one: vLLM's sleep pool, CUDA graphs) and by the allocating line
+    (the first frame of this project or of vLLM, innermost first). Stacks exist only for blocks made while
+    torch.cuda.memory._record_memory_history was on (--memory_history): how a leak names its line."""
+    root, sums = os.path.dirname(os.path.abspath(__file__)), {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = "default pool" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else \
+            f"pool {tuple(seg['segment_pool_id'])}"
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                sites = [f"{os.path.relpath(f['filename'], root) if f['filename'].startswith(root) else f['filename'].split('site-packages/')[-1]}:{f['line']}"
+                         for f in b.get("frames", []) if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
+                key = (pool, " < ".join(sites[:3]) or "no stack")
+                sums[key] = sums.get(key, 0) + b["size"]
+    return [f"{n / 2 ** 20:.0f} MiB in the {pool}: {site}"
+            for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+
+
 def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):
     """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
     with `history` (--memory_history), every allocation's stack is recorded into it as well."""

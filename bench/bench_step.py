@@ -135,6 +135,8 @@ def left_models(engine) -> list:
     big.sort(key=lambda x: -x[0])
     out.append(f"python-visible CUDA storages of 16 MiB or more: {sum(storages.values()) / 2 ** 30:.2f} GB")
     out += [f"{n / 2 ** 20:.0f} MiB {tuple(t.shape)} {t.dtype} held by {holders(t)}" for n, t in big[:5]]
+    if torch.cuda.is_available():          # every live block by pool and allocating line (--memory_history=true)
+        out += ledger.held_blocks()
     return out
 
 
@@ -181,6 +183,7 @@ def main():
         for variant in args.variants.split(";"):
             flags = MODES[mode] + ([] if variant == "default" else variant.split())
             name = f"{mode} {variant}"
+            name += f" #{sum(k.startswith(name) for k in res['runs']) + 1}" if name in res["runs"] else ""   # repeats kept
             try:
                 m, table, engine = run_variant(args, flags, engine, args.profile)
                 res["runs"][name] = {"ok": True, "metrics": m, "profile": table}

@@ -24,14 +24,15 @@ case "${1:-}" in
     part stream_1p5b 240 python bench/bench_offload.py --model=random:qwen2.5-1.5b --configs=optim,optim_stream,all,all_stream \
       --steps=3 --out="$OUT/stream_1p5b.json"
     part stream_7b 340 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim,ref_optim_stream \
-      --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --out="$OUT/stream_7b.json" ;;
+      --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --save_freq=0 --out="$OUT/stream_7b.json" ;;
   stream80)   # plan.py's template row "qwen2.5-7b | 1 x 80": every stage's device level against 80 GB and the plan
     part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 --save_freq=0 \
       --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
       --out="$OUT/stream_7b_80.json" ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
-    part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b --variants="default;default;default" \
+    part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \
+      --variants="--memory_history=true;--memory_history=true;--memory_history=true" \
       --steps=2 --warmup=1 --out="$OUT/leak_0p5b.json" ;;
   tests)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1

@@ -18,6 +18,8 @@ OUT=${OUT:-out/real}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/qwen-coder-0.5b}; TRAIN=${TRAIN:-/tmp/gsm8k_train.jsonl}; VAL=${VAL:-/tmp/gsm8k_val.jsonl}
 RUNS=${RUNS:-/tmp/real_runs}; mkdir -p "$RUNS"
 export PYTHONUNBUFFERED=1
+# TRL's colocated vLLM wants a one-process group; torchrun would read the bench's --n=8 as its own --nnodes
+TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517)
 INSTRUCTION='Let'"'"'s think step by step and output the final answer after "####".'   # verl's GSM8K instruction
 # GRPO as the README's real-model section runs it, on one GPU: 32 problems x 8 samples a step, two optimizer
 # steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
@@ -58,7 +60,7 @@ case "${1:-}" in
     kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
   trl_speed)   # one process each, one after another: TRL 0.5B, ours 0.5B, TRL 1.5B, ours 1.5B (medians of steps 3-8)
     for size in 0.5b 1.5b; do
-      PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} timeout 300 torchrun --nproc_per_node=1 bench/vs_trl.py speed \
+      timeout 300 "${TRL[@]}" python bench/vs_trl.py speed \
         --size=qwen2.5-$size --tokenizer="$MODEL" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
       echo "[trl_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
       timeout 300 python bench/bench_step.py --model=random:qwen2.5-$size --steps=8 --warmup=2 \
@@ -66,7 +68,7 @@ case "${1:-}" in
       echo "[ours_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
     done ;;
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
-    PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} timeout -s TERM "${2:-540}" torchrun --nproc_per_node=1 bench/vs_trl.py task \
+    timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
       --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
       --lr=2e-6 --steps=50 --save_steps=10 --out="$RUNS/trl" > "$OUT/trl_task.log" 2>&1
     echo "[trl_task] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl/steps.json" "$OUT/trl_steps.json" ;;

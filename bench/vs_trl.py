@@ -197,7 +197,9 @@ def evaluate(a):
     from vllm import LLM, SamplingParams
     rows = gsm8k_rows(a.val, a.limit)
     tok = AutoTokenizer.from_pretrained(a.folders[0])
-    prompts = [tok.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True) for r in rows]
+    # the text as data.py renders it, then its ids (transformers 5's tokenize=True returns a dict, not ids)
+    prompts = [tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for r in rows]
     llm = LLM(model=a.folders[0], dtype="bfloat16", gpu_memory_utilization=a.vllm_gpu_memory_utilization, seed=0,
               max_model_len=max(map(len, prompts)) + a.response_len, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=a.response_len)
@@ -298,7 +300,7 @@ def main():
     ap.add_argument("--ours", default="", help="report: our run's out_dir")
     ap.add_argument("--plot", default="")
     ap.add_argument("--out", required=True)
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()         # eval's folders may come after the options
     {"speed": speed, "task": task, "eval": evaluate, "report": report}[a.part](a)
 
 
