@@ -17,6 +17,7 @@ set -u
 OUT=${OUT:-out/real}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/qwen-coder-0.5b}; TRAIN=${TRAIN:-/tmp/gsm8k_train.jsonl}; VAL=${VAL:-/tmp/gsm8k_val.jsonl}
 RUNS=${RUNS:-/tmp/real_runs}; mkdir -p "$RUNS"
+SEED=${SEED:-0}; S=$([ "$SEED" = 0 ] || echo "_s$SEED")   # SEED=1: a second run of grpo / trl_task beside the first
 export PYTHONUNBUFFERED=1
 # TRL's colocated vLLM wants a one-process group; torchrun would read the bench's --n=8 as its own --nnodes
 TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517)
@@ -25,7 +26,7 @@ INSTRUCTION='Let'"'"'s think step by step and output the final answer after "###
 # steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
 GRPO=(--model="$MODEL" --data="$TRAIN" --val_data="$VAL" --instruction="$INSTRUCTION" --train_batch_size=32
       --rollout.n=8 --actor.ppo_mini_batch_size=16 --rollout.response_length=512 --actor.lr=2e-6 --steps=300
-      --val_freq=10 --logger=none)
+      --val_freq=10 --logger=none --seed="$SEED")
 
 pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (replaced whole)
   local part=$1; shift
@@ -45,9 +46,9 @@ run() {  # run <dir> <seconds> <options...>: one training run, SIGTERM after <se
 case "${1:-}" in
   grpo)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-    packer=$(keep_packing grpo "$RUNS/grpo")
-    run "$RUNS/grpo" "${2:-540}" "${GRPO[@]}"
-    kill "$packer"; pack grpo "$RUNS/grpo" ;;
+    packer=$(keep_packing "grpo$S" "$RUNS/grpo$S")
+    run "$RUNS/grpo$S" "${2:-540}" "${GRPO[@]}"
+    kill "$packer"; pack "grpo$S" "$RUNS/grpo$S" ;;
   rows)    # side by side on one GPU (each run's times are shared-GPU times: read their curves against steps)
     packer=$(keep_packing rows "$RUNS"/{ppo,lora,fp8kv,fp8})
     jobs=()
@@ -70,11 +71,11 @@ case "${1:-}" in
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
     timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
       --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
-      --lr=2e-6 --steps=50 --save_steps=10 --out="$RUNS/trl" > "$OUT/trl_task.log" 2>&1
-    echo "[trl_task] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl/steps.json" "$OUT/trl_steps.json" ;;
+      --lr=2e-6 --steps=50 --save_steps=10 --seed="$SEED" --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
+    echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json" ;;
   trl_eval)    # the base model first (its engine is reused), then each checkpoint TRL wrote
-    timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval.json" \
-      "$MODEL" $(ls -d "$RUNS"/trl/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo/final 2>/dev/null) \
+    timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
+      "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
       > "$OUT/trl_eval.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
     echo "[trl_eval] exit $?" | tee -a "$OUT/summary.txt" ;;
   *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds] | trl_speed | trl_task [seconds] | trl_eval" >&2; exit 2 ;;

@@ -30,12 +30,12 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 DRY = os.environ.get("DRY") == "1"
 
 
-def trl_config(out: str, **kw):
+def trl_config(out: str, seed: int = 0, **kw):
     """GRPOConfig with what both parts share: colocated vLLM asleep between generations, bf16 autocast,
     a log line every step, no hub, no reports, nothing saved unless asked."""
     from trl import GRPOConfig
-    base = dict(output_dir=out, use_vllm=not DRY, vllm_mode="colocate", vllm_enable_sleep_mode=not DRY,
-                bf16=not DRY, logging_steps=1, report_to=[], save_strategy="no", seed=0, temperature=1.0,
+    base = dict(output_dir=out, seed=seed, use_vllm=not DRY, vllm_mode="colocate", vllm_enable_sleep_mode=not DRY,
+                bf16=not DRY, logging_steps=1, report_to=[], save_strategy="no", temperature=1.0,
                 use_cpu=DRY, dataloader_num_workers=0)
     return GRPOConfig(**{**base, **kw})
 
@@ -167,7 +167,7 @@ def task(a):
     rows = gsm8k_rows(a.train)
     tok = AutoTokenizer.from_pretrained(a.model)
     per_step = a.prompts * a.n              # samples a step; two optimizer steps of `mini` prompts each
-    cfg = trl_config(a.out, num_generations=a.n, max_completion_length=a.response_len, beta=a.kl,
+    cfg = trl_config(a.out, a.seed, num_generations=a.n, max_completion_length=a.response_len, beta=a.kl,
                      per_device_train_batch_size=a.micro, gradient_accumulation_steps=a.mini * a.n // a.micro,
                      generation_batch_size=per_step, max_steps=a.steps * a.prompts // a.mini,
                      learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01,
@@ -290,6 +290,7 @@ def main():
     ap.add_argument("--kl", type=float, default=0.04)
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0, help="task: the data order and sampling (a second run: another)")
     ap.add_argument("--save_steps", type=int, default=10, help="task: a checkpoint every this many steps")
     ap.add_argument("--limit", type=int, default=0, help="eval: the first this many held-out rows (0: all)")
     ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)

@@ -210,3 +210,34 @@ def test_vllm_validates_a_real_instruct_model(tmp_path):
           f"boxed {v['val/found_boxed']:.3f}, #### {v['val/found_strict']:.3f}, length {v['val/response_length']:.0f}")
     assert v["val/prompts"] == 64 and 0.08 < v["val/flexible"] < 0.6 and v["val/found_boxed"] > 0.5
     assert v["val/strict"] < v["val/flexible"] and "the held-out answers end with `#### N` in" in r.stdout
+
+
+# --------------------------------------------------------------------------- TRL beside us: the report
+def test_the_trl_report_counts_training_minutes_only(tmp_path):
+    """bench/vs_trl.py report (no TRL needed): TRL's accuracy at each checkpoint against its wall time less
+    the checkpoint writes before it, ours at each validation against the steps' time less the validations';
+    the evaluator's other folders (our final/) in rows of their own."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import vs_trl
+    trl, ours = tmp_path / "trl", tmp_path / "ours"
+    trl.mkdir(), ours.mkdir()
+    steps = [{"step": s, "wall_s": 6.0 * s + (5.0 if s > 20 else 0.0)} for s in range(1, 41)]   # a 5 s save at 20
+    (trl / "steps.json").write_text(json.dumps({"optimizer_steps_per_step": 2, "steps": steps,
+                                                "saves": [{"step": 20, "save_s": 5.0}]}))
+    folders = ["base", str(trl / "checkpoint-20"), str(trl / "checkpoint-40"), str(ours / "final")]
+    scores = [0.0, 0.2, 0.3, 0.25]
+    (tmp_path / "eval.json").write_text(json.dumps({"results": [
+        {"folder": f, "strict": s, "flexible": s + 0.01} for f, s in zip(folders, scores)]}))
+    rows = [{"step": 0, "val/strict": 0.0, "val/flexible": 0.24, "time/step": 2.0, "time/val": 2.0}]
+    rows += [{"step": s, "time/step": 9.0 + (3.0 if s == 10 else 0.0), "time/val": 3.0 if s == 10 else 0.0,
+              **({"val/strict": 0.15, "val/flexible": 0.26} if s == 10 else {})} for s in range(1, 11)]
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "table.txt"
+    vs_trl.report(type("A", (), {"trl": str(trl), "eval": str(tmp_path / "eval.json"), "ours": str(ours),
+                                 "out": str(out), "plot": ""})())
+    table = out.read_text().splitlines()
+    assert "| TRL | 10 | 2.00 | 0.200 | 0.210 |" in table       # optimizer step 20: 120 s
+    assert "| TRL | 20 | 4.00 | 0.300 | 0.310 |" in table       # step 40: 245 s of wall, 5 s of it the save
+    assert "| ours | 10 | 1.35 | 0.150 | 0.260 |" in table      # steps 0-9 before step 10 validates: 0 + 9 x 9 s
+    assert any(r.startswith("| (evaluator)") and "final" in r for r in table)
