@@ -5,6 +5,7 @@ two: the first warms the graphs). What FP8 (rollout.kv_cache_dtype, rollout.quan
     source .vllm/env.sh && python bench/bench_engine.py auto none out/engine_bf16.json     # bf16
     python bench/bench_engine.py fp8 fp8 out/engine_fp8.json                               # FP8 weights + KV
     python bench/bench_engine.py fp8 none out/engine_fp8kv.json --model=qwen2.5-1.5b        # FP8 KV only
+    python bench/bench_engine.py auto none out/sampler.json --model=qwen2.5-0.5b --sampler   # the sampler's costs
 
 Workload: 32 prompts of 128 tokens x 8 samples, 512 tokens each (ignore_eos: every response at full
 length), temperature 1.
@@ -48,10 +49,52 @@ def main():
     res = {"model": size, "kv": kv, "quant": quant, "device_gb_awake": (total - free) / 2 ** 30,
            "kv_gb": engine.kv_cache_bytes / 2 ** 30, "generate_s": seconds, "tokens": tokens,
            "tokens_per_s": tokens / seconds}
+    if "--sampler" in sys.argv:
+        res["sampler"] = sampler(llm, prompts, size)
     with open(out, "w") as f:
         json.dump(res, f)
     print(res, flush=True)
     launch.leave(0)
+
+
+def sampler(llm, prompts: list, size: str) -> dict:
+    """The sampling call's costs on one engine, side by side (issue 42's decode profile): a seed for every
+    request (what the rollout asks today: samples independent of how requests share a batch) against one
+    seed for the call (vLLM's own generator), each with and without the sampled token's log-prob, twice in
+    alternation; the decode step against the weight-read bound (bf16 params / the H200's 4.8 TB/s); and
+    whether the one-seed call gives the same samples twice from the same CUDA RNG state."""
+    from vllm import SamplingParams
+    n_params = sum(p.numel() for p in rollout_model(llm).parameters())
+
+    def params(seeded: bool, logprobs: bool):
+        return [SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False,
+                               seed=i if seeded else None, logprobs=0 if logprobs else None) for i in range(len(prompts))]
+
+    def timed(seeded: bool, logprobs: bool):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(seeded, logprobs), use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, [list(o.token_ids) for r in outs for o in r.outputs]
+
+    variants = {f"{'seed a request' if s else 'one seed a call'}, {'log-probs' if lp else 'no log-probs'}": (s, lp)
+                for s in (True, False) for lp in (True, False)}
+    times = {k: [] for k in variants}
+    for _ in range(2):
+        for k, v in variants.items():
+            times[k].append(timed(*v)[0])
+    torch.cuda.manual_seed(1)
+    first = timed(False, True)[1]
+    torch.cuda.manual_seed(1)
+    again = timed(False, True)[1]
+    bound_ms = n_params * 2 / 4.8e12 * 1e3
+    return {"decode_step_ms": {k: min(t) / 512 * 1e3 for k, t in times.items()}, "generate_s": times,
+            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again, "model": size}
+
+
+def rollout_model(llm):
+    import vllm_engine
+    return vllm_engine.vllm_model(llm)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
 #   bash bench/one_gpu.sh stream                               # Adam whole vs streamed: the update at 1.5B and 7B
 #   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
+#   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -29,6 +30,9 @@ case "${1:-}" in
     part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 --save_freq=0 \
       --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
       --out="$OUT/stream_7b_80.json" ;;
+  sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
+    part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
+    part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
     part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \
@@ -76,5 +80,5 @@ case "${1:-}" in
     part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2" >&2; exit 2 ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|leak|sampler" >&2; exit 2 ;;
 esac
