@@ -166,12 +166,10 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 
 def policy_stats(clipped: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
-    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the
-    mini-batch's global count), whatever loss_agg_mode is: summed over micro-batches and ranks
-    they are token means over all of them, as verl reports them (a loss-mode "fraction" could
-    exceed 1). ppo_kl is KL(old || new) estimated per token by k3 = r - 1 - log r (r = new/old
-    probability; >= 0, low variance); verl logs the k1 estimate, the mean of old - new log-prob
-    (same expectation under the old policy, noisier, can be negative)."""
+    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the mini-batch's global
+    count), whatever loss_agg_mode is: summed over micro-batches and ranks they are token means, as verl
+    reports them. ppo_kl is KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance);
+    verl logs k1, the mean of old - new log-prob (same expectation, noisier, can be negative)."""
     k3 = ratio - 1 - torch.log(ratio)
     return torch.stack([(clipped * mask).sum(), (k3 * mask).sum()]) / tokens
 
@@ -342,10 +340,8 @@ def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: di
 
 
 def prefetch_update(a: Actor, metrics: dict):
-    """The prefetch_update lever: the update's params start coming in on a side stream now (the
-    loop calls this while the ref forward runs); `update` then only waits for the copy. They stay
-    on the GPU from here on (the loop calls it when the actor `prefetches`). Not Adam: twice the bytes,
-    and the update hides its copy already."""
+    """The prefetch_update lever: the update's params start in on a side stream during the ref forward (when
+    the actor `prefetches`) and stay; `update` only waits for the copy. Not Adam: twice the bytes, hidden already."""
     for s in policy_stashes(a):
         metrics.update(offload.reload(s, background=True))
 
@@ -514,19 +510,22 @@ def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwid
     return exposed / bandwidth
 
 
-def predicted_checkpoint(states: dict) -> list:
-    """A checkpoint's bracket (`state_in`): the fp32 params and all of Adam at once (optimizer_stream too), and at a
-    resume's load a zero grad a trained param, with which torch's helper makes a fresh optimizer's state."""
+def predicted_checkpoint(cfg: ActorConfig, z, states: dict) -> list:
+    """A checkpoint's bracket (`state_in`): fp32 params, all of Adam and a load's zero grads (torch's helper makes
+    a fresh optimizer's state with them); optimizer_stream: params and a window (Adam stays on the host)."""
+    if cfg.optimizer_stream and cfg.optimizer_offload:
+        return [{**in_use(states, *GROUPS), "Adam window + its zero grads (a load)": predicted_windows(cfg, z, states)}]
     return [{**in_use(states, *GROUPS, "actor_optimizer"), "zero grads (a load)": states["actor_params"][0]}]
 
 
 # --------------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
 def state_in(a: Actor, loading: bool = False):
-    """A checkpoint's bracket: params and Adam on the device while torch's state-dict helpers read them
-    (a save) or write into them (a load), then back where they were (`offload.holding`); through the live
-    tensors, as those helpers and DCP's resharding need (docs/runs.md). Its bytes: `predicted_checkpoint`."""
-    with offload.holding(policy_stashes(a) + [a.adam], loading):
+    """A checkpoint's bracket (`predicted_checkpoint`): params and Adam on the device while torch's state-dict
+    helpers read (a save) or write (a load) the live tensors, then back where they were (docs/runs.md);
+    optimizer_stream: Adam stays on the host, where DCP reads and writes it (`offload.born_on_host`)."""
+    with offload.holding(policy_stashes(a) + ([] if a.windows else [a.adam]), loading):
+        offload.born_on_host(a.optimizer, a.adam, a.windows)
         yield
         if loading:
             for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's

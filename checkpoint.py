@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import actor
@@ -326,7 +327,8 @@ def _write(tmp: str, roles: list, meta: dict):
         with state_in(state):
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role))
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role),
+                         planner=HostSave(offload.on_host(state.adam)))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
                 if no_space(e):
                     raise OSError(errno.ENOSPC, _cause(e), os.path.join(tmp, role)) from None
@@ -345,6 +347,39 @@ def _write(tmp: str, roles: list, meta: dict):
     if rank == 0:
         _write_json(os.path.join(tmp, "meta.json"), {
             "files": files, **meta, "time": datetime.datetime.now().isoformat(timespec="seconds")})
+
+
+class HostSave(DefaultSavePlanner):
+    """DCP's save, with what a stash keeps on the host (a streamed role's Adam: `host`, offload.on_host)
+    written from its host mirror: its device storage is empty, and Adam never comes in whole."""
+
+    def __init__(self, host: dict):
+        super().__init__()
+        self.host = host
+
+    def lookup_object(self, index):
+        return _mirror(super().lookup_object(index), self.host)
+
+
+class HostLoad(DefaultLoadPlanner):
+    """DCP's load, into the host mirrors of what a stash keeps on the host (as HostSave)."""
+
+    def __init__(self, host: dict):
+        super().__init__()
+        self.host = host
+
+    def lookup_tensor(self, index):
+        return _mirror(super().lookup_tensor(index), self.host)
+
+
+def _mirror(t, host: dict):
+    """`t` itself, or, when its storage lives on the host (`host`: storage key -> uint8 mirror), the same
+    tensor over the mirror's bytes."""
+    h = host.get(t.untyped_storage()._cdata) if host and torch.is_tensor(t) else None
+    if h is None:
+        return t
+    h = h.view(t.dtype)                   # a view into the stash's one host arena: offsets count from the arena's start
+    return h.as_strided(t.shape, t.stride(), h.storage_offset() + t.storage_offset())
 
 
 def _publish(root: str, name: str, tmp: str, step: int, keep: int, t0: float):
@@ -403,7 +438,8 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
             # weights do not move), which DCP then overwrites in place
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
-                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role))
+                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role),
+                         planner=HostLoad(offload.on_host(state.adam)))
             except CheckpointException as e:   # verified intact (or written before checksums): the model differs
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

@@ -360,17 +360,24 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c)}
     grads = {"critic grads": states["critic_params"][0]}
     if cfg.optimizer_stream and cfg.optimizer_offload:   # a few windows of Adam at the step (model.window_peak)
-        s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
-        sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
         held = in_use(states, "critic_params")
         return update_phases(held, grads, busy, z.accumulating(layout), {**held, **grads,
-                             "critic Adam windows (in, stepping, out)": window_peak([z.shard(n, 8) for n in sizes])})
+                             "critic Adam windows (in, stepping, out)": _windows(cfg, z)})
     return update_phases(in_use(states, "critic_params", "critic_optimizer"), grads, busy, z.accumulating(layout))
 
 
-def predicted_checkpoint(states: dict) -> list:
+def _windows(cfg: CriticConfig, z) -> int:
+    """The critic's Adam bytes at a streamed step's worst moment (model.window_peak over its windows)."""
+    s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
+    sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
+    return window_peak([z.shard(n, 8) for n in sizes])
+
+
+def predicted_checkpoint(cfg: CriticConfig, z, states: dict) -> list:
     """A checkpoint's bracket (`state_in`, separate mode), as the actor's: params and all of Adam at once, and a
-    resume's zero grads."""
+    resume's zero grads; optimizer_stream: params and a window of Adam with its zero grads."""
+    if cfg.optimizer_stream and cfg.optimizer_offload:
+        return [{**in_use(states, "critic_params"), "critic Adam window + its zero grads (a load)": _windows(cfg, z)}]
     return [{**in_use(states, "critic_params", "critic_optimizer"), "zero grads (a load)": states["critic_params"][0]}]
 
 
@@ -379,8 +386,10 @@ def predicted_checkpoint(states: dict) -> list:
 def state_in(c: Critic, loading: bool = False):
     """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
     while the state-dict helpers read or write them, then back where they were (separate mode;
-    the shared head never moves). Device cost for the checkpoint's length: params + 2 x params."""
-    with offload.holding([c.params, c.adam], loading):
+    the shared head never moves). Device cost for the checkpoint's length: params + 2 x params
+    (optimizer_stream: params and a window of Adam; Adam is read and written on the host)."""
+    with offload.holding([c.params] + ([] if c.windows else [c.adam]), loading):
+        offload.born_on_host(c.optimizer, c.adam, c.windows)
         yield
         if loading:
             for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's

@@ -2,14 +2,13 @@
 
     python -m pytest tests/test_dist.py test_memory.py        # round trips (CPU) and freed bytes (GPU)
 
-Manual offload (the default mode) works on storages, not on modules: each FSDP2 parameter's
-local shard (and each Adam state tensor) lives in one untyped storage. Offload copies that
-storage into a pinned host buffer allocated once (exact size) and reused every step, then resizes the
-device storage to 0 bytes, which returns it to the caching allocator at once, whoever still
-holds a view of it. Reload resizes the storage back and copies the bytes in. The Parameter
-and DTensor objects never change, so FSDP2, the optimizer and autograd see the same tensors.
-Why not `model.cpu()`: it lands in pageable memory and allocates new host tensors each time
-(slower, and host RSS creeps), and a live `state_dict()` result keeps the GPU shard alive.
+Manual offload (the default mode) works on storages, not on modules: each FSDP2 parameter's local shard
+(and each Adam state tensor) lives in one untyped storage. Offload copies it into a pinned host buffer
+allocated once (exact size) and reused every step, then resizes the device storage to 0 bytes, which
+returns it to the caching allocator at once, whoever holds a view of it. Reload resizes it back and copies
+the bytes in. The Parameter and DTensor objects never change: FSDP2, the optimizer and autograd see the
+same tensors. Why not `model.cpu()`: pageable memory and new host tensors each time (slower, host RSS
+creeps), and a live `state_dict()` result keeps the GPU shard alive.
 """
 import contextlib
 import mmap
@@ -135,11 +134,9 @@ def _sync(device):
 
 
 def offload(stash: Stash, modified: bool = True) -> dict:
-    """Device -> pinned host, then free the device storages. Frees `stash.nbytes` of device memory.
-    `modified=False` (a forward-only bracket: generate, old/ref log-probs) skips the copy back when
-    the host buffers already hold these bytes: only the free remains, no PCIe traffic. A frozen
-    stash is never modified: after its first offload every later one is a free. A stash whose flag
-    is off (`enabled` False) stays where it is."""
+    """Device -> pinned host, then free the device storages (`stash.nbytes`). `modified=False` (a forward-only
+    bracket) skips the copy when the host already holds these bytes: only the free remains. A frozen stash
+    is never modified (after its first offload, a free); one whose flag is off stays where it is."""
     if not stash.enabled or not stash.on_device or not _fill(stash).views:
         return {}
     _wait(stash, marked=False)
@@ -207,21 +204,16 @@ _in_stream = _out_stream = None
 
 
 def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
-    """optimizer.step() a window of params at a time with Adam's state on the host before and after
-    (optimizer_stream): a window's state comes in on one side stream while the window before it goes
-    back out on another, and its device bytes are freed behind that copy, so the device holds about
-    three windows' state instead of all of it (8 bytes a trained param). The same fused AdamW on the same
-    tensors, bit-exact with one optimizer.step(). The host copy of a window is overwritten only after
-    that window has stepped. The first step makes the state window by window
-    (AdamW's lazy init) and takes the pinned host room for all of it at once. `windows`: lists of the
-    optimizer's params (model.optimizer_windows)."""
+    """optimizer.step() a window of params (model.optimizer_windows) at a time, Adam's state on the host before
+    and after (optimizer_stream): a window's state comes in on one side stream while the one before goes out
+    on another, freed behind that copy, so the device holds about three windows' state, not 8 bytes a param.
+    The same fused AdamW on the same tensors: bit-exact with one optimizer.step(). A window's host copy is
+    overwritten only after it stepped. The first step makes the state (AdamW's lazy init) window by window."""
     global _in_stream, _out_stream
     t0, cuda = time.perf_counter(), stash.device.type == "cuda"
     if cuda:
         _in_stream, _out_stream = _in_stream or torch.cuda.Stream(stash.device), _out_stream or torch.cuda.Stream(stash.device)
-    if not stash.host:                     # the first step: host room for both moments of every param, in order
-        stash.spare = host_buffers(stash, [_local(p).numel() * _local(p).element_size()
-                                           for w in windows for p in w for _ in range(2)])
+    _room(stash, windows)
     peak, pending, out = 0, _window_in(stash, windows[0], cuda), None
     for k, w in enumerate(windows):
         if pending is not None:
@@ -231,10 +223,8 @@ def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
         if stash.spare:                    # the first step: take in the state it just made
             _host_room(stash, w)
         if out is not None:
-            # the host runs ahead of the GPU, and a freed window's blocks are reused only once its copy out
-            # has run (record_stream): without this wait the allocator reserved new blocks for nearly every
-            # window (7B, round 10: 65 GB allocated, 121 GB reserved at the step)
-            out.synchronize()
+            out.synchronize()   # freed blocks wait for their copy out (record_stream), and the host runs ahead:
+            # without this the allocator reserved new ones for most windows (7B: 121 GB reserved for 65 GB)
         pending = _window_in(stash, windows[k + 1], cuda) if k + 1 < len(windows) else None   # beside this one's out
         peak = max(peak, sum(st.nbytes() for st in stash.storages))   # this window and the next
         out = _window_out(stash, w, cuda)
@@ -247,9 +237,47 @@ def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
             f"offload/{stash.name}/stream_window_peak_gb": peak / GB}
 
 
+def _room(stash: Stash, windows: list):
+    """Before Adam's state exists: one pinned host room for both moments of every param, carved as it appears."""
+    if not stash.host:
+        stash.spare = host_buffers(stash, [_local(p).numel() * _local(p).element_size()
+                                           for w in windows for p in w for _ in range(2)])
+
+
+def born_on_host(optimizer, stash: Stash, windows: list):
+    """A fresh optimizer's state made a window at a time (zero grads, a step at lr 0: torch's state-dict helper
+    does all at once) and sent to the host: a streamed role's checkpoint or resume never holds all of Adam."""
+    if optimizer.state or not windows:
+        return
+    _room(stash, windows)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0                      # a step that makes the state and leaves the weights
+    for w in windows:
+        for q in w:
+            q.grad = torch.zeros_like(q)
+        with _only(optimizer, w):
+            optimizer.step()
+        for q in w:
+            q.grad = None
+        _host_room(stash, w)
+        for i in _indices(stash, w):
+            stash.host[i].copy_(stash.views[i])
+            stash.storages[i].resize_(0)
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    stash.on_device, stash.host_current = False, True
+
+
+def on_host(stash: Stash) -> dict:
+    """{storage key: host mirror} of a stash on the host: where a checkpoint reads and writes it (checkpoint.py)."""
+    if not stash.enabled or stash.on_device or not stash.host:
+        return {}
+    return {st._cdata: h for st, h in zip(stash.storages, stash.host)}
+
+
 def _host_room(stash: Stash, window: list):
-    """The first streamed step: the state AdamW just made for `window` joins the stash, each tensor with
-    the next of the host views carved for it (both moments of every param, in order)."""
+    """The state AdamW just made for `window` joins the stash, each tensor with the next host view carved."""
     _fill(stash, window)
     while len(stash.host) < len(stash.storages):
         n = stash.views[len(stash.host)].numel()
@@ -280,9 +308,8 @@ def _window_in(stash: Stash, window: list, cuda: bool):
 
 
 def _window_out(stash: Stash, window: list, cuda: bool):
-    """A stepped window's state out to its host mirrors, its device storages freed behind the copy (on
-    CUDA the allocator reuses them only once the side stream has read them: record_stream). Returns the
-    copy's event on CUDA (None on the CPU, where the copy is done on return)."""
+    """A stepped window's state out to its host mirrors, freed behind the copy (record_stream: reused once the
+    side stream read them); the copy's event on CUDA."""
     idx, done = _indices(stash, window), None
     if cuda:
         _out_stream.wait_stream(torch.cuda.current_stream(stash.device))
@@ -351,12 +378,10 @@ def _moved(stash: Stash, verb: str, seconds: float) -> dict:
 
 @contextlib.contextmanager
 def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
-    """The bracket: reload every enabled stash (a no-op for one already in, e.g. prefetched:
-    then only its pending copy is waited for), run the body, offload them again.
-    A stash whose offload flag is off stays on the device: the bracket is then a no-op for it.
-    `modified`: the body changes these tensors (the update), so they are copied back out (a frozen
-    stash's are not: its host copy is current).
-    `keep`: leave them on the device; the next bracket's offload copies them out (if modified)."""
+    """The bracket: reload every enabled stash (one already in, e.g. prefetched: its pending copy waited
+    for), run the body, offload them again; a stash whose flag is off stays (a no-op). `modified`: the body
+    changes them (the update), so they are copied back out (a frozen stash's are not). `keep`: leave them on
+    the device; the next bracket's offload copies them out (if modified)."""
     for s in stashes:
         metrics.update(reload(s))
         _wait(s, marked=False)
@@ -370,10 +395,9 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
 
 @contextlib.contextmanager
 def holding(stashes, loading: bool):
-    """A checkpoint's bracket: every stash on the device while the state-dict helpers read (a save)
-    or write (a load) the live tensors, then back where it was. After a save nothing is copied out
-    (the host copies are current); after a load the new values are. An optimizer stash still empty
-    at a load (Adam's state is born by the load) takes that state in at its offload (`_fill`)."""
+    """A checkpoint's bracket: every stash on the device while the state-dict helpers read (a save) or write
+    (a load) the live tensors, then back where it was, copied out only after a load. An optimizer stash
+    still empty at a load (Adam's state is born by it) takes that state in at its offload (`_fill`)."""
     out = [s for s in stashes if not s.on_device or (loading and s.source is not None and not s.views)]
     for s in stashes:
         ready(s)                          # host -> device (or a side-stream copy waited for)
@@ -383,11 +407,9 @@ def holding(stashes, loading: bool):
 
 
 def empty_host_cache():
-    """Give the pinned host blocks that PyTorch's caching host allocator holds unused back to the
-    OS. A non_blocking device -> host copy into a new tensor takes pinned memory from that cache,
-    and the cache keeps it: DCP's checkpoint writer stages every tensor that way (host RSS +11.4 GB
-    after one checkpoint at Qwen2.5-0.5B with every offload flag, kept for the rest of the run).
-    Blocks in use (the stashes' host mirrors) are not touched."""
+    """Give the pinned host blocks PyTorch's caching host allocator holds unused back to the OS. DCP's writer
+    stages every tensor in that cache with a non_blocking copy, and the cache keeps them (host RSS +11.4 GB
+    after one checkpoint at Qwen2.5-0.5B with every offload flag). The stashes' mirrors are not touched."""
     if torch.cuda.is_available():
         for name in ("_accelerator_emptyHostCache", "_host_emptyCache"):   # the name moved across torch versions
             if hasattr(torch._C, name):

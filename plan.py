@@ -222,6 +222,7 @@ def what_would_fit(cfg, t: Target) -> list[str]:
         length = max(1, cfg.rollout.response_length // k)
         tries.append((f"rollout.response_length={length}", t.world, {"rollout.response_length": length}))
     if cfg.save_freq:                          # a checkpoint's bracket: a role's params and all of its Adam at once
+                                               # (the stream's: params and a window, in the flags tried above)
         ck = predict(cfg, t.world, t.prompt_len, t.engine).checkpoint
         tries.append((f"save_freq=0 (a checkpoint brings a role's params and all of its Adam in at once, a resume zero "
                        f"grads too: {ck / GB:.1f} GB; "

@@ -241,8 +241,8 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
 def checkpoint_bytes(r: Run, st: dict) -> int:
     """A checkpoint's bracket (checkpoint._write and load: one trained role at a time, its predicted_checkpoint),
     beside what every other group holds between uses; the larger role's."""
-    return max(stage("checkpoint", st, role.predicted_checkpoint(st)).total
-               for role in [actor] + ([critic] if r.separate else []))
+    roles = [(actor, r.cfg.actor)] + ([(critic, r.cfg.critic)] if r.separate else [])
+    return max(stage("checkpoint", st, role.predicted_checkpoint(cfg, r.z, st)).total for role, cfg in roles)
 
 
 def _device_levels(plan: Plan, r: Run, between: int) -> dict:
@@ -296,8 +296,9 @@ def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
         raise ValueError(f"a checkpoint every --save_freq={cfg.save_freq} steps brings a trained role's fp32 params "
                          f"and all of its Adam onto the GPU at once, and a resume from it zero grads too "
                          f"({p.checkpoint / GB:.1f} GB by the plan; "
-                         f"{room / GB:.1f} GB can be allocated here): use --save_freq=0 (final/ keeps the weights "
-                         f"whatever stops the run), or more GPUs")
+                         f"{room / GB:.1f} GB can be allocated here): use --actor.optimizer_offload=true "
+                         f"--actor.optimizer_stream=true (and the critic's: Adam then stays on the host at a checkpoint), --save_freq=0 "
+                         f"(final/ keeps the weights whatever stops the run), or more GPUs")
 
 
 # --------------------------------------------------------------------------- time

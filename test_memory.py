@@ -607,6 +607,43 @@ def test_a_checkpoint_leaves_host_memory_where_it_was(env, out_dir):
     assert rss[1] - rss[0] < 0.5 and rss[2] - rss[1] < 0.25, rss
 
 
+def test_a_streamed_checkpoint_and_its_resume_hold_the_params_and_a_window(env, out_dir):
+    """Adam streamed (Qwen2.5-0.5B shapes): a checkpoint's save and a resume's load into a fresh run allocate at
+    most the params, the planner's three windows of Adam and 64 MiB above what the run held before, where
+    the whole state would add all of Adam (and at the load its zero grads): the state is written and read
+    in its host mirrors, and a fresh optimizer's state is made a window at a time."""
+    import checkpoint
+    from dataclasses import asdict
+    import model as model_lib
+    world = torch.distributed.get_world_size()
+    args = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
+            f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
+            "--rollout.response_length=16", "--actor.param_offload=true", "--actor.optimizer_offload=true",
+            "--actor.optimizer_stream=true", "--ref.param_offload=true"]
+    t = train_grpo.setup(options.parse_args(args + [f"--out_dir={out_dir}"]))
+    train_grpo.train_step(t, 0)
+    windows = model_lib.window_peak([sum(8 * p.to_local().numel() for p in w) for w in t.actor.windows])
+    params, adam = t.actor.params.nbytes, t.actor.adam.nbytes
+    grown = []
+    for act in ("save", "load"):
+        if act == "load":
+            t = None
+            t = train_grpo.setup(options.parse_args(args + [f"--out_dir={out_dir}/resumed"]))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if act == "save":
+            train_grpo.save(t, 1)
+        else:
+            checkpoint.load(checkpoint.newest(out_dir), train_grpo.trained(t), asdict(t.cfg), world)
+        grown.append(torch.cuda.max_memory_allocated() - base)
+    print(f"\n[streamed checkpoint] save +{grown[0] / MB:.0f} MiB, load +{grown[1] / MB:.0f} MiB; params "
+          f"{params / MB:.0f}, three windows {windows / MB:.0f}, Adam {adam / MB:.0f} MiB", flush=True)
+    assert max(grown) <= params + windows + 64 * MB < params + adam, (grown, params, windows, adam)
+    assert all(st.nbytes() == 0 for st in t.actor.adam.storages)
+
+
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, out_dir, engine):
     """What a notebook or a research script does: set up a run (Qwen2.5-0.5B shapes, every offload flag),
