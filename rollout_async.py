@@ -456,7 +456,12 @@ def _send_bucket(s: Stream, b: int, buf: torch.Tensor):
     try:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        s.pg.broadcast([buf], opts).wait()
+        work = s.pg.broadcast([buf], opts)
+        while not work.is_completed():     # a killed engine rank can leave the send waiting (gloo, a loaded
+            if s.buffer.error:             # host: past the receiver's 60 s): its thread's line stops it
+                raise s.buffer.died("")
+            time.sleep(0.005)
+        work.wait()
     except RuntimeError as e:
         raise s.buffer.died(f"weights to the rollout engines failed: {str(e).splitlines()[0]}") from e
 

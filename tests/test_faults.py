@@ -96,7 +96,9 @@ def test_a_killed_engine_is_the_documented_line_once(tmp_path, nproc):
     assert proc.returncode != 0 and len(lines) == 1, text[-3000:]
     assert re.search(rf"error: rollout engine 0 \(pid {engine}\) exited with code -9: its connection closed", lines[0]) \
         or (nproc and re.search(r"error: rollout engine 0 \(its rank\) exited: its connection closed", lines[0])), lines
-    n = int(re.search(r"; the weights after step (\d+) are in (\S+) \(the same command resumes there\)$", lines[0])[1])
+    kept = re.search(r"; the weights after step (\d+) are in (\S+) \(the same command resumes there\)$", lines[0])
+    assert kept, text[-4000:]
+    n = int(kept[1])
     assert n >= 2 and checkpoint.newest(out).endswith(f"step_{n:06d}"), (lines[0], checkpoint.newest(out))
     assert 'train_grpo.py", line' not in text and ".py\", line" not in text.split("torch/distributed/run.py")[0], \
         text[-3000:]                           # no rank's traceback (torchrun's own summary follows a failed job)
