@@ -127,6 +127,7 @@ LIFTED = ("gradient_checkpointing",)    # on by default, off when the run fits w
 RESCUE = {  # what plan.py names when no combination of SEARCH fits
     "lora_rank": (64, "train adapters only: no ref model, grads and Adam for the adapters"),
     "offload_policy": (True, "FSDP2 CPUOffloadPolicy: ~10x slower step")}
+CHECKPOINT_RELIEF = "--actor.optimizer_offload=true --actor.optimizer_stream=true"   # Adam stays on the host at one
 RELIEF = {  # the actor's terms of a stage's prediction -> the change that removes or shrinks it
     "actor_params": "--actor.param_offload=true", "actor_optimizer": "--actor.optimizer_offload=true",
     "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",

@@ -296,8 +296,8 @@ def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
         raise ValueError(f"a checkpoint every --save_freq={cfg.save_freq} steps brings a trained role's fp32 params "
                          f"and all of its Adam onto the GPU at once, and a resume from it zero grads too "
                          f"({p.checkpoint / GB:.1f} GB by the plan; "
-                         f"{room / GB:.1f} GB can be allocated here): use --actor.optimizer_offload=true "
-                         f"--actor.optimizer_stream=true (and the critic's: Adam then stays on the host at a checkpoint), --save_freq=0 "
+                         f"{room / GB:.1f} GB can be allocated here): use {actor.CHECKPOINT_RELIEF} (and the critic's: "
+                         f"Adam then stays on the host at a checkpoint), --save_freq=0 "
                          f"(final/ keeps the weights whatever stops the run), or more GPUs")
 
 
