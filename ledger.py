@@ -142,7 +142,7 @@ def gpu_bytes(*objs) -> int:
 def held_blocks(top: int = 8) -> list[str]:
     """What the CUDA allocator holds now, by where it was made: the live blocks of its snapshot summed by
     pool (the default one, or a private one: vLLM's sleep pool, CUDA graphs) and by the allocating line
-    (the first frame of this project or of vLLM, innermost first). Stacks exist only for blocks made while
+    (the first frame of this project or of vLLM, innermost first), after a line of each pool's total. Stacks exist only for blocks made while
     torch.cuda.memory._record_memory_history was on (--memory_history): how a leak names its line."""
     root, sums = os.path.dirname(os.path.abspath(__file__)), {}
     for seg in torch.cuda.memory._snapshot()["segments"]:
@@ -154,8 +154,11 @@ def held_blocks(top: int = 8) -> list[str]:
                          for f in b.get("frames", []) if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
                 key = (pool, " < ".join(sites[:3]) or "no stack")
                 sums[key] = sums.get(key, 0) + b["size"]
-    return [f"{n / 2 ** 20:.0f} MiB in the {pool}: {site}"
-            for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+    pools = {}
+    for (pool, _), n in sums.items():
+        pools[pool] = pools.get(pool, 0) + n
+    return [", ".join(f"{n / 2 ** 20:.0f} MiB in the {pool}" for pool, n in sorted(pools.items()))] + \
+        [f"{n / 2 ** 20:.0f} MiB in the {pool}: {site}" for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):

@@ -687,6 +687,7 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
         where = ledger.held_blocks()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    print(f"\n[set-up twice] {engine}: left after each drop {[round(x / MB, 1) for x in left]} MiB; held:\n  "
+    pool = f", the engine's pool counted at its build {shared.pool_bytes / MB:.0f} MiB" if shared is not None else ""
+    print(f"\n[set-up twice] {engine}: left after each drop {[round(x / MB, 1) for x in left]} MiB{pool}; held:\n  "
           + "\n  ".join(where), flush=True)
     assert left[0] <= 64 * MB and left[1] <= left[0] + 16 * MB, ([x / MB for x in left], where)
