@@ -26,7 +26,6 @@ only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_
 Checked on vLLM 0.26.0 with torch 2.11 (H200).
 """
 import contextlib
-import gc
 import importlib.util
 import os
 import time
@@ -404,8 +403,7 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
     """One engine per rank (or per `group` of tensor_parallel_size ranks, vLLM's external launcher:
     each torchrun rank is one of its workers), in this process, with sleep mode, asleep when returned.
     `fixed`: the Engine's fields that every engine has (config, pad and eos ids, device)."""
-    gc.collect()                           # vLLM's build collects garbage itself: the trainer's would leave the
-    torch.cuda.empty_cache()               # baseline below and be counted as the engine's pool (negatively)
+    torch.cuda.empty_cache()
     before, alloc_before, t0 = _used_gb(), torch.cuda.memory_allocated(), time.perf_counter()
     llm = vllm_engine.new_llm(cfg, model_dir=model_dir, req=req, seed=seed, kv=kv, need=need,
                   distributed_executor_backend="external_launcher", enable_sleep_mode=True)

@@ -651,9 +651,11 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
     take a step, drop it, and again; with vLLM the second set-up reuses the first one's engine, as
     bench/bench_step.py's variants do. After each drop (gc, empty_cache) the allocator holds what it held
     before the first set-up, within 64 MiB (kernels' caches are made once; cuBLAS's workspaces are freed
-    before each count), vLLM's sleep pool taken out; the second drop leaves no more than the first. The
-    blocks still held are printed with the line that allocated each. (Round 10: hf left 65 MiB, the
-    workspaces; vLLM left 1,888 MiB after each drop, about the actor's fp32 params, not growing.)"""
+    before each count, with vLLM only after its last generate), vLLM's sleep pool taken out; the second drop
+    leaves no more than the first. The
+    blocks still held are printed with the line that allocated each. (Round 11, before the fix in
+    vllm_engine.new_llm: vLLM left 1,953 MiB after each drop, 1,889 of them the first run's actor params,
+    kept by vLLM's gc.freeze() of the heap; hf left nothing.)"""
     import gc
     import importlib.util
     if engine == "vllm" and importlib.util.find_spec("vllm") is None:
@@ -663,25 +665,26 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
             f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
             "--rollout.response_length=16", f"--out_dir={out_dir}", "--actor.param_offload=true",
             "--actor.optimizer_offload=true", "--ref.param_offload=true"]
-    def held():                            # cuBLAS's workspaces (one a stream, made once) are not the run's
-        torch._C._cuda_clearCublasWorkspaces()
+    def held(last):                        # cuBLAS's workspaces (one a stream, made once) are not the run's;
+        if engine == "hf" or last:         # vLLM's CUDA graphs replay into them: freed before a later
+            torch._C._cuda_clearCublasWorkspaces()   # generate, its replay faults (round 11)
         return _allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)   # each block's stack: the leak's line
-    start, shared, left = held(), None, []
+    start, shared, left = held(True), None, []
     try:
-        for _ in range(2):
+        for i in range(2):
             t = train_grpo.setup(options.parse_args(args), engine=shared)
             train_grpo.train_step(t, 0)
             shared = t.engine if engine == "vllm" else None
             t = None
             gc.collect()
             torch.cuda.empty_cache()
-            now = held() - (shared.pool_bytes if shared is not None else 0) - start
+            now = held(i == 1) - (shared.pool_bytes if shared is not None else 0) - start
             torch.distributed.barrier()    # what a collective's watchdog still held goes within a second or two
             time.sleep(2)
             gc.collect()
             torch.cuda.empty_cache()
-            left.append(held() - (shared.pool_bytes if shared is not None else 0) - start)
+            left.append(held(i == 1) - (shared.pool_bytes if shared is not None else 0) - start)
             print(f"\n[set-up twice] {engine}: {now / MB:.1f} MiB left at the drop, {left[-1] / MB:.1f} MiB 2 s later",
                   flush=True)
         where = ledger.held_blocks()
@@ -690,4 +693,5 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
     pool = f", the engine's pool counted at its build {shared.pool_bytes / MB:.0f} MiB" if shared is not None else ""
     print(f"\n[set-up twice] {engine}: left after each drop {[round(x / MB, 1) for x in left]} MiB{pool}; held:\n  "
           + "\n  ".join(where), flush=True)
-    assert left[0] <= 64 * MB and left[1] <= left[0] + 16 * MB, ([x / MB for x in left], where)
+    first = 64 * MB if engine == "hf" else 160 * MB     # vLLM: its graphs' cuBLAS workspaces still in (65 MiB)
+    assert left[0] <= first and left[1] <= 64 * MB and left[1] <= left[0] + 16 * MB, ([x / MB for x in left], where)

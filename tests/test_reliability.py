@@ -592,3 +592,44 @@ def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterr
     resumed = metrics(out)
     assert [m["step"] for m in resumed] == list(range(6))
     assert numbers(resumed) == numbers(uninterrupted)
+
+
+# --------------------------------------------------------------------------- 7. a run dropped beside an engine
+def test_an_engine_built_in_this_process_leaves_the_heap_collectable(monkeypatch):
+    """vLLM's engine core and worker gc.freeze() the whole heap once started. In this process the trainer
+    built before the engine is on that heap: a cycle of it (a model and its hooks) would never be collected,
+    and a dropped run kept its GPU params (round 11: 1,889 MiB at 0.5B). A stand-in LLM freezes as vLLM
+    0.26 does (gc_utils.freeze_gc_heap); after new_llm the trainer's cycle goes with its last reference."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    import torch
+    import vllm_engine
+
+    def fake_llm(**kwargs):                # vLLM 0.26: EngineCore.__init__ -> freeze_gc_heap()
+        gc.collect()
+        gc.freeze()
+        return types.SimpleNamespace(**kwargs)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=fake_llm))
+    monkeypatch.setattr(vllm_engine, "start_share", lambda *a: 0.5)
+    for name, value in [("get_rng_state", lambda: None), ("set_rng_state", lambda s: None),
+                        ("empty_cache", lambda: None), ("mem_get_info", lambda: (80 * 2 ** 30, 80 * 2 ** 30))]:
+        monkeypatch.setattr(torch.cuda, name, value)
+
+    class Role:                            # a module and its hook point at each other: only gc frees them
+        pass
+    role = Role()
+    role.hook = lambda: role
+    gone = weakref.ref(role)
+    cfg = types.SimpleNamespace(tensor_parallel_size=1, enforce_eager=True, kv_cache_dtype="auto", quantization="none")
+    req = types.SimpleNamespace(dtype="bfloat16", length=32, seqs=4)
+    try:
+        vllm_engine.new_llm(cfg, model_dir="m", req=req, seed=0, kv=0, need={})
+        assert gc.get_freeze_count() == 0, "the heap is still frozen after the engine was built"
+        del role
+        gc.collect()
+        assert gone() is None, "the trainer's cycle outlived the run: the heap stayed frozen"
+    finally:
+        gc.unfreeze()
