@@ -96,6 +96,40 @@ def test_a_non_finite_norm_skips_the_streamed_step_and_the_host_state_stays():
                    for x, y in zip(a_opt.state[p].values(), b_opt.state[q].values()))
 
 
+def test_a_fresh_state_born_a_window_at_a_time_is_torchs_and_holds_no_grads(monkeypatch):
+    """A resume's fresh Adam state made a window at a time (offload.born_on_host) is what torch's zero-grad
+    step at lr 0 over every param makes (keys, step, zero moments, every param group), and no window's params
+    get a grad on the way: only each group's smallest param does, once (a window holds its moments only)."""
+    def build():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+        groups = [{"params": [net[0].weight, net[2].weight]},
+                  {"params": [net[0].bias, net[1].weight, net[1].bias, net[2].bias], "weight_decay": 0.0}]
+        return net, torch.optim.AdamW(groups, lr=0.1, fused=True)
+    net, opt = build()
+    ref_net, ref_opt = build()
+    for p in ref_net.parameters():         # torch's way, all at once
+        p.grad = torch.zeros_like(p)
+    lr = [g["lr"] for g in ref_opt.param_groups]
+    for g in ref_opt.param_groups:
+        g["lr"] = 0.0
+    ref_opt.step()
+    stash = offload.optimizer_stash("adam", opt)
+    windows = model.optimizer_windows(net, opt, 1)
+    grads, real_step = [], opt.step        # the params with a grad at each step taken on the way
+    monkeypatch.setattr(opt, "step", lambda *a, **k: grads.append([tuple(p.shape) for g in opt.param_groups
+                                                                   for p in g["params"] if p.grad is not None])
+                        or real_step(*a, **k))
+    offload.born_on_host(opt, stash, windows)
+    assert grads == [[(4, 16)], [(4,)]]    # one step a group, on its smallest param
+    assert [g["lr"] for g in opt.param_groups] == lr and all(p.grad is None for p in net.parameters())
+    with offload.holding([stash], loading=False):
+        for p, q in zip(net.parameters(), ref_net.parameters()):
+            assert opt.state[p].keys() == ref_opt.state[q].keys()
+            assert all(torch.equal(x, y) for x, y in zip(opt.state[p].values(), ref_opt.state[q].values()))
+    assert all(st.nbytes() == 0 for st in stash.storages)
+
+
 def test_a_streamed_checkpoint_leaves_adam_on_the_host(tmp_path, dist_env, monkeypatch):
     """A streamed role's checkpoint writes Adam from its host mirrors and a resume loads it into them (a fresh
     optimizer's state made a window at a time), never bringing the whole state in: no device storage of
