@@ -263,6 +263,9 @@ def parse_args():
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.0, help="0: vLLM's KV cache sized from the batch")
     ap.add_argument("--engine", default="vllm", help="vllm, or hf (no engine build: quicker at 7B)")
     ap.add_argument("--levers", action="store_true", help="also time the copy levers one by one")
+    ap.add_argument("--expandable", action="store_true",
+                    help="expandable segments for the trainer once the engine is built (vLLM's sleep pool stays "
+                         "as it was made): the allocator's reserve against its allocated peak, an experiment")
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--plot", default="")
     return ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
@@ -325,6 +328,8 @@ def main():
            "configs": {}}
     hf = hf_config(args.model)
     engine = build_engine(args, extra, hf, rank, world, device)
+    if args.expandable and cuda:           # new segments grow in place: fragmentation leaves no stranded blocks
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     data = bench_data(args, hf.vocab_size)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)

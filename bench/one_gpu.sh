@@ -29,7 +29,11 @@ case "${1:-}" in
   stream80)   # plan.py's template row "qwen2.5-7b | 1 x 80": every stage's device level against 80 GB and the plan
     part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 --save_freq=0 \
       --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
-      --out="$OUT/stream_7b_80.json" ;;
+      --out="$OUT/stream_7b_80.json"
+    # round 11: 65.1 GB allocated, 85.7 GB reserved at the update: the same with expandable segments
+    part stream_7b_80x 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
+      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
+      --expandable --out="$OUT/stream_7b_80x.json" ;;
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
