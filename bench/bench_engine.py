@@ -62,7 +62,8 @@ def sampler(llm, prompts: list, size: str) -> dict:
     request (what the rollout asks today: samples independent of how requests share a batch) against one
     seed for the call (vLLM's own generator), each with and without the sampled token's log-prob, twice in
     alternation; the decode step against the weight-read bound (bf16 params / the H200's 4.8 TB/s); and
-    whether the one-seed call gives the same samples twice from the same CUDA RNG state."""
+    whether the one-seed call gives the same samples twice from the same CUDA RNG state, and whether asking
+    for log-probs changes a seeded request's samples."""
     from vllm import SamplingParams
     n_params = sum(p.numel() for p in rollout_model(llm).parameters())
 
@@ -79,17 +80,20 @@ def sampler(llm, prompts: list, size: str) -> dict:
 
     variants = {f"{'seed a request' if s else 'one seed a call'}, {'log-probs' if lp else 'no log-probs'}": (s, lp)
                 for s in (True, False) for lp in (True, False)}
-    times = {k: [] for k in variants}
+    times, samples = {k: [] for k in variants}, {}
     for _ in range(2):
         for k, v in variants.items():
-            times[k].append(timed(*v)[0])
+            seconds, samples[k] = timed(*v)
+            times[k].append(seconds)
     torch.cuda.manual_seed(1)
     first = timed(False, True)[1]
     torch.cuda.manual_seed(1)
     again = timed(False, True)[1]
     bound_ms = n_params * 2 / 4.8e12 * 1e3
     return {"decode_step_ms": {k: min(t) / 512 * 1e3 for k, t in times.items()}, "generate_s": times,
-            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again, "model": size}
+            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again,
+            "log_probs_change_no_sample": samples["seed a request, log-probs"] == samples["seed a request, no log-probs"],
+            "model": size}
 
 
 def rollout_model(llm):
