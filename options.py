@@ -131,6 +131,10 @@ def check_config(cfg: Config):
     if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
         fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
         cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"
+    if cfg.actor.rollout_is == "token" and r.logprobs_every > 1:
+        raise ValueError(f"--rollout.logprobs_every={r.logprobs_every} with the rollout correction (actor.rollout_is="
+                         f"token, on with async and FP8): it reads the engine's log-probs on every step; use "
+                         f"--rollout.logprobs_every=1 or turn the correction off (--actor.rollout_is=none)")
     if cfg.actor.rollout_is == "token" and (r.top_p < 1 or r.top_k > 0):
         cut = f"--rollout.top_p={r.top_p}" if r.top_p < 1 else f"--rollout.top_k={r.top_k}"
         raise ValueError(f"{cut} with the rollout correction (actor.rollout_is=token, on with async and FP8): "

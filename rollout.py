@@ -56,6 +56,10 @@ class RolloutConfig:
     enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
+    logprobs_every: int = 1                # vLLM, colocated: the sampled tokens' log-probs on every k-th step only;
+                                           # 30-46 % of the decode step (bench/README.md, "The sampling call's
+                                           # costs"). Read by the rollout correction (every step: k must be 1)
+                                           # and the rollout/logp_diff_* metrics (on the steps that have them)
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
     kv_cache_dtype: str = "auto"           # vLLM's KV cache: auto (the weights' dtype) | fp8 (one byte an element:
                                            # half bf16's; the rollout correction turns on, actor.rollout_is)
@@ -76,7 +80,7 @@ class RolloutConfig:
 # checked when the command line is parsed (options.check_config)
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
-          "sync_bucket_mb": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
+          "sync_bucket_mb": ">= 1", "logprobs_every": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
            "dtype": ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype": ("auto", "fp8"),
            "quantization": ("none", "fp8")}
@@ -464,15 +468,16 @@ def awake(engine: Engine, model, stashes: list, metrics: dict):
                                             and k.endswith("_device_gb"))
 
 
-def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
-    """The bracket (`awake`), then the batch with vLLM's sampled-token log-probs.
+def generate_vllm(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict,
+                  logprobs: bool = True) -> dict:
+    """The bracket (`awake`), then the batch with vLLM's sampled-token log-probs (`logprobs`; else none).
     `prompts`, `seed`: this rank's; with tensor parallelism the engine generates its ranks' pooled
     prompts on each of them and this rank keeps its own rows."""
     parts, me = tensor_parallel.gather(engine.group, (prompts, seed))   # [(prompts, seed)] of the engine's ranks
     reqs, seeds, owners = tensor_parallel.requests(parts, engine.cfg.n, engine.cfg.temperature == 0)
     with awake(engine, model, stashes, metrics):
         with _phase("generate", metrics):
-            outs = vllm_engine.sample_vllm(engine, reqs, seeds)
+            outs = vllm_engine.sample_vllm(engine, reqs, seeds, logprobs)
     rows, responses, logps = vllm_engine.vllm_samples([(p, out) for p, out, k in zip(reqs, outs, owners) if k == me])
     return samples_batch(rows, responses, logps, engine.cfg.response_length, engine.pad_id, engine.eos_id, engine.device)
 
@@ -508,9 +513,12 @@ def greedy(engine: Engine, model, prompts: list[list[int]], response_length: int
     return cut(responses, engine.eos_id)
 
 
-def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int, eos_id: int, device) -> dict:
-    """make_batch's layout with the sampled tokens' log-probs as batch["rollout_log_probs"] (0 on padding)."""
+def samples_batch(rows: list, responses: list, logps: list | None, R: int, pad_id: int, eos_id: int, device) -> dict:
+    """make_batch's layout with the sampled tokens' log-probs as batch["rollout_log_probs"] (0 on padding;
+    none when the engine was not asked for them)."""
     batch = make_batch(rows, responses, R, pad_id, eos_id, device)
+    if logps is None:
+        return batch
     rl = torch.zeros(len(rows), R)
     for i, lp in enumerate(logps):
         rl[i, :min(len(lp), R)] = torch.tensor(lp[:R], dtype=torch.float32)
@@ -518,11 +526,13 @@ def samples_batch(rows: list, responses: list, logps: list, R: int, pad_id: int,
     return batch
 
 
-def generate(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict) -> dict:
+def generate(engine: Engine, model, prompts: list[list[int]], seed: int, stashes: list, metrics: dict,
+             logprobs: bool = True) -> dict:
     """n samples of each of this rank's `prompts` from the policy `model`, as a batch (actor.py's
     layout). `seed`: this rank's for this step. `stashes`: the actor's parameter groups, in only
-    while the engine needs the weights (a no-op for a group whose flag keeps it on the device)."""
+    while the engine needs the weights (a no-op for a group whose flag keeps it on the device). `logprobs`:
+    vLLM's sampled-token log-probs in the batch (HF generate's colocated batch has none)."""
     if engine.kind == "vllm":
-        return generate_vllm(engine, model, prompts, seed, stashes, metrics)
+        return generate_vllm(engine, model, prompts, seed, stashes, metrics, logprobs)
     with offload.loaded(stashes, metrics):
         return generate_hf(model, prompts, engine.cfg, engine.pad_id, engine.eos_id, engine.device, seed)

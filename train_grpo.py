@@ -296,7 +296,8 @@ def sampled(t: Trainer, step: int, idx: list, sp, m: dict) -> dict:
     if t.stream is not None:
         return rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
     batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
-                             rollout.sample_seed(t.cfg.seed, step, t.rank, t.world), actor.policy_stashes(t.actor), m)
+                             rollout.sample_seed(t.cfg.seed, step, t.rank, t.world), actor.policy_stashes(t.actor), m,
+                             logprobs=step % t.cfg.rollout.logprobs_every == 0)
     m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     return ulysses.gather_batch(batch, sp)
 

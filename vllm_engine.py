@@ -136,12 +136,14 @@ def sample_vllm(engine, reqs: list[list[int]], seeds: list, logprobs: bool = Tru
     return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
 
 
-def vllm_samples(mine: list) -> tuple[list, list, list]:
-    """(rows, responses, log-probs) from (prompt ids, vLLM output) pairs: a prompt's n samples in a row."""
+def vllm_samples(mine: list) -> tuple[list, list, list | None]:
+    """(rows, responses, log-probs) from (prompt ids, vLLM output) pairs: a prompt's n samples in a row;
+    the log-probs None when the call asked for none."""
     rows, responses, logps = [], [], []
     for p, out in mine:
         for o in out.outputs:                     # n samples of this prompt, kept together (a group)
             rows.append(p)
             responses.append(list(o.token_ids))
-            logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
-    return rows, responses, logps
+            if o.logprobs is not None:
+                logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
+    return rows, responses, logps if len(logps) == len(rows) else None

@@ -546,3 +546,30 @@ def test_host_memory_flat_over_many_steps(tmp_path):
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, rss)) / sum((x - mx) ** 2 for x in xs)
     assert abs(slope * len(rss)) <= 0.02 * early, (slope, rss)
     assert all(k in metrics(out)[-1] for k in ("mem/update/allocated_gb", "mem/update/reserved_gb"))
+
+
+# --------------------------------------------------------------------------- the sampled tokens' log-probs
+def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeypatch):
+    """--rollout.logprobs_every=k: the engine is asked for the sampled tokens' log-probs on steps 0, k, 2k, ...
+    (bench/README.md: 30-46 % of vLLM's decode step); a batch without them trains, and the correction that
+    reads them every step refuses k > 1 in one line."""
+    import rollout
+    import vllm_engine
+    asked, real = [], rollout.generate
+    monkeypatch.setattr(rollout, "generate", lambda *a, logprobs=True, **k: asked.append(logprobs) or real(*a, **k))
+    t = train_grpo.setup(options.parse_args([f"--out_dir={tmp_path}", "--save=false", "--logger=none", "--val_freq=0",
+                                             "--val_before_train=false", "--rollout.logprobs_every=3"]))
+    for step in range(4):
+        train_grpo.train_step(t, step)
+    assert asked == [True, False, False, True]
+    for extra in (["--actor.rollout_is=token"], ["--rollout.mode=async"]):
+        with pytest.raises(ValueError, match="--rollout.logprobs_every=1"):
+            options.parse_args(["--rollout.logprobs_every=2", *extra])
+    # vLLM's outputs as the rollout reads them: no log-probs asked, none in the batch
+    out = lambda lp: type("Out", (), {"outputs": [type("S", (), {"token_ids": [5, 6], "logprobs": lp})()]})()  # noqa: E731
+    lp = [{5: type("L", (), {"logprob": -0.5})()}, {6: type("L", (), {"logprob": -1.5})()}]
+    assert vllm_engine.vllm_samples([([1, 2], out(lp))])[2] == [[-0.5, -1.5]]
+    rows, responses, logps = vllm_engine.vllm_samples([([1, 2], out(None))])
+    assert logps is None
+    batch = rollout.samples_batch(rows, responses, logps, 4, 0, 9, torch.device("cpu"))
+    assert "rollout_log_probs" not in batch and batch["responses"].shape == (1, 4)
