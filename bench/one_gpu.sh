@@ -12,6 +12,7 @@
 #   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
+#   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -37,6 +38,12 @@ case "${1:-}" in
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
+  logprobs)   # the loop's step with the sampled tokens' log-probs every step against none after step 0
+    for size in ${2:-0.5b 1.5b}; do
+      part "logprobs_$size" 280 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=1 --steps=4 \
+        --variants="--rollout.logprobs_every=1;--rollout.logprobs_every=1000;--rollout.logprobs_every=1" \
+        --out="$OUT/logprobs_$size.json"
+    done ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
     part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \
