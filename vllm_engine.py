@@ -127,12 +127,14 @@ def sync_weights(llm, model, dtype: torch.dtype, bucket_mb: int, device) -> int:
 def sample_vllm(engine, reqs: list[list[int]], seeds: list, logprobs: bool = True) -> list:
     """vLLM's outputs for the requests (tensor_parallel.requests: n samples each, or one when greedy),
     each sampled token with its log-prob under the processed distribution (`logprobs`; validation
-    needs none)."""
+    needs none), returned flat (one float a position in a few lists, not a dict of a Logprob object a
+    token: the same numbers without 131k Python objects a rollout for the garbage collector)."""
     from vllm import SamplingParams
     cfg = engine.cfg
     params = [SamplingParams(n=1 if cfg.temperature == 0 else cfg.n, temperature=cfg.temperature, top_p=cfg.top_p,
                              top_k=cfg.top_k or 0, max_tokens=cfg.response_length, logprobs=0 if logprobs else None,
-                             stop_token_ids=[engine.eos_id], detokenize=False, seed=s) for s in seeds]
+                             stop_token_ids=[engine.eos_id], detokenize=False, seed=s, flat_logprobs=True)
+              for s in seeds]
     return engine.llm.generate([{"prompt_token_ids": p} for p in reqs], params, use_tqdm=False)
 
 
@@ -145,5 +147,16 @@ def vllm_samples(mine: list) -> tuple[list, list, list | None]:
             rows.append(p)
             responses.append(list(o.token_ids))
             if o.logprobs is not None:
-                logps.append([lp[tok].logprob for tok, lp in zip(o.token_ids, o.logprobs)])
+                logps.append(sampled_logprobs(o.token_ids, o.logprobs))
     return rows, responses, logps if len(logps) == len(rows) else None
+
+
+def sampled_logprobs(tokens: list, lp) -> list[float]:
+    """Each sampled token's log-prob from vLLM's `logprobs=0` output: flat (FlatLogprobs, `flat_logprobs=True`:
+    a position's first entry is its sampled token) or a dict of Logprob objects a position."""
+    if hasattr(lp, "start_indices"):
+        if any(lp.token_ids[i] != t for i, t in zip(lp.start_indices, tokens)):
+            raise RuntimeError("vLLM's flat log-probs do not start with the sampled token at each position "
+                               "(their layout, checked on vLLM 0.26.0, changed)")
+        return [lp.logprobs[i] for i in lp.start_indices]
+    return [pos[t].logprob for t, pos in zip(tokens, lp)]

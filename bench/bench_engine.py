@@ -60,39 +60,48 @@ def main():
 def sampler(llm, prompts: list, size: str) -> dict:
     """The sampling call's costs on one engine, side by side (issue 42's decode profile): a seed for every
     request (what the rollout asks today: samples independent of how requests share a batch) against one
-    seed for the call (vLLM's own generator), each with and without the sampled token's log-prob, twice in
+    seed for the call (vLLM's own generator), each with and without the sampled token's log-prob (a dict of
+    Logprob objects a position, or flat lists: `flat_logprobs`, what the rollout asks since round 11), twice in
     alternation; the decode step against the weight-read bound (bf16 params / the H200's 4.8 TB/s); and
     whether the one-seed call gives the same samples twice from the same CUDA RNG state, and whether asking
     for log-probs changes a seeded request's samples."""
     from vllm import SamplingParams
     n_params = sum(p.numel() for p in rollout_model(llm).parameters())
 
-    def params(seeded: bool, logprobs: bool):
-        return [SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False,
-                               seed=i if seeded else None, logprobs=0 if logprobs else None) for i in range(len(prompts))]
+    import vllm_engine
 
-    def timed(seeded: bool, logprobs: bool):
+    def params(seeded: bool, logprobs: str):           # logprobs: "" (none), "dict" or "flat"
+        return [SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False,
+                               seed=i if seeded else None, logprobs=0 if logprobs else None,
+                               flat_logprobs=logprobs == "flat") for i in range(len(prompts))]
+
+    def timed(seeded: bool, logprobs: str):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(seeded, logprobs), use_tqdm=False)
         torch.cuda.synchronize()
-        return time.perf_counter() - t0, [list(o.token_ids) for r in outs for o in r.outputs]
+        seconds = time.perf_counter() - t0
+        lps = [vllm_engine.sampled_logprobs(o.token_ids, o.logprobs) for r in outs for o in r.outputs] if logprobs else None
+        return seconds, [list(o.token_ids) for r in outs for o in r.outputs], lps
 
-    variants = {f"{'seed a request' if s else 'one seed a call'}, {'log-probs' if lp else 'no log-probs'}": (s, lp)
-                for s in (True, False) for lp in (True, False)}
-    times, samples = {k: [] for k in variants}, {}
+    variants = {"seed a request, log-probs": (True, "dict"), "seed a request, flat log-probs": (True, "flat"),
+                "seed a request, no log-probs": (True, ""), "one seed a call, log-probs": (False, "dict"),
+                "one seed a call, no log-probs": (False, "")}
+    times, samples, lps = {k: [] for k in variants}, {}, {}
     for _ in range(2):
         for k, v in variants.items():
-            seconds, samples[k] = timed(*v)
+            seconds, samples[k], lps[k] = timed(*v)
             times[k].append(seconds)
     torch.cuda.manual_seed(1)
-    first = timed(False, True)[1]
+    first = timed(False, "dict")[1]
     torch.cuda.manual_seed(1)
-    again = timed(False, True)[1]
+    again = timed(False, "dict")[1]
     bound_ms = n_params * 2 / 4.8e12 * 1e3
     return {"decode_step_ms": {k: min(t) / 512 * 1e3 for k, t in times.items()}, "generate_s": times,
             "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again,
             "log_probs_change_no_sample": samples["seed a request, log-probs"] == samples["seed a request, no log-probs"],
+            "flat_log_probs_are_the_same": samples["seed a request, log-probs"] == samples["seed a request, flat log-probs"]
+            and lps["seed a request, log-probs"] == lps["seed a request, flat log-probs"],
             "model": size}
 
 

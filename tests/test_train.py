@@ -552,7 +552,8 @@ def test_host_memory_flat_over_many_steps(tmp_path):
 def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeypatch):
     """--rollout.logprobs_every=k: the engine is asked for the sampled tokens' log-probs on steps 0, k, 2k, ...
     (bench/README.md: 30-46 % of vLLM's decode step); a batch without them trains, and the correction that
-    reads them every step refuses k > 1 in one line."""
+    reads them every step refuses k > 1 in one line. vLLM's outputs read as the rollout reads them: the
+    sampled token's log-prob a position, from flat lists (flat_logprobs) or Logprob dicts."""
     import rollout
     import vllm_engine
     asked, real = [], rollout.generate
@@ -569,6 +570,11 @@ def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeyp
     out = lambda lp: type("Out", (), {"outputs": [type("S", (), {"token_ids": [5, 6], "logprobs": lp})()]})()  # noqa: E731
     lp = [{5: type("L", (), {"logprob": -0.5})()}, {6: type("L", (), {"logprob": -1.5})()}]
     assert vllm_engine.vllm_samples([([1, 2], out(lp))])[2] == [[-0.5, -1.5]]
+    flat = type("Flat", (), {"start_indices": [0, 1], "token_ids": [5, 6], "logprobs": [-0.5, -1.5]})()  # flat_logprobs
+    assert vllm_engine.vllm_samples([([1, 2], out(flat))])[2] == [[-0.5, -1.5]]
+    flat.token_ids = [6, 5]
+    with pytest.raises(RuntimeError, match="do not start with the sampled token"):
+        vllm_engine.vllm_samples([([1, 2], out(flat))])
     rows, responses, logps = vllm_engine.vllm_samples([([1, 2], out(None))])
     assert logps is None
     batch = rollout.samples_batch(rows, responses, logps, 4, 0, 9, torch.device("cpu"))
