@@ -141,7 +141,9 @@ def test_optimizer_offload_frees_adam_state(env):
 
 def test_ref_offload_frees_its_shard(env):
     """A reference built with param_offload holds its shard bytes less than one without (within 10 %:
-    a tiny model), and its bracket gives the same log-probs and leaves the shards on the host."""
+    a tiny model), and its bracket gives the same log-probs and leaves the shards on the host, their
+    blocks given back to the driver (the reserve after the bracket holds no more than before it: round 11
+    found 18.7 GB of them cached and unused through the 7B update)."""
     device, mesh = env
     before = _allocated()
     where = dict(model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig())
@@ -152,9 +154,14 @@ def test_ref_offload_frees_its_shard(env):
     _close(without - with_off, on.params.nbytes, tol=0.10)  # tiny model: allow allocator rounding
     batch = tiny_batch(8, 5, device)
     m = {}
+    lp2 = ref.compute_log_probs(on, batch, 1.0)        # first: the kernels' workspaces are made outside the count
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved()
     with ref.resident(off, m):
         lp = ref.compute_log_probs(off, batch, 1.0)
-    lp2 = ref.compute_log_probs(on, batch, 1.0)
+    assert torch.cuda.memory_reserved() - reserved <= lp.untyped_storage().nbytes() + 2 * MB, \
+        (torch.cuda.memory_reserved() - reserved) / MB
     assert torch.equal(lp, lp2) and not off.params.on_device and m["offload/ref_params/reload_gb"] > 0
 
 
