@@ -160,7 +160,7 @@ def test_ref_offload_frees_its_shard(env):
     reserved = torch.cuda.memory_reserved()
     with ref.resident(off, m):
         lp = ref.compute_log_probs(off, batch, 1.0)
-    assert torch.cuda.memory_reserved() - reserved <= lp.untyped_storage().nbytes() + 2 * MB, \
+    assert torch.cuda.memory_reserved() - reserved <= lp.untyped_storage().nbytes() + 4 * MB, \
         (torch.cuda.memory_reserved() - reserved) / MB
     assert torch.equal(lp, lp2) and not off.params.on_device and m["offload/ref_params/reload_gb"] > 0
 
