@@ -47,9 +47,7 @@ class Stash:
 
     @property
     def device(self) -> torch.device:
-        if self.views:
-            return self.views[0].device
-        return next(p.device for g in self.source.param_groups for p in g["params"])
+        return self.views[0].device if self.views else next(p.device for g in self.source.param_groups for p in g["params"])
 
 
 def _add(stash: Stash, tensors) -> Stash:
@@ -164,8 +162,7 @@ def reload(stash: Stash, background: bool = False) -> dict:
     global _copy_stream
     if stash.on_device or not stash.views:
         return {}
-    t0 = time.perf_counter()
-    device = stash.views[0].device
+    t0, device = time.perf_counter(), stash.views[0].device
     for st, host in zip(stash.storages, stash.host):
         st.resize_(host.numel())          # allocated on the current stream, like every other tensor
     if background and device.type == "cuda":
@@ -188,9 +185,8 @@ def reload(stash: Stash, background: bool = False) -> dict:
 
 
 def ready(stash: Stash | None) -> dict:
-    """Make the stash's tensors usable on the current stream, right where they are needed: wait
-    for a background reload (a GPU-side wait; the host does not block), or copy in now if it is
-    still on the host. A no-op for None or a stash already in."""
+    """Make the stash's tensors usable on the current stream, right where they are needed: wait for a background
+    reload (a GPU-side wait; the host does not block), or copy in now. A no-op for None or a stash already in."""
     if stash is None:
         return {}
     if stash.pending is not None:
@@ -222,9 +218,8 @@ def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
             optimizer.step()
         if stash.spare:                    # the first step: take in the state it just made
             _host_room(stash, w)
-        if out is not None:
-            out.synchronize()   # freed blocks wait for their copy out (record_stream), and the host runs ahead:
-            # without this the allocator reserved new ones for most windows (7B: 121 GB reserved for 65 GB)
+        if out is not None:     # a freed window's blocks wait for its copy out (unwaited, 7B reserved 121 GB)
+            out.synchronize()
         pending = _window_in(stash, windows[k + 1], cuda) if k + 1 < len(windows) else None   # beside this one's out
         peak = max(peak, sum(st.nbytes() for st in stash.storages))   # this window and the next
         out = _window_out(stash, w, cuda)
@@ -246,31 +241,24 @@ def _room(stash: Stash, windows: list):
 
 def born_on_host(optimizer, stash: Stash, windows: list):
     """A fresh optimizer's state made a window at a time and sent to the host: a streamed role's checkpoint or
-    resume never holds all of Adam. Each param's state is what a step at lr 0 with a zero grad makes (torch's
-    state-dict helper takes that step for all at once), laid out from one such step on each group's smallest
-    param: a window holds its two moments and no grads (round 11: with zero grads the embedding's window
-    took 1.5x its moments, 9 % over the plan at 0.5B)."""
+    resume never holds all of Adam. Each param's state is what torch's zero-grad step at lr 0 makes, laid out
+    from one such step on its group's smallest param: a window holds its moments, no grads (round 11)."""
     if optimizer.state or not windows:
         return
     _room(stash, windows)
-    lrs = [g["lr"] for g in optimizer.param_groups]
+    lrs, made = [g["lr"] for g in optimizer.param_groups], {}
     for g in optimizer.param_groups:
         g["lr"] = 0.0                      # a step that makes the state and leaves the weights
-    layouts, group = [], {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    for g in optimizer.param_groups:       # {key: None for a moment (zeros like the param), else the value}
-        if not g["params"]:
-            layouts.append({})
-            continue
-        q = min(g["params"], key=lambda p: p.numel())
-        q.grad = torch.zeros_like(q)
-        with _only(optimizer, [q]):
-            optimizer.step()
-        q.grad = None
-        layouts.append({k: None if torch.is_tensor(v) and v.dim() > 0 else v for k, v in optimizer.state.pop(q).items()})
+        for q in [min(g["params"], key=lambda p: p.numel())] if g["params"] else []:
+            q.grad = torch.zeros_like(q)
+            with _only(optimizer, [q]):
+                optimizer.step()
+            q.grad, st = None, optimizer.state.pop(q)
+            made.update({id(p): st for p in g["params"]})
     for w in windows:
-        for q in w:
-            optimizer.state[q] = {k: torch.zeros_like(q) if v is None else v.clone() if torch.is_tensor(v) else v
-                                  for k, v in layouts[group[id(q)]].items()}
+        for q in w:                        # the moments zeros like the param, the step as made
+            optimizer.state[q] = {k: (torch.zeros_like(q) if v.dim() else v.clone()) if torch.is_tensor(v) else v
+                                  for k, v in made[id(q)].items()}
         _host_room(stash, w)
         for i in _indices(stash, w):
             stash.host[i].copy_(stash.views[i])
@@ -282,9 +270,8 @@ def born_on_host(optimizer, stash: Stash, windows: list):
 
 def on_host(stash: Stash) -> dict:
     """{storage key: host mirror} of a stash on the host: where a checkpoint reads and writes it (checkpoint.py)."""
-    if not stash.enabled or stash.on_device or not stash.host:
-        return {}
-    return {st._cdata: h for st, h in zip(stash.storages, stash.host)}
+    return {} if not stash.enabled or stash.on_device or not stash.host else \
+        {st._cdata: h for st, h in zip(stash.storages, stash.host)}
 
 
 def _host_room(stash: Stash, window: list):
@@ -364,8 +351,7 @@ def _wait(stash: Stash, marked: bool):
 
 def _event():
     """A timing event recorded now on the current CUDA stream."""
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
+    (e := torch.cuda.Event(enable_timing=True)).record()
     return e
 
 

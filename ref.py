@@ -86,13 +86,11 @@ def ignored(cfg: RefConfig, actor_cfg) -> list[str]:
 
 @contextlib.contextmanager
 def resident(r: Ref, metrics: dict):
-    """The ref stage's bracket: shards in, then freed (no copy back: they never change), and their blocks
-    given back to the driver: cached, they are blocks of the ref's bf16 sizes, which the update's fp32 grads
-    and Adam windows did not reuse (round 11, 7B with Adam streamed: 18.7 GB cached after the ref stage and
-    85.7 GB reserved at the update for 65.1 allocated)."""
+    """The ref stage's bracket: shards in, then freed (no copy back: they never change), their blocks back to
+    the driver (round 11, 7B: 18.7 GB of them cached through the update, its reserve 85.7 GB for 65.1)."""
     with offload.loaded([r.params], metrics):
         yield
-    if r.params.enabled and r.params.views and r.params.views[0].is_cuda:
+    if r.params.enabled and r.params.device.type == "cuda":
         torch.cuda.empty_cache()
 
 
