@@ -613,6 +613,7 @@ def test_an_engine_built_in_this_process_leaves_the_heap_collectable(monkeypatch
         gc.freeze()
         return types.SimpleNamespace(**kwargs)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=fake_llm))
+    monkeypatch.setattr(os, "environ", dict(os.environ))    # new_llm sets RANK, LOCAL_RANK, vLLM's: not for later tests
     monkeypatch.setattr(vllm_engine, "start_share", lambda *a: 0.5)
     for name, value in [("get_rng_state", lambda: None), ("set_rng_state", lambda s: None),
                         ("empty_cache", lambda: None), ("mem_get_info", lambda: (80 * 2 ** 30, 80 * 2 ** 30))]:
