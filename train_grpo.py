@@ -544,8 +544,7 @@ if __name__ == "__main__":
     try:
         main()
     except SystemExit as e:                # launch.fail()'s one line (1, 2), a preemption's 143 or Ctrl-C's 130
-        # left here, inside the handler: the exception still holds the failed run (its process groups among
-        # it), so nothing of it is torn down. Freed first, a gloo group's destructor could wait on an op
-        # with a rank that is itself waiting to be stopped, and rank 0 outlived its one line (a killed engine)
+        # left inside the handler, which still holds the failed run: freed first, a gloo group's destructor
+        # could wait on a rank that is itself waiting to be stopped (rank 0 outlived its line: a killed engine)
         launch.leave(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
     launch.leave(0)
