@@ -142,8 +142,9 @@ def gpu_bytes(*objs) -> int:
 def held_blocks(top: int = 8) -> list[str]:
     """What the CUDA allocator holds now, by where it was made: the live blocks of its snapshot summed by
     pool (the default one, or a private one: vLLM's sleep pool, CUDA graphs) and by the allocating line
-    (the first frame of this project or of vLLM, innermost first), after a line of each pool's total. Stacks exist only for blocks made while
-    torch.cuda.memory._record_memory_history was on (--memory_history): how a leak names its line."""
+    (the first frame of this project or of vLLM, innermost first), after a line of each pool's total. Stacks
+    exist only for blocks made while torch.cuda.memory._record_memory_history was on (--memory_history): how
+    a leak names its line."""
     root, sums = os.path.dirname(os.path.abspath(__file__)), {}
     for seg in torch.cuda.memory._snapshot()["segments"]:
         pool = "default pool" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else \
@@ -158,7 +159,8 @@ def held_blocks(top: int = 8) -> list[str]:
     for (pool, _), n in sums.items():
         pools[pool] = pools.get(pool, 0) + n
     return [", ".join(f"{n / 2 ** 20:.0f} MiB in the {pool}" for pool, n in sorted(pools.items()))] + \
-        [f"{n / 2 ** 20:.0f} MiB in the {pool}: {site}" for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
+        [f"{n / 2 ** 20:.0f} MiB in the {pool}: {site}"
+         for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):

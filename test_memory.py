@@ -162,6 +162,7 @@ def test_ref_offload_frees_its_shard(env):
         lp = ref.compute_log_probs(off, batch, 1.0)
     assert torch.cuda.memory_reserved() - reserved <= lp.untyped_storage().nbytes() + 4 * MB, \
         (torch.cuda.memory_reserved() - reserved) / MB
+    assert m["offload/ref_params/released_gb"] > 0       # the bracket logs what it gave back
     assert torch.equal(lp, lp2) and not off.params.on_device and m["offload/ref_params/reload_gb"] > 0
 
 

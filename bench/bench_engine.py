@@ -65,10 +65,9 @@ def sampler(llm, prompts: list, size: str) -> dict:
     alternation; the decode step against the weight-read bound (bf16 params / the H200's 4.8 TB/s); and
     whether the one-seed call gives the same samples twice from the same CUDA RNG state, and whether asking
     for log-probs changes a seeded request's samples."""
+    import vllm_engine
     from vllm import SamplingParams
     n_params = sum(p.numel() for p in rollout_model(llm).parameters())
-
-    import vllm_engine
 
     def params(seeded: bool, logprobs: str):           # logprobs: "" (none), "dict" or "flat"
         return [SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False,
@@ -97,12 +96,11 @@ def sampler(llm, prompts: list, size: str) -> dict:
     torch.cuda.manual_seed(1)
     again = timed(False, "dict")[1]
     bound_ms = n_params * 2 / 4.8e12 * 1e3
+    dicts, flat, none = "seed a request, log-probs", "seed a request, flat log-probs", "seed a request, no log-probs"
     return {"decode_step_ms": {k: min(t) / 512 * 1e3 for k, t in times.items()}, "generate_s": times,
-            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again,
-            "log_probs_change_no_sample": samples["seed a request, log-probs"] == samples["seed a request, no log-probs"],
-            "flat_log_probs_are_the_same": samples["seed a request, log-probs"] == samples["seed a request, flat log-probs"]
-            and lps["seed a request, log-probs"] == lps["seed a request, flat log-probs"],
-            "model": size}
+            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again, "model": size,
+            "log_probs_change_no_sample": samples[dicts] == samples[none],
+            "flat_log_probs_are_the_same": (samples[dicts], lps[dicts]) == (samples[flat], lps[flat])}
 
 
 def rollout_model(llm):
