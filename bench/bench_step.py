@@ -31,6 +31,7 @@ import offload
 import options
 import train_grpo
 
+SHARED = {}                                    # the mode's engine once a variant has built it
 MODES = {"bf16": [], "fp8kv": ["--rollout.kv_cache_dtype=fp8"],
          "fp8": ["--rollout.kv_cache_dtype=fp8", "--rollout.quantization=fp8"]}
 KINDS = [  # kernel name -> kind, first match wins
@@ -89,6 +90,7 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     data = ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)], ["0"] * 64,
             None) if args.prompt_len else None
     t = train_grpo.setup(cfg, engine=engine, data=data)
+    SHARED["engine"] = t.engine                # a variant that fails later leaves the mode's engine to the next
     steps = []
     for s in range(args.warmup + args.steps):
         last = profile and s == args.warmup + args.steps - 1
@@ -127,7 +129,7 @@ def left_models(engine) -> list:
         if isinstance(o, torch.nn.Module) and type(o).__name__.endswith(("ForCausalLM", "ForTokenClassification")) \
                 and not type(o).__module__.startswith("vllm"):
             out.append(f"{type(o).__name__} held by {holders(o)}")
-        elif isinstance(o, torch.Tensor) and o.is_cuda:
+        elif isinstance(o, torch.Tensor) and o.is_cuda and not is_fake(o):
             st = o.untyped_storage()
             if st.nbytes() >= 2 ** 24 and st.data_ptr() not in storages:
                 storages[st.data_ptr()] = st.nbytes()
@@ -138,6 +140,19 @@ def left_models(engine) -> list:
     if torch.cuda.is_available():          # every live block by pool and allocating line (--memory_history=true)
         out += ledger.held_blocks()
     return out
+
+
+def is_fake(t) -> bool:
+    """A tensor with no memory behind it: vLLM's compile leaves FakeTensors in the heap (collectable since
+    vllm_engine unfreezes it), and asking one for its storage's address raises (torch 2.11) or warns."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if isinstance(t, FakeTensor):
+        return True
+    try:
+        t.untyped_storage().data_ptr()
+        return False
+    except RuntimeError:
+        return True
 
 
 def engine_tensors(engine) -> list:
@@ -189,6 +204,7 @@ def main():
                 res["runs"][name] = {"ok": True, "metrics": m, "profile": table}
             except Exception as e:         # an OOM, a refused setting, a compiler failure: the row says which
                 res["runs"][name] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                engine = SHARED.get("engine")  # vLLM's sleep allocator allows one engine a process: keep it
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
             keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
@@ -197,7 +213,7 @@ def main():
                     "rollout/generate_device_gb", "rollout/logp_diff_mean")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
-        engine = None
+        engine = SHARED["engine"] = None
         gc.collect()
         torch.cuda.empty_cache()
     launch.leave()
