@@ -487,15 +487,15 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     return update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
 
 
-def predicted_windows(cfg: ActorConfig, z, states: dict) -> int:
-    """Adam's bytes on a rank at a streamed step's worst moment: model.window_peak over optimizer_windows'
-    windows (the embeddings, k layers each, the final norm, an untied LM head; LoRA: k layers' adapters)."""
+def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> int:
+    """Adam's bytes on a rank at a streamed step's worst moment: `over` (model.window_peak; max: the largest) the
+    windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head; LoRA: adapters)."""
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
     if cfg.lora_rank:
-        return window_peak([states["actor_optimizer"][0] * k // s.layers] * -(-s.layers // k))
+        return over([states["actor_optimizer"][0] * k // s.layers] * -(-s.layers // k))
     layers = [k * s.layer_params] * (s.layers // k) + ([s.layers % k * s.layer_params] if s.layers % k else [])
     sizes = [s.vocab * s.hidden] + layers + [s.hidden] + ([] if s.tied else [s.vocab * s.hidden])
-    return window_peak([z.shard(n, 8) for n in sizes])
+    return over([z.shard(n, 8) for n in sizes])
 
 
 def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:

@@ -362,22 +362,23 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
     if cfg.optimizer_stream and cfg.optimizer_offload:   # a few windows of Adam at the step (model.window_peak)
         held = in_use(states, "critic_params")
         return update_phases(held, grads, busy, z.accumulating(layout), {**held, **grads,
-                             "critic Adam windows (in, stepping, out)": _windows(cfg, z)})
+                             "critic Adam windows (in, stepping, out)": predicted_windows(cfg, z)})
     return update_phases(in_use(states, "critic_params", "critic_optimizer"), grads, busy, z.accumulating(layout))
 
 
-def _windows(cfg: CriticConfig, z) -> int:
-    """The critic's Adam bytes at a streamed step's worst moment (model.window_peak over its windows)."""
+def predicted_windows(cfg: CriticConfig, z, over=window_peak) -> int:
+    """The critic's Adam bytes at a streamed step's worst moment (`over`: model.window_peak; max: the largest)."""
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
     sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
-    return window_peak([z.shard(n, 8) for n in sizes])
+    return over([z.shard(n, 8) for n in sizes])
 
 
 def predicted_checkpoint(cfg: CriticConfig, z, states: dict) -> list:
     """A checkpoint's bracket (`state_in`, separate mode), as the actor's: params and all of Adam at once, and a
     resume's zero grads; optimizer_stream: params and a window of Adam with its zero grads."""
     if cfg.optimizer_stream and cfg.optimizer_offload:
-        return [{**in_use(states, "critic_params"), "critic Adam window + its zero grads (a load)": _windows(cfg, z)}]
+        return [{**in_use(states, "critic_params"),
+                 "critic Adam window + its zero grads (a load)": predicted_windows(cfg, z)}]
     return [{**in_use(states, "critic_params", "critic_optimizer"), "zero grads (a load)": states["critic_params"][0]}]
 
 

@@ -343,8 +343,8 @@ def margin_fit(cfg, t: Target):
 
 
 def templates() -> str:
-    """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on
-    1 x 80 GB, 8 x 80 GB and 8 x 141 GB GPUs."""
+    """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on 1 x 80 GB,
+    8 x 80 GB and 8 x 141 GB GPUs, at the 10 % margin, else at the largest margin something keeps."""
     import options
     rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU allocated | device level GB/GPU "
             "| pinned host GB/rank |", "|---|---|---|---|---|---|"]
@@ -358,12 +358,14 @@ def templates() -> str:
             best, p = choose(cfg, target)
             if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
                 best, p = choose(with_options(cfg, {"save_freq": 0}), target)
+            margin = None if best else margin_fit(cfg, target)   # a smaller margin than the 10 % (--plan_margin)?
+            best, p = margin[1:] if margin else (best, p)
             if best is None:
                 fits = what_would_fit(cfg, target)
-                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} "
-                            f"| - | - | - |")
+                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - | - |")
             else:
-                flags = (["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
+                flags = ((["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
+                         + ([f"--plan_margin={margin[0]:.2f}"] if margin else []))
                 rows.append(f"| {size} | {world} x {gb} | {' '.join(flags) or '(none)'} | "
                             f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
     return "\n".join(rows)
@@ -379,8 +381,7 @@ class PlanConfig:                          # plan.py's own options (everything e
 
 
 RANGES = {"nproc": ">= 1", "gpu_gb": "> 0", "prompt_len": ">= 0", "host_gb": ">= 0", "nproc_per_node": ">= 0"}
-CHOICES = {}                               # the margin (--plan_margin), the engine (--rollout.engine) and the
-                                           # kernels (--kernels) are the run's options: the plan reads them
+CHOICES = {}           # the margin (--plan_margin), the engine and the kernels are the run's options: the plan reads them
 
 
 def _own(argv: list) -> tuple:

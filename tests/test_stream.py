@@ -173,7 +173,8 @@ def test_the_planner_counts_windows_and_7b_full_fine_tuning_fits_80_gb():
     """7B full fine-tuning, GRPO, one 80 GB GPU, every offload flag: the update's planned allocator peak
     drops by more than 45 GB with the stream (Adam's 56.7 GB become three windows), and --offload=auto
     finds a fit only with it, checkpoints included (Adam is written and read on the host, a fresh state made
-    a window at a time: offload.born_on_host), where the whole state's checkpoint cannot fit at all."""
+    a window at a time: offload.born_on_host), where the whole state's checkpoint cannot fit at all. The fit
+    keeps 5 % of the GPU free, not 10 % (round 13 measured the streamed update's device level at 76.1 GB)."""
     args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--rollout.n=4",
             "--rollout.response_length=256", "--actor.param_offload=true", "--actor.optimizer_offload=true",
             "--ref.param_offload=true", "--actor.gradient_checkpointing=true"]
@@ -183,10 +184,11 @@ def test_the_planner_counts_windows_and_7b_full_fine_tuning_fits_80_gb():
     assert "Adam windows (in, stepping, out)" in stream.stage("update").terms
     assert "actor_optimizer" not in stream.stage("update").terms
     assert whole.checkpoint > 80 * 2 ** 30 > 2 * stream.checkpoint           # --save_freq=50
-    t = plan.Target(1, 128, 80 * 2 ** 30, 0.1)
+    t = plan.Target(1, 128, 80 * 2 ** 30, 0.05)
     best, p = plan.choose(options.parse_args(args[:-4]), t)
     assert best is not None and best.actor.optimizer_stream and best.actor.optimizer_offload and best.save_freq
-    assert p.device_peak <= 0.9 * 80 * 2 ** 30 and p.checkpoint < max(s.total for s in p.stages)
+    assert p.device_peak <= 0.95 * 80 * 2 ** 30 and p.checkpoint < max(s.total for s in p.stages)
+    assert plan.choose(options.parse_args(args[:-4]), plan.Target(1, 128, 80 * 2 ** 30, 0.1)) == (None, None)
 
 
 def test_stream_needs_optimizer_offload():
