@@ -246,10 +246,10 @@ def checkpoint_bytes(r: Run, st: dict) -> int:
 
 
 def freed_windows(r: Run, st: dict) -> dict:
-    """A streamed step's reserve beyond its update's slack: the largest window's block (the embeddings' at
-    Qwen2.5), which the allocator holds while the window's copy out is in flight and cannot hand to the window
-    coming in. Round 13, 7B GRPO with the 1 x 80 GB template: the update reserved 74.96 GB for 65.05 allocated,
-    9 % slack and 4.06 GB, the embeddings' Adam window; 1.5B: 25.96 GB device level against 25.79."""
+    """A streamed step's reserve beyond its update's slack: one more of its largest window (the embeddings' at
+    Qwen2.5), measured, not yet explained (the backward's cached blocks too small for a window are the likely
+    cause; `bench_offload.py --empty_before_step` tests it). Round 13, 7B GRPO with the 1 x 80 GB template: 74.96
+    GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; round 11's 1.5B: 25.96 against 25.79."""
     a, c = r.cfg.actor, r.cfg.critic
     out = {"update": actor.predicted_windows(a, r.z, st, max) if a.optimizer_stream and a.optimizer_offload else 0}
     if r.separate and c.optimizer_stream and c.optimizer_offload:

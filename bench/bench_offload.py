@@ -266,6 +266,9 @@ def parse_args():
     ap.add_argument("--expandable", action="store_true",
                     help="expandable segments for the trainer once the engine is built (vLLM's sleep pool stays "
                          "as it was made): the allocator's reserve against its allocated peak, an experiment")
+    ap.add_argument("--empty_before_step", action="store_true",
+                    help="give the allocator's cache back right before a streamed Adam step (the backward's freed "
+                         "blocks): whether the window the plan counts beyond the update's slack goes, an experiment")
     ap.add_argument("--out", default="bench_offload.json")
     ap.add_argument("--plot", default="")
     return ap.parse_known_args()            # the rest goes to train_grpo (--actor.gradient_checkpointing=true)
@@ -330,6 +333,9 @@ def main():
     engine = build_engine(args, extra, hf, rank, world, device)
     if args.expandable and cuda:           # new segments grow in place: fragmentation leaves no stranded blocks
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    if args.empty_before_step:             # model.clipped_step calls offload.streamed_step through the module
+        stream = offload.streamed_step
+        offload.streamed_step = lambda *a, **k: (torch.cuda.empty_cache(), stream(*a, **k))[1]
     data = bench_data(args, hf.vocab_size)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)

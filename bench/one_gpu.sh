@@ -10,6 +10,7 @@
 #   bash bench/one_gpu.sh rest; bash bench/one_gpu.sh rest2    # the GPU tests round 7 did not reach; the kernels' accuracy
 #   bash bench/one_gpu.sh stream                               # Adam whole vs streamed: the update at 1.5B and 7B
 #   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
+#   bash bench/one_gpu.sh stream80e                            # ... with the cache emptied before the streamed step
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
@@ -35,6 +36,10 @@ case "${1:-}" in
     part stream_7b_80x 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
       --expandable --out="$OUT/stream_7b_80x.json" ;;
+  stream80e)  # round 13: the update reserved one embeddings' Adam window beyond its slack; does emptying go?
+    part stream_7b_80e 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
+      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
+      --empty_before_step --out="$OUT/stream_7b_80e.json" ;;
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
@@ -91,5 +96,5 @@ case "${1:-}" in
     part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|leak|sampler" >&2; exit 2 ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|logprobs" >&2; exit 2 ;;
 esac
