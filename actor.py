@@ -230,8 +230,7 @@ class Actor:
     optimizer: torch.optim.Optimizer
     params: offload.Stash                  # local shards that train: all, or the first k layers'
                                            # (param_offload_layers); with LoRA the adapters only
-    base: offload.Stash                    # LoRA: the frozen base's shards (bf16 on a GPU), never copied
-                                           # back; empty without LoRA
+    base: offload.Stash                    # LoRA: the frozen base's shards (bf16 on a GPU), never copied back; or empty
     adam: offload.Stash                    # exp_avg + exp_avg_sq: empty until Adam's first step
     device: torch.device
     lora: object = None                    # LoRA: peft's wrapper around `model` (disable_adapter, the config)
@@ -272,8 +271,7 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
     elif c.save_merged:
         lines.append("[actor] warning: actor.save_merged has no effect without actor.lora_rank "
                      "(the saved model is the whole policy)")
-    # Adam holds exp_avg + exp_avg_sq shaped like each local shard that trains (counted from shapes:
-    # the shards themselves may be on the host already)
+    # Adam holds exp_avg + exp_avg_sq like each local shard that trains (from shapes: the shards may be on the host)
     adam_bytes = 2 * sum(p.to_local().numel() * 4 for p in a.model.parameters() if p.requires_grad)
     k = c.param_offload_layers
     lines.append(offload.describe("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
@@ -488,8 +486,10 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
 
 
 def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> int:
-    """Adam's bytes on a rank at a streamed step's worst moment: `over` (model.window_peak; max: the largest) the
-    windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head; LoRA: adapters)."""
+    """Adam's bytes on a rank at a streamed step's worst moment (0: not streamed): `over` (model.window_peak; max:
+    the largest) the windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head)."""
+    if not (cfg.optimizer_stream and cfg.optimizer_offload):
+        return 0
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
     if cfg.lora_rank:
         return over([states["actor_optimizer"][0] * k // s.layers] * -(-s.layers // k))

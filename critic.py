@@ -367,7 +367,10 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
 
 
 def predicted_windows(cfg: CriticConfig, z, over=window_peak) -> int:
-    """The critic's Adam bytes at a streamed step's worst moment (`over`: model.window_peak; max: the largest)."""
+    """The critic's Adam bytes at a streamed step's worst moment (`over`: model.window_peak; max: the largest); 0
+    when its Adam is not streamed (predict.freed_windows asks every separate critic)."""
+    if not (cfg.optimizer_stream and cfg.optimizer_offload):
+        return 0
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
     sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
     return over([z.shard(n, 8) for n in sizes])

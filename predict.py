@@ -250,10 +250,9 @@ def freed_windows(r: Run, st: dict) -> dict:
     Qwen2.5), measured, not yet explained (the backward's cached blocks too small for a window are the likely
     cause; `bench_offload.py --empty_before_step` tests it). Round 13, 7B GRPO with the 1 x 80 GB template: 74.96
     GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; round 11's 1.5B: 25.96 against 25.79."""
-    a, c = r.cfg.actor, r.cfg.critic
-    out = {"update": actor.predicted_windows(a, r.z, st, max) if a.optimizer_stream and a.optimizer_offload else 0}
-    if r.separate and c.optimizer_stream and c.optimizer_offload:
-        out["critic_update"] = critic.predicted_windows(c, r.z, max)
+    out = {"update": actor.predicted_windows(r.cfg.actor, r.z, st, max)}   # each role's: 0 when it does not stream
+    if r.separate:
+        out["critic_update"] = critic.predicted_windows(r.cfg.critic, r.z, max)
     return out
 
 
