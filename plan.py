@@ -1,6 +1,6 @@
 """The planner fitted to a GPU: the fastest set of the flags each role declares (its SEARCH), with
 checkpointing, micro-batch sizes, vLLM tensor-parallel size and Ulysses sequence-parallel size, that
-fits (`choose`); what would fit when nothing does; `--offload=auto`; the default levers it lifts when
+fits (`choose`); what would fit when nothing does; `--offload=auto`; the defaults it trades for speed when
 the run fits without them (`relax`); the set-up's verdict near the GPU; the command line. The warnings
 that compare the prediction with each step's measurement are predict.py's.
 With async rollout the engine's GPU must fit too (`engine_fits`); a colocated run on 2+ GPUs is told
@@ -28,6 +28,8 @@ import rollout
 import rollout_engine
 import ulysses
 from predict import GB, CUDA_CONTEXT, VLLM_RESIDENT, Plan, model_config, predict, shapes, table
+
+FORWARD_TOKENS = 2 ** 16   # relax grows a log-prob forward to this many tokens (its launches a small share of it)
 
 
 # --------------------------------------------------------------------------- choosing flags
@@ -185,8 +187,7 @@ def choose(cfg, t: Target, least_memory: bool = False):
 
 
 def fits_at_all(cfg, t: Target) -> bool:
-    """Whether any candidate fits `t`: the question `what_would_fit` asks of each change, answered at the
-    first that does, among the frugal candidates only (`candidates`)."""
+    """Whether any frugal candidate (`candidates`) fits `t`: what `what_would_fit` asks of each change."""
     try:
         if cfg.rollout.mode == "async":
             engine_fits(cfg, t)
@@ -441,8 +442,7 @@ def main(argv=None):
 
 
 def _prompt_len(cfg) -> int:
-    """The longest prompt the run will see, as the run reads it (data.run_data: --data and --val_data
-    tokenized, --instruction appended; the built-in task's otherwise)."""
+    """The longest prompt the run will see, as data.run_data reads it (--instruction appended)."""
     import data
     train, val = data.run_data(cfg, data.load_tokenizer(cfg.model))
     return max(map(len, train[0] + (val[0] if val else [])))
@@ -485,42 +485,42 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
 
 
 def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: int = 0):
-    """Without --offload=auto: a role's lever that costs time and is on by default (its LIFTED: the actor's
-    gradient checkpointing, ~1/4 more update compute) is turned off when the run still fits a GPU of
-    `gpu_bytes` without it, keeping plan_margin free by the plan (`Target.fits`), unless the command line set
-    it; said in one line. `gpu_bytes` 0: no GPU (a CPU run), nothing to plan. A new config."""
+    """Without --offload=auto, the defaults that buy memory with time are sold back while the run still fits a
+    GPU of `gpu_bytes` keeping plan_margin free by the plan (`Target.fits`), unless the command line set them
+    (`relaxations`): the fastest by the plan's step estimate, then the fewest log-prob forwards (the plan does
+    not time them), then the least device memory; said in one line. `gpu_bytes` 0: a CPU run. A new config."""
     if not gpu_bytes or cfg.offload == "auto":
         return cfg
-    given = getattr(cfg, "_given", ())       # the options the command line set (options.parse_args)
-    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(cfg.actor, k) and f"actor.{k}" not in given}
     t = Target(world, prompt_len, gpu_bytes, cfg.plan_margin, engine)
-    if not off or not t.fits(predict(with_options(cfg, off), world, prompt_len, engine)):
-        return cfg
-    if rank == 0:
-        print(f"[plan] {', '.join(k + '=false' for k in off)}: the run keeps {cfg.plan_margin:.0%} of the "
-              f"{gpu_bytes / GB:.0f} GB GPU free without it by the plan, and is faster (pass "
-              f"{' '.join('--' + k + '=true' for k in off)} to keep it)", flush=True)
-    return with_options(cfg, off)
+    scored = [(p.seconds, -c.actor.log_prob_micro_batch_size_per_gpu - c.ref.log_prob_micro_batch_size_per_gpu,
+               p.device_peak, i, c) for i, c in enumerate(relaxations(cfg, world, prompt_len))
+              if t.fits(p := predict(c, world, prompt_len, engine))]   # of equal times the fewest forwards
+    best = min(scored, key=lambda x: x[:4])[4] if scored else cfg
+    if (moved := changes(cfg, best)) and rank == 0:
+        print(f"[plan] {' '.join(m.lstrip('-') for m in moved)}: faster, and the run keeps {cfg.plan_margin:.0%} "
+              f"of the {gpu_bytes / GB:.0f} GB GPU free by the plan (pass {' '.join(changes(best, cfg))} to keep "
+              f"the defaults)", flush=True)
+    return best if moved else cfg
 
 
-def host_fits(cfg, p: Plan, device, available: int, local: int):
-    """Raise one line, before any model is built, when this node's RAM cannot hold what the run puts there:
-    each of its `local` ranks reads the model in fp32 (each role's model in turn: the largest, once) and keeps
-    its pinned mirrors (p.pinned_host); on the CPU the stages' memory is the host's too (the plan's peak).
-    `available`: the node's free RAM now (ledger.host_available)."""
-    models = [cfg.model] + ([cfg.reward_model.path] if cfg.reward_model.path else [])
-    load = max(4 * shapes(m).params for m in models)
-    stages = p.peak if device.type == "cpu" else 0
-    need = local * (load + p.pinned_host + stages)
-    if need <= available:
-        return
-    parts = " + ".join(f"{what} {b / GB:.1f} GB" for what, b in (("the model read in fp32", load), (
-        "pinned offload mirrors", p.pinned_host), ("the step's largest stage (on the CPU, host memory)", stages))
-        if b >= GB // 20)
-    raise ValueError(f"this node has {available / GB:.1f} GB of RAM free but the run needs ~{need / GB:.1f} GB there "
-                     f"({local} rank(s) x ({parts})): run on a node with more RAM or fewer ranks per node"
-                     + (", or make the step smaller (train_batch_size, rollout.n, rollout.response_length)"
-                        if stages else "") + (", or turn offload flags off" if p.pinned_host else ""))
+def relaxations(cfg, world: int, prompt_len: int) -> list:
+    """What `relax` weighs, `cfg` first: each LIFTED lever the command line left on (the actor's gradient
+    checkpointing, ~1/4 more update compute) off or kept, times the micro-batch sizes it left, doubled while
+    they divide the rank's mini-batch (the update) or its batch (the log-prob forwards, to FORWARD_TOKENS; each
+    micro-batch pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER); none with a token budget."""
+    a, given, dp = cfg.actor, getattr(cfg, "_given", ()), world // cfg.actor.ulysses_sequence_parallel_size
+    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given}
+    rows, cap = cfg.train_batch_size * cfg.rollout.n // dp, FORWARD_TOKENS // (prompt_len + cfg.rollout.response_length)
+    grow = {"actor.ppo_micro_batch_size_per_gpu": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows)}
+    grow.update({k: (rows, cap) for k, runs in (("actor.log_prob_micro_batch_size_per_gpu", not actor.on_policy(
+        a, cfg.train_batch_size)), ("ref.log_prob_micro_batch_size_per_gpu", ref.needed(a))) if runs})
+    sizes = []                                 # each key's m, 2m, 4m, ... (m itself always)
+    for key, (n, top) in grow.items():
+        m = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        more = [] if key in given or a.use_dynamic_bsz else range(1, 12)
+        sizes.append([m] + [m << i for i in more if (m << i) <= min(n, top) and n % (m << i) == 0])
+    return [with_options(cfg, {**lift, **dict(zip(grow, s))}) for lift in ([{}, off] if off else [{}])
+            for s in itertools.product(*sizes)]
 
 
 def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:

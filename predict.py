@@ -312,6 +312,26 @@ def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
                          f"(final/ keeps the weights whatever stops the run), or more GPUs")
 
 
+def host_fits(cfg, p: Plan, device, available: int, local: int):
+    """Raise one line, before any model is built, when this node's RAM cannot hold what the run puts there:
+    each of its `local` ranks reads the model in fp32 (each role's model in turn: the largest, once) and keeps
+    its pinned mirrors (p.pinned_host); on the CPU the stages' memory is the host's too (the plan's peak).
+    `available`: the node's free RAM now (ledger.host_available)."""
+    models = [cfg.model] + ([cfg.reward_model.path] if cfg.reward_model.path else [])
+    load = max(4 * shapes(m).params for m in models)
+    stages = p.peak if device.type == "cpu" else 0
+    need = local * (load + p.pinned_host + stages)
+    if need <= available:
+        return
+    parts = " + ".join(f"{what} {b / GB:.1f} GB" for what, b in (("the model read in fp32", load), (
+        "pinned offload mirrors", p.pinned_host), ("the step's largest stage (on the CPU, host memory)", stages))
+        if b >= GB // 20)
+    raise ValueError(f"this node has {available / GB:.1f} GB of RAM free but the run needs ~{need / GB:.1f} GB there "
+                     f"({local} rank(s) x ({parts})): run on a node with more RAM or fewer ranks per node"
+                     + (", or make the step smaller (train_batch_size, rollout.n, rollout.response_length)"
+                        if stages else "") + (", or turn offload flags off" if p.pinned_host else ""))
+
+
 # --------------------------------------------------------------------------- time
 def _seconds(r: Run, st: dict) -> float:
     """A step's time, for ranking configurations: generation, the stages' compute, the copies that

@@ -157,7 +157,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     cfg = plan.relax(cfg, world, prompt_len, kind, (gpu := ledger.gpu_capacity(device) if device.type == "cuda" else 0), rank)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     predicted = predict.predict(cfg, world, prompt_len, kind)
-    plan.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    predict.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     predict.checkpoint_fits(cfg, predicted, gpu)
     if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built

@@ -46,10 +46,11 @@ KINDS = [  # kernel name -> kind, first match wins
 
 
 def workload(args, extra: list) -> list:
+    micro = [f"--actor.ppo_micro_batch_size_per_gpu={args.micro}", f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
+             f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}"] if args.micro else []   # 0: the run's (plan.relax)
     return [f"--model={args.model}", f"--train_batch_size={args.prompts}", f"--actor.ppo_mini_batch_size={args.prompts}",
             f"--rollout.n={args.n}", f"--rollout.response_length={args.response_len}", "--save=false", "--logger=none",
-            f"--actor.ppo_micro_batch_size_per_gpu={args.micro}", f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
-            f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}", "--actor.kl_loss_coef=0.04",
+            *micro, "--actor.kl_loss_coef=0.04",
             f"--out_dir={tempfile.mkdtemp(prefix='bench_step_')}", "--reward=bench.bench_step:length_reward"] + extra
 
 
@@ -184,7 +185,7 @@ def main():
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--prompt_len", type=int, default=64, help="0: the copy task's 4-token prompts (round 7's runs)")
     ap.add_argument("--response_len", type=int, default=256)
-    ap.add_argument("--micro", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=32, help="samples per micro-batch (TRL's); 0: the run's own choice")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="profile each variant's last step")

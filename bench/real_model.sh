@@ -6,7 +6,7 @@
 #   MODEL=/models/Qwen2.5-Coder-0.5B-Instruct TRAIN=gsm8k_train.jsonl VAL=gsm8k_val.jsonl bash bench/real_model.sh grpo
 #   bash bench/real_model.sh grpo 540      # the same, stopped by SIGTERM after 540 s; run again: it resumes
 #   bash bench/real_model.sh rows          # PPO, LoRA, FP8 KV, FP8 weights + KV side by side on the GPU (short)
-#   bash bench/real_model.sh trl_speed    # TRL's workload, TRL and ours (bench/bench_step.py) at 0.5B and 1.5B
+#   bash bench/real_model.sh trl_speed [0.5b|1.5b]   # TRL's workload, ours (bench/bench_step.py) and TRL, per size
 #   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10 steps
 #   bash bench/real_model.sh trl_eval     # the base model and TRL's checkpoints through one greedy evaluator
 # TRL's parts want TRL's wheels installed first (no registry on the GPU machine):
@@ -59,14 +59,18 @@ case "${1:-}" in
     run "$RUNS/fp8" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 --rollout.quantization=fp8 & jobs+=($!)
     wait "${jobs[@]}"
     kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
-  trl_speed)   # one process each, one after another: TRL 0.5B, ours 0.5B, TRL 1.5B, ours 1.5B (medians of steps 3-8)
-    for size in 0.5b 1.5b; do
-      timeout 300 "${TRL[@]}" python bench/vs_trl.py speed \
-        --size=qwen2.5-$size --tokenizer="$MODEL" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
-      echo "[trl_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
-      timeout 300 python bench/bench_step.py --model=random:qwen2.5-$size --steps=8 --warmup=2 \
+  trl_speed)   # per size (0.5b 1.5b, or the one given): ours in one process, then TRL (medians after 2 warm-up steps).
+               # Ours: the defaults (plan.relax's micro-batches), TRL's micro-batch of 32, the log-probs after step 0
+               # off, compiled layers, 32 again (the process's drift)
+    m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
+    for size in ${2:-0.5b 1.5b}; do
+      timeout 350 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
+        --variants="default;$m32;--rollout.logprobs_every=1000;--kernels=compile;$m32" \
         --out="$OUT/ours_speed_$size.json" > "$OUT/ours_speed_$size.log" 2>&1
-      echo "[ours_speed_$size] exit $?" | tee -a "$OUT/summary.txt"
+      echo "[ours_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"
+      timeout "${TRL_LIMIT:-230}" "${TRL[@]}" python bench/vs_trl.py speed \
+        --size=qwen2.5-$size --tokenizer="${TOKENIZER:-$MODEL}" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
+      echo "[trl_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"
     done ;;
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
     timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
@@ -78,5 +82,5 @@ case "${1:-}" in
       "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
       > "$OUT/trl_eval.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
     echo "[trl_eval] exit $?" | tee -a "$OUT/summary.txt" ;;
-  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds] | trl_speed | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
+  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds] | trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
 esac

@@ -627,15 +627,54 @@ def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_
     cfg = _cfg(*args)
     relaxed = plan.relax(cfg, 1, 256, "vllm", 80 * GB)
     assert not relaxed.actor.gradient_checkpointing and cfg.actor.gradient_checkpointing
-    assert capsys.readouterr().out.startswith("[plan] actor.gradient_checkpointing=false: the run keeps 10% of the 80 GB")
+    assert capsys.readouterr().out.startswith("[plan] actor.gradient_checkpointing=false: faster, and the run keeps 10% "
+                                              "of the 80 GB GPU free by the plan (pass --actor.gradient_checkpointing=true")
     on, off = (predict.predict(plan.with_options(cfg, {"actor.gradient_checkpointing": v}), 1, 256) for v in (True, False))
     gpu = int((on.device_peak + off.device_peak) / 2 / 0.9)    # fits with checkpointing, not without
     assert plan.Target(1, 256, gpu).fits(on) and not plan.Target(1, 256, gpu).fits(off)
     assert plan.relax(cfg, 1, 256, "vllm", gpu).actor.gradient_checkpointing
     for kept in (_cfg(*args, "--actor.gradient_checkpointing=true"), _cfg(*args, "--offload=auto")):
         assert plan.relax(kept, 1, 256, "vllm", 80 * GB).actor.gradient_checkpointing
+    assert "checkpointing" not in capsys.readouterr().out     # (the micro-batch may still grow: the next test)
     assert plan.relax(cfg, 1, 256, "vllm", 0).actor.gradient_checkpointing
+    auto = _cfg(*args, "--offload=auto")
+    assert plan.relax(auto, 1, 256, "vllm", 80 * GB) is auto
     assert capsys.readouterr().out == ""
+
+
+def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(capsys):
+    """TRL's workload at 1.5B (16 prompts x 8, 64 + 256 tokens, KL loss) on one 140 GB GPU: the update's
+    micro-batch doubles while the plan keeps the margin (64 of the 128 samples; 128 does not fit without
+    checkpointing) and the ref forward's to the whole batch (128 x 320 tokens, under FORWARD_TOKENS), said in
+    the line with how to keep the defaults. Sizes set on the command line, a token budget and a smaller GPU
+    keep them (48 GB: checkpointing stays on, and with it the whole mini-batch fits); on the real task's 512 + 200 tokens the forward stops at 64 (FORWARD_TOKENS)."""
+    args = ["--model=random:qwen2.5-1.5b", "--train_batch_size=16", "--actor.ppo_mini_batch_size=16",
+            "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04"]
+    relaxed = plan.relax(_cfg(*args), 1, 64, "vllm", 140 * GB)
+    a = relaxed.actor
+    assert (a.gradient_checkpointing, a.ppo_micro_batch_size_per_gpu, relaxed.ref.log_prob_micro_batch_size_per_gpu) \
+        == (False, 64, 128)
+    assert capsys.readouterr().out.startswith(
+        "[plan] actor.gradient_checkpointing=false actor.ppo_micro_batch_size_per_gpu=64 "
+        "ref.log_prob_micro_batch_size_per_gpu=128: faster, and the run keeps 10% of the 140 GB GPU free by the plan "
+        "(pass --actor.gradient_checkpointing=true --actor.ppo_micro_batch_size_per_gpu=16 "
+        "--ref.log_prob_micro_batch_size_per_gpu=32 to keep the defaults)")
+    t = plan.Target(1, 64, 140 * GB)
+    assert t.fits(predict.predict(relaxed, 1, 64)) and not t.fits(predict.predict(
+        plan.with_options(relaxed, {"actor.ppo_micro_batch_size_per_gpu": 128}), 1, 64))
+    assert predict.predict(relaxed, 1, 64).seconds < predict.predict(
+        plan.with_options(relaxed, {"actor.ppo_micro_batch_size_per_gpu": 16}), 1, 64).seconds
+    given = plan.relax(_cfg(*args, "--actor.ppo_micro_batch_size_per_gpu=16", "--ref.log_prob_micro_batch_size_per_gpu=32"),
+                       1, 64, "vllm", 140 * GB)
+    assert (given.actor.ppo_micro_batch_size_per_gpu, given.ref.log_prob_micro_batch_size_per_gpu) == (16, 32)
+    budget = plan.relax(_cfg(*args, "--actor.use_dynamic_bsz=true"), 1, 64, "vllm", 140 * GB)
+    assert budget.actor.ppo_micro_batch_size_per_gpu == 16
+    small = plan.relax(_cfg(*args), 1, 64, "vllm", 48 * GB)   # checkpointing stays: then 128 samples fit
+    assert small.actor.gradient_checkpointing and small.actor.ppo_micro_batch_size_per_gpu == 128
+    assert plan.Target(1, 64, 48 * GB).fits(predict.predict(small, 1, 64))
+    real = plan.relax(_cfg("--model=random:qwen2.5-0.5b", "--train_batch_size=32", "--actor.ppo_mini_batch_size=16",
+                           "--rollout.response_length=512"), 1, 200, "vllm", 140 * GB)
+    assert real.ref.log_prob_micro_batch_size_per_gpu == 64 == plan.FORWARD_TOKENS // 712 // 64 * 64
 
 
 def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
