@@ -20,6 +20,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -83,20 +84,39 @@ def profile_table(trace: str) -> dict:
     return out
 
 
+GC = {"s": 0.0, "full": 0, "t0": 0.0}         # the garbage collector's time and full (generation 2) passes
+
+
+def on_gc(phase: str, info: dict):
+    if phase == "start":
+        GC["t0"] = time.perf_counter()
+        return
+    GC["s"] += time.perf_counter() - GC["t0"]
+    GC["full"] += info["generation"] == 2
+
+
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
-    """(medians of the measured steps' figures, the profile or None, the engine) for one variant."""
-    cfg = options.parse_args(workload(args, flags))
+    """(medians of the measured steps' figures, the profile or None, the engine) for one variant. The flag
+    `gc_freeze` (not a train_grpo option): the heap frozen after the set-up, as vLLM freezes its own after
+    start-up (its full collections then skip it), unfrozen before the variant is dropped."""
+    freeze = "gc_freeze" in flags
+    cfg = options.parse_args(workload(args, [f for f in flags if f != "gc_freeze"]))
     vocab = 151936 if cfg.model and cfg.model.startswith("random:qwen") else 16
     g = torch.Generator().manual_seed(0)       # the prompts: prompt_len random tokens each (the copy task's are 4)
     data = ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)], ["0"] * 64,
             None) if args.prompt_len else None
     t = train_grpo.setup(cfg, engine=engine, data=data)
     SHARED["engine"] = t.engine                # a variant that fails later leaves the mode's engine to the next
+    if freeze:
+        gc.collect()
+        gc.freeze()
     steps = []
     for s in range(args.warmup + args.steps):
         last = profile and s == args.warmup + args.steps - 1
+        GC.update(s=0.0, full=0)
         if not last:
             steps.append(train_grpo.train_step(t, s))
+            steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
             continue
         from torch.profiler import ProfilerActivity, profile as torch_profile
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -110,6 +130,7 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     m["bench/step_s_all"] = [x["time/step"] for x in measured]
     m.update({f"plan/{k}": v for k, v in predicted(t).items()})
     engine, t = t.engine, None
+    gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()
     offload.empty_host_cache()
@@ -192,6 +213,7 @@ def main():
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     _, _, device = launch.init_distributed()
+    gc.callbacks.append(on_gc)
     res = {"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
            "args": vars(args), "peak_tflops": ledger.matmul_peak(device) / 1e12, "runs": {}}
     for mode in args.modes.split(","):
@@ -211,7 +233,8 @@ def main():
             keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
                     "perf/ref_logp_mfu", "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb",
                     "plan/ref_logp/predicted_gb", "bench/left_allocated_gb", "perf/generate_tokens_per_s",
-                    "rollout/generate_device_gb", "rollout/logp_diff_mean")
+                    "rollout/generate_device_gb", "rollout/logp_diff_mean", "bench/gc_s", "bench/gc_full",
+                    "rollout/generate_s")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
         engine = SHARED["engine"] = None
