@@ -58,7 +58,8 @@ class Steps:
     def on_log(self, args, state, control, logs=None, **kw):
         import torch
         row = {"step": state.global_step, "wall_s": time.perf_counter() - self.t0,
-               **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}}
+               **{k: v for k, v in (logs or {}).items() if isinstance(v, (int, float))}, **TIMES}
+        TIMES.update({k: 0.0 for k in TIMES})
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
             row.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / 2 ** 30, device_used_gb=(total - free) / 2 ** 30)
@@ -76,6 +77,33 @@ class Steps:
         with open(self.path + ".tmp", "w") as f:
             json.dump({**self.meta, "steps": self.rows, "saves": self.saves}, f, indent=1)
         os.replace(self.path + ".tmp", self.path)
+
+
+TIMES = {"generate_s": 0.0, "logp_nograd_s": 0.0}   # since the last logged step (`timed`)
+
+
+def timed(trainer):
+    """Time TRL's own phases on this trainer: `_generate` (the weight sync into vLLM, generation, its sleep and
+    wake) and the no-grad log-prob forwards (old and ref); what is left of a step is its train part."""
+    import torch
+
+    def wrap(name, key, when=lambda: True):
+        inner = getattr(trainer, name)
+
+        def call(*args, **kw):
+            if not when():
+                return inner(*args, **kw)
+            sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            out = inner(*args, **kw)
+            sync()
+            TIMES[key] += time.perf_counter() - t0
+            return out
+        setattr(trainer, name, call)
+    wrap("_generate", "generate_s")
+    wrap("_get_per_token_logps_and_entropies", "logp_nograd_s", lambda: not torch.is_grad_enabled())
+    return trainer
 
 
 def versions() -> dict:
@@ -139,7 +167,7 @@ def speed(a):
     trainer = GRPOTrainer(model=folder, reward_funcs=lambda completions, **kw: [float(len(c) % 2) for c in completions],
                           args=cfg, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok,
                           callbacks=[Steps(a.out, meta)])
-    trainer.train()
+    timed(trainer).train()
 
 
 # --------------------------------------------------------------------------- task: the real model on GSM8K
@@ -180,7 +208,7 @@ def task(a):
     os.makedirs(a.out, exist_ok=True)
     trainer = GRPOTrainer(model=a.model, reward_funcs=strict_reward, args=cfg, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[Steps(os.path.join(a.out, "steps.json"), meta)])
-    trainer.train()
+    timed(trainer).train()
 
 
 # --------------------------------------------------------------------------- eval: one evaluator for both
@@ -272,9 +300,33 @@ def report(a):
         fig.savefig(a.plot, dpi=120)
 
 
+def speed_report(a):
+    """TRL's speed run beside ours (bench_step.py's JSON, every variant) as one table: medians over the steps
+    after the first two (TRL: its wall time a step, `_generate`'s share, the rest its train part; ours: the
+    step, generate, ref + update), and each row's step against TRL's."""
+    import statistics as st
+    rows = [r for r in json.load(open(a.trl))["steps"] if "train_runtime" not in r]
+    walls = [b["wall_s"] - p["wall_s"] for p, b in zip(rows, rows[1:])][1:]     # steps 3 on
+    gens = [r.get("generate_s", float("nan")) for r in rows[2:]]
+    trl = {"step": st.median(walls), "generate": st.median(gens)}
+    trl["train part"] = st.median(w - g for w, g in zip(walls, gens))
+    lines = ["| run | step s | x TRL | generate s | train part s (ours: ref + update) | update peak GB |",
+             "|---|---|---|---|---|---|", f"| TRL | {trl['step']:.2f} | 1 | {trl['generate']:.2f} | "
+             f"{trl['train part']:.2f} | {max(r.get('peak_allocated_gb', 0) for r in rows):.1f} (the step's) |"]
+    for name, run in json.load(open(a.ours))["runs"].items():
+        if run["ok"]:
+            m = run["metrics"]
+            lines.append(f"| ours {name} | {m['time/step']:.2f} | {m['time/step'] / trl['step']:.2f} | "
+                         f"{m['time/generate']:.2f} | {m['time/ref_logp'] + m['time/update']:.2f} | "
+                         f"{m['mem/update/peak_gb']:.1f} |")
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=("speed", "task", "eval", "report"))
+    ap.add_argument("part", choices=("speed", "task", "eval", "report", "speed_report"))
     ap.add_argument("folders", nargs="*", help="eval: checkpoint folders, the first one's engine reused")
     ap.add_argument("--size", default="qwen2.5-0.5b")
     ap.add_argument("--tokenizer", default="/tmp/qwen-coder-0.5b", help="speed: a Qwen2.5 tokenizer's folder")
@@ -296,13 +348,13 @@ def main():
     ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--liger", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
-    ap.add_argument("--trl", default="", help="report: TRL's task folder")
+    ap.add_argument("--trl", default="", help="report: TRL's task folder; speed_report: TRL's speed JSON")
     ap.add_argument("--eval", default="", help="report: eval's JSON")
-    ap.add_argument("--ours", default="", help="report: our run's out_dir")
+    ap.add_argument("--ours", default="", help="report: our run's out_dir; speed_report: bench_step.py's JSON")
     ap.add_argument("--plot", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_intermixed_args()         # eval's folders may come after the options
-    {"speed": speed, "task": task, "eval": evaluate, "report": report}[a.part](a)
+    {"speed": speed, "task": task, "eval": evaluate, "report": report, "speed_report": speed_report}[a.part](a)
 
 
 if __name__ == "__main__":

@@ -241,3 +241,44 @@ def test_the_trl_report_counts_training_minutes_only(tmp_path):
     assert "| TRL | 20 | 4.00 | 0.300 | 0.310 |" in table       # step 40: 245 s of wall, 5 s of it the save
     assert "| ours | 10 | 1.35 | 0.150 | 0.260 |" in table      # steps 0-9 before step 10 validates: 0 + 9 x 9 s
     assert any(r.startswith("| (evaluator)") and "final" in r for r in table)
+
+
+def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
+    """bench/vs_trl.py (no TRL needed): `timed` adds `_generate`'s time and the no-grad log-prob forwards'
+    (not those under grad: the loss's) to each logged step, and speed_report gives TRL's medians after the
+    first two steps (its train part: the step less `_generate`) beside each of our variants."""
+    import sys
+    import time
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import vs_trl
+
+    class Trainer:
+        def _generate(self, prompts):
+            time.sleep(0.05)
+            return prompts
+
+        def _get_per_token_logps_and_entropies(self, *a):
+            time.sleep(0.02)
+
+    t, cb = vs_trl.timed(Trainer()), vs_trl.Steps(str(tmp_path / "steps.json"), {})
+    cb.on_train_begin(None, None, None)
+    t._generate([1])
+    with torch.no_grad():
+        t._get_per_token_logps_and_entropies()
+    t._get_per_token_logps_and_entropies()          # under grad: the update's, not counted
+    cb.on_log(None, type("S", (), {"global_step": 1})(), None, logs={"loss": 0.1})
+    row = json.loads((tmp_path / "steps.json").read_text())["steps"][0]
+    assert 0.05 <= row["generate_s"] < 0.2 and 0.02 <= row["logp_nograd_s"] < 0.04, row
+    assert vs_trl.TIMES == {"generate_s": 0.0, "logp_nograd_s": 0.0}
+    steps = [{"step": s, "wall_s": 5.0 * s, "generate_s": 3.0, "peak_allocated_gb": 50.0} for s in range(1, 9)]
+    (tmp_path / "trl.json").write_text(json.dumps({"steps": steps}))
+    ours = {"runs": {"bf16 default": {"ok": True, "metrics": {"time/step": 2.5, "time/generate": 1.5,
+                                                              "time/ref_logp": 0.25, "time/update": 0.5,
+                                                              "mem/update/peak_gb": 20.0}},
+                     "bf16 --kernels=compile": {"ok": False, "error": "x"}}}
+    (tmp_path / "ours.json").write_text(json.dumps(ours))
+    vs_trl.speed_report(type("A", (), {"trl": str(tmp_path / "trl.json"), "ours": str(tmp_path / "ours.json"),
+                                       "out": str(tmp_path / "speed.txt")})())
+    table = (tmp_path / "speed.txt").read_text().splitlines()
+    assert table[2] == "| TRL | 5.00 | 1 | 3.00 | 2.00 | 50.0 (the step's) |"
+    assert table[3] == "| ours bf16 default | 2.50 | 0.50 | 1.50 | 0.75 | 20.0 |" and len(table) == 4
