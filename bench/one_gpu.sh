@@ -54,7 +54,7 @@ case "${1:-}" in
               # the collector's time per step, and the heap frozen after the set-up as vLLM freezes its own
     m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
     part gc_1p5b 400 python bench/bench_step.py --model=random:qwen2.5-1.5b --micro=0 --steps=6 --warmup=2 \
-      --variants="default;$m32;$m32 gc_freeze;gc_freeze;$m32" --out="$OUT/gc_1p5b.json" ;;
+      --variants="${VARIANTS:-default;$m32;$m32 gc_freeze;gc_freeze;$m32}" --out="$OUT/gc_1p5b.json" ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
     part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \

@@ -61,13 +61,13 @@ case "${1:-}" in
     kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
   trl_speed)   # per size (0.5b 1.5b, or the one given): ours in one process, then TRL (medians after 2 warm-up steps).
                # Ours: the defaults (plan.relax's micro-batches), TRL's micro-batch of 32, the log-probs after step 0
-               # off, compiled layers, 32 again (the process's drift)
+               # off, compiled layers, 32 again (the process's drift); VARIANTS= others, TRL_ONLY=1 TRL's alone
     m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
     for size in ${2:-0.5b 1.5b}; do
-      timeout 350 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
-        --variants="default;$m32;--rollout.logprobs_every=1000;--kernels=compile;$m32" \
+      [ -n "${TRL_ONLY:-}" ] || { timeout 350 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 \
+        --warmup=2 --variants="${VARIANTS:-default;$m32;--rollout.logprobs_every=1000;--kernels=compile;$m32}" \
         --out="$OUT/ours_speed_$size.json" > "$OUT/ours_speed_$size.log" 2>&1
-      echo "[ours_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"
+      echo "[ours_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"; }
       timeout "${TRL_LIMIT:-230}" "${TRL[@]}" python bench/vs_trl.py speed \
         --size=qwen2.5-$size --tokenizer="${TOKENIZER:-$MODEL}" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
       echo "[trl_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"
