@@ -75,6 +75,7 @@ import rundir
 import tracker
 import ulysses
 import validate
+import vllm_engine
 from launch import init_distributed
 from checks import check_model
 from model import all_sum, build_mesh, hf_config
@@ -205,8 +206,7 @@ def roles(t: Trainer) -> list:           # the roles this run built
 def report(t: Trainer) -> list[str]:
     """The run's set-up in a few lines: the data, the engine and the checkpoints, then what each role
     holds and moves, in its own words (each role's `describe`)."""
-    cfg = t.cfg
-    auto = {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
+    cfg, auto = t.cfg, {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
     lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM or Ctrl-C, to "
@@ -393,8 +393,7 @@ def train(t: Trainer, start: int) -> bool:
         start_stream(t, start)             # (a Ctrl-C meanwhile is set-up's: one line, nothing to save yet)
     rundir.stop_on_sigterm(cfg)
     log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
-    t_start, seen = time.time(), {}
-    step = start - 1
+    t_start, seen, step = time.time(), {}, start - 1
     for step in range(start, cfg.steps):
         with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
@@ -515,7 +514,8 @@ def run(cfg: Config, rank: int):
         print(json.dumps(resolved, indent=1))
         rundir.write_run_config(cfg.out_dir, resolved)
     try:
-        finished = train(t, resume(t, start) if start else 0)
+        with vllm_engine.frozen_heap():    # the set-up's objects left out of each step's full collection
+            finished = train(t, resume(t, start) if start else 0)
     except (ValueError, OSError, StageOutOfMemory, rollout_engine.EngineDied) as e:   # the weights kept first
         # (only where every rank raised it: the others may be inside a collective; a dead engine reaches
         # every rank through rank 0's broadcast, rollout_async.take / push / greedy)

@@ -49,6 +49,20 @@ def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, **engin
     return llm
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """The steps of a run with the objects its set-up made frozen (gc.freeze), as vLLM freezes its own after
+    start-up, and thawed after (a run dropped in a notebook is then collected: `new_llm`). vLLM's sleep runs a
+    full collection each step (its cumem allocator calls gc.collect()); over the ~1.1 M objects of a 1.5B run
+    with the engine in this process that took 0.6 s a step, frozen 0.02 s (bench/README.md, round 14)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def start_share(cfg, kv_bytes: int, need: dict, free: int, total: int) -> float:
     """The gpu_memory_utilization to build the engine with, or a ValueError that says what to change
     when the engine cannot fit in the `free` bytes of this GPU (of `total`)."""

@@ -13,6 +13,7 @@ last step: per stage, the GPU's busy time by kind (matmuls, attention, LM head a
 elementwise, FSDP copies and collectives, the rest) and the host gap (the stage's wall time the GPU was idle).
 """
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +32,7 @@ import ledger
 import offload
 import options
 import train_grpo
+import vllm_engine
 
 SHARED = {}                                    # the mode's engine once a variant has built it
 MODES = {"bf16": [], "fp8kv": ["--rollout.kv_cache_dtype=fp8"],
@@ -96,41 +98,38 @@ def on_gc(phase: str, info: dict):
 
 
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
-    """(medians of the measured steps' figures, the profile or None, the engine) for one variant. The flag
-    `gc_freeze` (not a train_grpo option): the heap frozen after the set-up, as vLLM freezes its own after
-    start-up (its full collections then skip it), unfrozen before the variant is dropped."""
-    freeze = "gc_freeze" in flags
-    cfg = options.parse_args(workload(args, [f for f in flags if f != "gc_freeze"]))
+    """(medians of the measured steps' figures, the profile or None, the engine) for one variant. Its steps run
+    with the set-up's objects frozen, as train_grpo.run's do (vllm_engine.frozen_heap); the flag `gc_thawed`
+    (not a train_grpo option): without, as before round 14."""
+    thawed = "gc_thawed" in flags
+    cfg = options.parse_args(workload(args, [f for f in flags if f != "gc_thawed"]))
     vocab = 151936 if cfg.model and cfg.model.startswith("random:qwen") else 16
     g = torch.Generator().manual_seed(0)       # the prompts: prompt_len random tokens each (the copy task's are 4)
     data = ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)], ["0"] * 64,
             None) if args.prompt_len else None
     t = train_grpo.setup(cfg, engine=engine, data=data)
     SHARED["engine"] = t.engine                # a variant that fails later leaves the mode's engine to the next
-    if freeze:
-        gc.collect()
-        gc.freeze()
-    steps = []
-    for s in range(args.warmup + args.steps):
-        last = profile and s == args.warmup + args.steps - 1
-        GC.update(s=0.0, full=0)
-        if not last:
-            steps.append(train_grpo.train_step(t, s))
-            steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
-            continue
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            steps.append(train_grpo.train_step(t, s))
-        path = os.path.join(tempfile.mkdtemp(), "step.json")
-        prof.export_chrome_trace(path)
-        table = profile_table(path)
+    steps, table = [], None
+    with contextlib.nullcontext() if thawed else vllm_engine.frozen_heap():   # thawed before the variant is dropped
+        for s in range(args.warmup + args.steps):
+            last = profile and s == args.warmup + args.steps - 1
+            GC.update(s=0.0, full=0)
+            if not last:
+                steps.append(train_grpo.train_step(t, s))
+                steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
+                continue
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                steps.append(train_grpo.train_step(t, s))
+            path = os.path.join(tempfile.mkdtemp(), "step.json")
+            prof.export_chrome_trace(path)
+            table = profile_table(path)
     measured = steps[args.warmup:] or steps
     m = {k: statistics.median(x[k] for x in measured if k in x) for k, v in measured[-1].items()
          if isinstance(v, (int, float))}
     m["bench/step_s_all"] = [x["time/step"] for x in measured]
     m.update({f"plan/{k}": v for k, v in predicted(t).items()})
     engine, t = t.engine, None
-    gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()
     offload.empty_host_cache()

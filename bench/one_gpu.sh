@@ -50,11 +50,11 @@ case "${1:-}" in
         --variants="--rollout.logprobs_every=1;--rollout.logprobs_every=1000;--rollout.logprobs_every=1" \
         --out="$OUT/logprobs_$size.json"
     done ;;
-  gc)         # round 14: the engine's generation slower after TRL's micro-batch of 32 than after the whole batch;
-              # the collector's time per step, and the heap frozen after the set-up as vLLM freezes its own
+  gc)         # round 14: vLLM's sleep runs a full collection each step; the collector's time a step with the
+              # set-up's objects frozen (the loop's since round 14) and without (gc_thawed: round 14's first lease)
     m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
     part gc_1p5b 400 python bench/bench_step.py --model=random:qwen2.5-1.5b --micro=0 --steps=6 --warmup=2 \
-      --variants="${VARIANTS:-default;$m32;$m32 gc_freeze;gc_freeze;$m32}" --out="$OUT/gc_1p5b.json" ;;
+      --variants="${VARIANTS:-gc_thawed;$m32 gc_thawed;$m32;default;gc_thawed}" --out="$OUT/gc_1p5b.json" ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
     part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \

@@ -636,6 +636,40 @@ def test_an_engine_built_in_this_process_leaves_the_heap_collectable(monkeypatch
         gc.unfreeze()
 
 
+def test_a_runs_steps_skip_the_set_ups_objects_in_full_collections_and_a_dropped_run_still_goes(monkeypatch, tmp_path):
+    """vLLM's sleep runs gc.collect() each step; over the set-up's ~1.1 M objects (trainer and engine, collectable
+    since new_llm unfreezes them) that took 0.6 s a step at 1.5B (round 14). train_grpo.run's steps run with
+    them frozen (vllm_engine.frozen_heap): a cycle made by the set-up is not collected during the steps, the
+    heap is thawed after them (and after a step that raised), and a run's cycle then goes with its reference."""
+    import gc
+    import weakref
+
+    import train_grpo
+    import vllm_engine
+    seen = {}
+
+    class Cycle:
+        pass
+
+    def steps(t, start):                   # the loop, as the set-up left it: its cycle frozen
+        c = Cycle()
+        c.me = c
+        seen["frozen"], seen["during"] = gc.get_freeze_count(), weakref.ref(c)
+        del c
+        gc.collect()                       # made during the steps: not frozen, collected
+        seen["collected"] = seen["during"]() is None
+        open(os.path.join(t.cfg.out_dir, "metrics.jsonl"), "w").close()   # the end's summary reads it
+        return True
+    monkeypatch.setattr(train_grpo, "train", steps)
+    train_grpo.main(["--steps=1", "--save=false", "--save_freq=0", f"--out_dir={tmp_path / 'run'}", "--logger=none"])
+    assert seen["frozen"] > 10_000 and seen["collected"] and gc.get_freeze_count() == 0, seen
+    with pytest.raises(RuntimeError, match="a step failed"):
+        with vllm_engine.frozen_heap():
+            assert gc.get_freeze_count() > 0
+            raise RuntimeError("a step failed")
+    assert gc.get_freeze_count() == 0
+
+
 def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
     """Once vLLM's heap is collectable, gc lists its compile's FakeTensors; bench_step's listing of what a dropped
     variant left asked each for its storage's address, which raises on torch 2.11 (round 13: every variant of
