@@ -131,6 +131,8 @@ def check_config(cfg: Config):
     if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
         fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
         cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"
+    if r.logprobs_every == 0:              # auto: where the correction reads them every step, else a reading now and then
+        r.logprobs_every = 1 if cfg.actor.rollout_is == "token" else rollout.LOGPROBS_EVERY
     if cfg.actor.rollout_is == "token" and r.logprobs_every > 1:
         raise ValueError(f"--rollout.logprobs_every={r.logprobs_every} with the rollout correction (actor.rollout_is="
                          f"token, on with async and FP8): it reads the engine's log-probs on every step; use "

@@ -56,10 +56,11 @@ class RolloutConfig:
     enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
-    logprobs_every: int = 1                # vLLM, colocated: the sampled tokens' log-probs on every k-th step only;
-                                           # 30-46 % of the decode step (bench/README.md, "The sampling call's
+    logprobs_every: int = 0                # vLLM, colocated: the sampled tokens' log-probs on every k-th step only;
+                                           # ~27 % of the decode step (bench/README.md, "The sampling call's
                                            # costs"). Read by the rollout correction (every step: k must be 1)
-                                           # and the rollout/logp_diff_* metrics (on the steps that have them)
+                                           # and the rollout/logp_diff_* metrics (on the steps that have them).
+                                           # 0: 1 with the correction, else LOGPROBS_EVERY (options.check)
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
     kv_cache_dtype: str = "auto"           # vLLM's KV cache: auto (the weights' dtype) | fp8 (one byte an element:
                                            # half bf16's; the rollout correction turns on, actor.rollout_is)
@@ -80,11 +81,13 @@ class RolloutConfig:
 # checked when the command line is parsed (options.check_config)
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
-          "sync_bucket_mb": ">= 1", "logprobs_every": ">= 1", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
+          "sync_bucket_mb": ">= 1", "logprobs_every": ">= 0", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
            "dtype": ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype": ("auto", "fp8"),
            "quantization": ("none", "fp8")}
 RESCUE = {"kv_cache_dtype": ("fp8", "the KV cache at one byte an element, the rollout correction on")}   # plan.py
+LOGPROBS_EVERY = 10   # logprobs_every's 0 without the correction: the engine-vs-trainer gap read each 10th step
+                      # (round 14: the engine's generation 0.79-0.86x without them at 0.5B and 1.5B)
 RELIEF = {  # its terms in a stage's prediction -> the change that shrinks them
     "sync bucket": "a smaller rollout.sync_bucket_mb", "KV cache": "fewer samples per GPU (rollout.n, train_batch_size) "
     "or more GPUs", "gathered model": "--rollout.engine=vllm (HF generate gathers the whole model)"}

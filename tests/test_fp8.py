@@ -106,8 +106,8 @@ FP8 = ["--rollout.kv_cache_dtype=fp8", "--rollout.quantization=fp8"]
 def test_the_embedded_default_learns_with_fp8_as_with_bf16(tmp_path):
     """The tiny default on the GPU with vLLM, 40 steps each: FP8 weights + KV learn (reward up by 0.1) and
     end within 0.15 of bf16's; the rollout correction is on (its weights logged) and the log-prob mismatch
-    is logged in both modes."""
-    bf16, fp8 = (_run(tmp_path, n, ["--steps=40", *a]) for n, a in (("bf16", []), ("fp8", FP8)))
+    is logged in both modes (bf16 asks for it every step: its default is each 10th)."""
+    bf16, fp8 = (_run(tmp_path, n, ["--steps=40", *a]) for n, a in (("bf16", ["--rollout.logprobs_every=1"]), ("fp8", FP8)))
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     for rows in (bf16, fp8):
         assert mean(rows[-10:], "reward_mean") > mean(rows[:10], "reward_mean") + 0.1

@@ -551,8 +551,8 @@ def test_host_memory_flat_over_many_steps(tmp_path):
 # --------------------------------------------------------------------------- the sampled tokens' log-probs
 def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeypatch):
     """--rollout.logprobs_every=k: the engine is asked for the sampled tokens' log-probs on steps 0, k, 2k, ...
-    (bench/README.md: 30-46 % of vLLM's decode step); a batch without them trains, and the correction that
-    reads them every step refuses k > 1 in one line. vLLM's outputs read as the rollout reads them: the
+    (bench/README.md: ~27 % of vLLM's decode step); a batch without them trains, and the correction that
+    reads them every step refuses k > 1 in one line; the default (0) is 1 where the correction is on, else 10. vLLM's outputs read as the rollout reads them: the
     sampled token's log-prob a position, from flat lists (flat_logprobs) or Logprob dicts."""
     import rollout
     import vllm_engine
@@ -566,6 +566,9 @@ def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeyp
     for extra in (["--actor.rollout_is=token"], ["--rollout.mode=async"]):
         with pytest.raises(ValueError, match="--rollout.logprobs_every=1"):
             options.parse_args(["--rollout.logprobs_every=2", *extra])
+        assert options.parse_args(extra).rollout.logprobs_every == 1       # the default: every step they are read
+    assert options.parse_args([]).rollout.logprobs_every == rollout.LOGPROBS_EVERY == 10   # else each 10th
+    assert options.parse_args(["--rollout.kv_cache_dtype=fp8"]).rollout.logprobs_every == 1
     # vLLM's outputs as the rollout reads them: no log-probs asked, none in the batch
     out = lambda lp: type("Out", (), {"outputs": [type("S", (), {"token_ids": [5, 6], "logprobs": lp})()]})()  # noqa: E731
     lp = [{5: type("L", (), {"logprob": -0.5})()}, {6: type("L", (), {"logprob": -1.5})()}]
