@@ -94,16 +94,17 @@ def _cfg(*args):
 
 
 def test_the_plan_follows_the_kernels():
-    """--kernels=liger and =compile keep each RMSNorm's input at 2 bytes (not an fp32 copy) and no MLP
-    activation: the update's activations (checkpointing off) are (4 x hidden + 2 x ffn) bytes per token and
-    layer smaller, and nothing else moves; an explicit choice is planned without liger-kernel installed."""
+    """--kernels=liger and =compile keep no fp32 copy of each RMSNorm's input (their rstd only: fitted to the
+    measured peaks, model.Shapes.saved_per_token) and no MLP activation: the update's activations
+    (checkpointing off) are (8 x hidden + 2 x ffn) bytes per token and layer smaller, and nothing else moves;
+    an explicit choice is planned without liger-kernel installed."""
     base = ["--model=random:qwen2.5-0.5b", "--actor.gradient_checkpointing=false", "--rollout.response_length=256"]
     s = predict.shapes("random:qwen2.5-0.5b")
     terms = {k: predict.predict(_cfg(*base, f"--kernels={k}"), 1, 64).stage("update").terms
              for k in ("torch", "liger", "compile")}
     assert terms["liger"] == terms["compile"]
     diff = {k: v - terms["liger"][k] for k, v in terms["torch"].items() if v != terms["liger"][k]}
-    per_token = s.layers * (4 * s.hidden + 2 * s.ffn)
+    per_token = s.layers * (8 * s.hidden + 2 * s.ffn)
     assert list(diff) == ["activations"] and diff["activations"] % per_token == 0
     assert diff["activations"] // per_token == 16 * (64 + 256)    # the default micro-batch of full-length rows
 
@@ -239,6 +240,22 @@ def test_predictions_within_10_percent_of_the_recorded_h200_peaks():
                 bad.append((row["name"], row["world"], "device " + stage, round(measured, 2), round(pred, 2)))
     assert sum("device_gb" in row for row in truth["rows"]) >= 10
     assert not bad, bad
+
+
+@pytest.mark.skipif(not os.path.exists(TRUTH), reason="no recorded GPU measurements yet")
+def test_the_fused_kernels_updates_within_2_percent_and_their_forwards_within_5():
+    """The update peaks recorded with Liger or compiled layers and checkpointing off (0.5B and 1.5B, 32 and 128
+    samples a micro-batch: the defaults' `plan.relax` choice) within 2 % of the plan, their ref forwards within
+    5 %: the issue's bar for the defaults is 5 % at the allocator level (round 14 measured 7-8 % before the
+    fused norms' term was fitted)."""
+    with open(TRUTH) as f:
+        rows = [r for r in json.load(f)["rows"] if {"--kernels=liger", "--kernels=compile"} & set(r["args"])]
+    errors = {}
+    for row in rows:
+        p = predict.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
+        errors[row["name"]] = {s: p.stage(s).total / GB / row["peak_gb"][s] - 1 for s in ("update", "ref_logp")}
+    assert len(rows) >= 8 and sum("micro-batch 128" in name for name in errors) >= 2
+    assert all(abs(e["update"]) <= 0.02 and abs(e["ref_logp"]) <= 0.05 for e in errors.values()), errors
 
 
 def test_vllm_start_share_asks_for_what_the_engine_needs():
