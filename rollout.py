@@ -60,7 +60,7 @@ class RolloutConfig:
                                            # ~27 % of the decode step (bench/README.md, "The sampling call's
                                            # costs"). Read by the rollout correction (every step: k must be 1)
                                            # and the rollout/logp_diff_* metrics (on the steps that have them).
-                                           # 0: 1 with the correction, else LOGPROBS_EVERY (options.check)
+                                           # 0: 1 with the correction, else LOGPROBS_EVERY (options.check_config)
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
     kv_cache_dtype: str = "auto"           # vLLM's KV cache: auto (the weights' dtype) | fp8 (one byte an element:
                                            # half bf16's; the rollout correction turns on, actor.rollout_is)
