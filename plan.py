@@ -131,7 +131,7 @@ def candidates(cfg, world: int, frugal: bool = False):
         over = {f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "SUPERSEDES", {}).items()
                 if space.get(f"{n}.{k}", (False,))[-1]}
         flag_values = [v[:1] if key in over else fv for (key, v), fv in zip(space.items(), flag_values)]
-    lp = halvings(a.log_prob_micro_batch_size_per_gpu)
+    lp = halvings(max(a.log_prob_micro_batch_size_per_gpu, cfg.ref.log_prob_micro_batch_size_per_gpu))   # both forwards
     for values, micro, lp_micro, tp, sp in itertools.product(
             itertools.product(*flag_values), halvings(a.ppo_micro_batch_size_per_gpu), lp[-1:] if frugal else lp,
             tps, sequence_parallel_sizes(cfg, world)):
@@ -141,7 +141,7 @@ def candidates(cfg, world: int, frugal: bool = False):
         yield with_options(cfg, {**flags, "rollout.tensor_parallel_size": tp,   # vLLM's weights and KV heads over tp GPUs
                                  "actor.ulysses_sequence_parallel_size": sp,   # each micro-batch's tokens over sp GPUs
                                  "actor.ppo_micro_batch_size_per_gpu": micro,
-                                 "actor.log_prob_micro_batch_size_per_gpu": lp_micro,
+                                 "actor.log_prob_micro_batch_size_per_gpu": min(a.log_prob_micro_batch_size_per_gpu, lp_micro),
                                  "ref.log_prob_micro_batch_size_per_gpu": min(cfg.ref.log_prob_micro_batch_size_per_gpu,
                                                                               lp_micro)})
 
@@ -335,8 +335,7 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
 
 
 def margin_fit(cfg, t: Target):
-    """When nothing keeps `t.margin` free: (the largest margin in hundredths that some configuration keeps, the
-    fastest configuration there, its Plan), or None when nothing fits the GPU with any margin."""
+    """(the largest margin in hundredths something keeps, the fastest there, its Plan), or None: none fits."""
     for m in (x / 100 for x in range(math.ceil(t.margin * 100 - 1e-6) - 1, -1, -1)):
         if fits_at_all(cfg, replace(t, margin=m)):
             return (m,) + choose(cfg, replace(t, margin=m))
@@ -344,8 +343,7 @@ def margin_fit(cfg, t: Target):
 
 
 def templates() -> str:
-    """The size table: 0.5B / 7B / 72B GRPO (16 prompts x 8 samples per GPU... see the text) on 1 x 80 GB,
-    8 x 80 GB and 8 x 141 GB GPUs, at the 10 % margin, else at the largest margin something keeps."""
+    """The size table: 0.5B / 7B / 72B GRPO on 1 x 80, 8 x 80 and 8 x 141 GB, at 10 % margin or the most kept."""
     import options
     rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU allocated | device level GB/GPU "
             "| pinned host GB/rank |", "|---|---|---|---|---|---|"]
@@ -436,9 +434,11 @@ def main(argv=None):
     except (ValueError, OSError) as e:     # FileNotFoundError included
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    per_node = own.nproc_per_node or min(own.nproc, 8)
-    print(report(cfg, Target(world, prompt_len, int(own.gpu_gb * GB), cfg.plan_margin, engine,
-                             int(own.host_gb * GB / per_node))))
+    t = Target(world, prompt_len, int(own.gpu_gb * GB), cfg.plan_margin, engine,
+               int(own.host_gb * GB / (own.nproc_per_node or min(own.nproc, 8))))
+    relaxed = relax(cfg, world, prompt_len, engine, t.gpu_bytes, rank=1)   # the run's own config on this GPU
+    print(report(relaxed, t) + (f"\n[plan] planned as the run sets itself up on this GPU (plan.relax): {' '.join(moved)}"
+                                f"; the command line keeps what it sets" if (moved := changes(cfg, relaxed)) else ""))
 
 
 def _prompt_len(cfg) -> int:

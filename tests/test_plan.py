@@ -692,6 +692,13 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
     real = plan.relax(_cfg("--model=random:qwen2.5-0.5b", "--train_batch_size=32", "--actor.ppo_mini_batch_size=16",
                            "--rollout.response_length=512"), 1, 200, "vllm", 140 * GB)
     assert real.ref.log_prob_micro_batch_size_per_gpu == 64 == plan.FORWARD_TOKENS // 712 // 64 * 64
+    plan.main(args + ["--gpu_gb=140", "--prompt_len=64"])         # plan.py plans the run's own configuration
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == ("[plan] planned as the run sets itself up on this GPU (plan.relax): --actor.gradient_checkpointing="
+                       "false --actor.ppo_micro_batch_size_per_gpu=64 --ref.log_prob_micro_batch_size_per_gpu=128; the "
+                       "command line keeps what it sets") and "the configuration as given (peak 8" in out[-2]
+    plan.main(args + ["--gpu_gb=140", "--prompt_len=64", "--offload=auto"])
+    assert "plan.relax" not in capsys.readouterr().out
 
 
 def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
