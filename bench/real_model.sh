@@ -5,6 +5,8 @@
 # 30 s and at the end, so a call cut short still brings back what it did.
 #   MODEL=/models/Qwen2.5-Coder-0.5B-Instruct TRAIN=gsm8k_train.jsonl VAL=gsm8k_val.jsonl bash bench/real_model.sh grpo
 #   bash bench/real_model.sh grpo 540      # the same, stopped by SIGTERM after 540 s; run again: it resumes
+#   bash bench/real_model.sh grpo_async 540   # the same with --rollout.mode=async (one GPU: the engine beside)
+#   VAL_FREQ=5 (validations and TRL's checkpoints every 5 steps), EXTRA="--save_freq=0 ..." (more of our options)
 #   bash bench/real_model.sh rows          # PPO, LoRA, FP8 KV, FP8 weights + KV side by side on the GPU (short)
 #   bash bench/real_model.sh trl_speed [0.5b|1.5b]   # TRL's workload, ours (bench/bench_step.py) and TRL, per size
 #   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10 steps
@@ -26,7 +28,7 @@ INSTRUCTION='Let'"'"'s think step by step and output the final answer after "###
 # steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
 GRPO=(--model="$MODEL" --data="$TRAIN" --val_data="$VAL" --instruction="$INSTRUCTION" --train_batch_size=32
       --rollout.n=8 --actor.ppo_mini_batch_size=16 --rollout.response_length=512 --actor.lr=2e-6 --steps=300
-      --val_freq=10 --logger=none --seed="$SEED")
+      --val_freq="${VAL_FREQ:-10}" --logger=none --seed="$SEED")
 
 pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (replaced whole)
   local part=$1; shift
@@ -44,11 +46,12 @@ run() {  # run <dir> <seconds> <options...>: one training run, SIGTERM after <se
 }
 
 case "${1:-}" in
-  grpo)
+  grpo|grpo_async)   # grpo_async: the same run with async rollout (the engine process beside the trainer's GPU)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-    packer=$(keep_packing "grpo$S" "$RUNS/grpo$S")
-    run "$RUNS/grpo$S" "${2:-540}" "${GRPO[@]}"
-    kill "$packer"; pack "grpo$S" "$RUNS/grpo$S" ;;
+    name=$1$S; mode=$([ "$1" = grpo_async ] && echo async || echo colocated)
+    packer=$(keep_packing "$name" "$RUNS/$name")
+    run "$RUNS/$name" "${2:-540}" "${GRPO[@]}" --rollout.mode="$mode" ${EXTRA:-}
+    kill "$packer"; pack "$name" "$RUNS/$name" ;;
   rows)    # side by side on one GPU (each run's times are shared-GPU times: read their curves against steps)
     packer=$(keep_packing rows "$RUNS"/{ppo,lora,fp8kv,fp8})
     jobs=()
@@ -75,12 +78,12 @@ case "${1:-}" in
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
     timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
       --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
-      --lr=2e-6 --steps=50 --save_steps=10 --seed="$SEED" --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
+      --lr=2e-6 --steps=50 --save_steps="${VAL_FREQ:-10}" --seed="$SEED" --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
     echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json" ;;
   trl_eval)    # the base model first (its engine is reused), then each checkpoint TRL wrote
     timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
       "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
       > "$OUT/trl_eval.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
     echo "[trl_eval] exit $?" | tee -a "$OUT/summary.txt" ;;
-  *) echo "usage: bash bench/real_model.sh grpo [seconds] | rows [seconds] [fp8 seconds] | trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
+  *) echo "usage: bash bench/real_model.sh grpo|grpo_async [seconds] | rows [seconds] [fp8 seconds] | trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
 esac

@@ -271,33 +271,71 @@ def report(a):
         (step_of[e["folder"]] // per, wall[step_of[e["folder"]]] / 60, e["strict"], e["flexible"])
         for e in evals if e["folder"] in step_of]
     other = [e for e in evals[1:] if e["folder"] not in step_of]   # e.g. our final/: the evaluator against our run's
-    rows = [json.loads(x) for x in open(os.path.join(a.ours, "metrics.jsonl"))]
-    ours, minutes = [], 0.0
-    for r in sorted(rows, key=lambda r: r["step"]):
-        if "val/strict" in r:
-            ours.append((r["step"], minutes, r["val/strict"], r["val/flexible"]))
-        minutes += (r.get("time/step", 0) - r.get("time/val", 0)) / 60
+    runs = {"TRL": trl, **{name: ours_curve(d) for name, d in ours_runs(a.ours)}}
     lines = ["| run | step | training min | strict | flexible |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {s} | {m:.2f} | {st:.3f} | {fl:.3f} |" for name, pts in (("TRL", trl), ("ours", ours))
-              for s, m, st, fl in pts]
+    lines += [f"| {name} | {s} | {m:.2f} | {st:.3f} | {fl:.3f} |" for name, pts in runs.items() for s, m, st, fl in pts]
     lines += [f"| (evaluator) {e['folder']} | | | {e['strict']:.3f} | {e['flexible']:.3f} |" for e in other]
+    walls = sorted(wall.items())                 # TRL's step: `per` optimizer steps of wall time, saves left out
+    step_s = {"TRL": statistics.median(per * (b - a) / (j - i) for (i, a), (j, b) in zip(walls, walls[1:]))}
+    step_s.update({name: ours_step_s(d) for name, d in ours_runs(a.ours)})
+    lines += ["", *time_to(runs, trl[-1][2], step_s)]
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, pts in (("TRL", trl), ("ours", ours)):
-            ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], marker="o", label=f"{name} (flexible)")
-            ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker=".", ls="--", label=f"{name} (strict)")
-        ax.set_xlabel("training minutes (validation left out)")
-        ax.set_ylabel("held-out accuracy, greedy (%)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(a.plot, dpi=120)
+        plot(runs, a.plot)
+
+
+def ours_runs(spec: str) -> list:
+    """--ours: a run's out_dir, or name=dir pairs split by commas (colocated=...,async=...)."""
+    return [tuple(x.split("=", 1)) if "=" in x else ("ours", x) for x in spec.split(",") if x]
+
+
+def ours_curve(out_dir: str) -> list:
+    """(step, training minutes, strict, flexible) at each validation of one of our runs: the steps' time
+    before it, the validations' own time left out."""
+    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
+    pts, minutes = [], 0.0
+    for r in sorted(rows, key=lambda r: r["step"]):
+        if "val/strict" in r:
+            pts.append((r["step"], minutes, r["val/strict"], r["val/flexible"]))
+        minutes += (r.get("time/step", 0) - r.get("time/val", 0)) / 60
+    return pts
+
+
+def ours_step_s(out_dir: str) -> float:
+    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
+    return statistics.median(r["time/step"] - r.get("time/val", 0) for r in rows if r["step"] >= 2)
+
+
+def time_to(runs: dict, target: float, step_s: dict) -> list:
+    """The training minutes each run took to first reach TRL's final held-out strict score, against TRL's
+    own (the first validation at or above it; none: not reached), and each run's median step."""
+    first = {name: next((m for _, m, st, _ in pts if st >= target), None) for name, pts in runs.items()}
+    lines = [f"| run | minutes to {100 * target:.1f} % strict (TRL's final) | x TRL's | median step s | x TRL's |",
+             "|---|---|---|---|---|"]
+    for name, m in first.items():
+        ratio = f"{m / first['TRL']:.2f}" if m is not None and first["TRL"] else "not reached"
+        lines.append(f"| {name} | {'not reached' if m is None else f'{m:.2f}'} | {ratio} | {step_s[name]:.2f} | "
+                     f"{step_s[name] / step_s['TRL']:.2f} |")
+    return lines
+
+
+def plot(runs: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, pts in runs.items():
+        line, = ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker="o", label=f"{name} (strict)")
+        ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], marker=".", ls="--", color=line.get_color(),
+                label=f"{name} (flexible)")
+    ax.set_xlabel("training minutes (validation left out)")
+    ax.set_ylabel("held-out accuracy, greedy (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def speed_report(a):
@@ -350,7 +388,8 @@ def main():
     ap.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
     ap.add_argument("--trl", default="", help="report: TRL's task folder; speed_report: TRL's speed JSON")
     ap.add_argument("--eval", default="", help="report: eval's JSON")
-    ap.add_argument("--ours", default="", help="report: our run's out_dir; speed_report: bench_step.py's JSON")
+    ap.add_argument("--ours", default="", help="report: our run's out_dir, or name=dir,name=dir (colocated=...,"
+                    "async=...); speed_report: bench_step.py's JSON")
     ap.add_argument("--plot", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_intermixed_args()         # eval's folders may come after the options

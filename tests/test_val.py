@@ -233,14 +233,23 @@ def test_the_trl_report_counts_training_minutes_only(tmp_path):
     rows += [{"step": s, "time/step": 9.0 + (3.0 if s == 10 else 0.0), "time/val": 3.0 if s == 10 else 0.0,
               **({"val/strict": 0.15, "val/flexible": 0.26} if s == 10 else {})} for s in range(1, 11)]
     (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fast = tmp_path / "fast"                       # a second run of ours (async): TRL's final score at step 10
+    fast.mkdir()
+    (fast / "metrics.jsonl").write_text("".join(json.dumps({**r, "time/step": r["time/step"] / 3, "time/val": r[
+        "time/val"] / 3, **({"val/strict": 0.3} if r["step"] == 10 else {})}) + "\n" for r in rows))
     out = tmp_path / "table.txt"
-    vs_trl.report(type("A", (), {"trl": str(trl), "eval": str(tmp_path / "eval.json"), "ours": str(ours),
-                                 "out": str(out), "plot": ""})())
+    vs_trl.report(type("A", (), {"trl": str(trl), "eval": str(tmp_path / "eval.json"), "out": str(out), "plot": "",
+                                 "ours": f"{ours},async={fast}"})())
     table = out.read_text().splitlines()
     assert "| TRL | 10 | 2.00 | 0.200 | 0.210 |" in table       # optimizer step 20: 120 s
     assert "| TRL | 20 | 4.00 | 0.300 | 0.310 |" in table       # step 40: 245 s of wall, 5 s of it the save
     assert "| ours | 10 | 1.35 | 0.150 | 0.260 |" in table      # steps 0-9 before step 10 validates: 0 + 9 x 9 s
+    assert "| async | 10 | 0.45 | 0.300 | 0.260 |" in table
     assert any(r.startswith("| (evaluator)") and "final" in r for r in table)
+    # minutes to TRL's final 30 % (TRL: 4.00), and the median step (TRL: 2 optimizer steps of 6 s, saves left out)
+    assert "| TRL | 4.00 | 1.00 | 12.00 | 1.00 |" in table
+    assert "| ours | not reached | not reached | 9.00 | 0.75 |" in table
+    assert "| async | 0.45 | 0.11 | 3.00 | 0.25 |" in table
 
 
 def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
