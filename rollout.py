@@ -225,8 +225,9 @@ def build(cfg: RolloutConfig, *, device: torch.device, model_path: str | None, c
 
 
 def describe(engine: Engine) -> list[str]:
-    """The set-up report's line for a vLLM engine: its KV budget and what it keeps while asleep."""
-    if engine.kind != "vllm":
+    """The set-up report's line for a vLLM engine: its KV budget and what it keeps while asleep (none for
+    async rollout, whose engines live in their processes and are described when they start)."""
+    if engine.kind != "vllm" or engine.llm is None:
         return []
     cfg, gb = engine.cfg, offload.GB
     kv = (f"KV cache {engine.kv_cache_bytes / gb:.2f} GB, sized from the batch (+{cfg.kv_cache_margin:.0%})"

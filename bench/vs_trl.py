@@ -275,7 +275,8 @@ def report(a):
     lines = ["| run | step | training min | strict | flexible |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {s} | {m:.2f} | {st:.3f} | {fl:.3f} |" for name, pts in runs.items() for s, m, st, fl in pts]
     lines += [f"| (evaluator) {e['folder']} | | | {e['strict']:.3f} | {e['flexible']:.3f} |" for e in other]
-    walls = sorted(wall.items())                 # TRL's step: `per` optimizer steps of wall time, saves left out
+    # TRL's step: the wall time between generations (`per` optimizer steps, one generate), saves left out
+    walls = sorted((s, w) for s, w in wall.items() if s % per == 0)
     step_s = {"TRL": statistics.median(per * (b - a) / (j - i) for (i, a), (j, b) in zip(walls, walls[1:]))}
     step_s.update({name: ours_step_s(d) for name, d in ours_runs(a.ours)})
     lines += ["", *time_to(runs, trl[-1][2], step_s)]

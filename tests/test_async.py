@@ -157,3 +157,15 @@ def test_async_on_a_rank_of_its_own_under_torchrun(tmp_path):
     m = metrics(out)
     assert len(m) == 4 and m[0]["rollout/logp_diff_max"] < 1e-4
     assert '"world_size": 2' in r.stdout
+
+
+def test_the_set_up_report_describes_no_in_process_engine_for_async_rollout():
+    """Async rollout keeps a vLLM Engine record in the trainer but builds no engine there: the set-up report
+    has no colocated engine line for it (it said "built in 0.0 s; ... 0% of the GPU"); a built one has it."""
+    import rollout
+    cfg = RolloutConfig(engine="vllm", mode="async")
+    e = rollout.Engine("vllm", cfg, pad_id=0, eos_id=1, device=torch.device("cpu"))
+    assert rollout.describe(e) == []
+    built = rollout.Engine("vllm", cfg, pad_id=0, eos_id=1, device=torch.device("cpu"), llm=object(), build_s=71.8,
+                           kv_cache_bytes=2 * 2**30, asleep_device_gb=0.39)
+    assert rollout.describe(built)[0].startswith("[rollout] vLLM engine built in 71.8 s; KV cache 2.00 GB")

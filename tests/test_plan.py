@@ -203,6 +203,15 @@ def test_watch_warns_once_per_kind_and_names_the_change():
     close = predict.watch({**m, "step": 5, "mem/update/peak_gb": 1.05 * pred, "mem/update/alloc_retries": 0.0},
                            {}, p, 100 * GB, 0)
     assert not any("the plan predicted" in x for x in close), close
+    # 40 % under the plan: news when the responses ran their full length, the plan's case; not when a real
+    # model's answers ended early (the plan is the bound for the longest batch)
+    under = {**m, "mem/update/peak_gb": 0.6 * pred, "mem/update/alloc_retries": 0.0}
+    full = predict.watch({**under, "response_length": p.response_length}, {}, p, 100 * GB, 0)
+    assert any("the plan predicted" in x and "(-40%)" in x for x in full), full
+    short = predict.watch({**under, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
+    assert not any("the plan predicted" in x for x in short), short
+    over = predict.watch({**m, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
+    assert any("(+30%)" in x for x in over), over
     grown = predict.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
                             "mem/update/peak_gb": pred}, seen, p, gpu, 0)
     assert [x for x in grown if "host RSS grew 10.0 -> 12.0" in x]
