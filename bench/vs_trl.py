@@ -277,7 +277,8 @@ def report(a):
     lines += [f"| (evaluator) {e['folder']} | | | {e['strict']:.3f} | {e['flexible']:.3f} |" for e in other]
     # TRL's step: the wall time between generations (`per` optimizer steps, one generate), saves left out
     walls = sorted((s, w) for s, w in wall.items() if s % per == 0)
-    step_s = {"TRL": statistics.median(per * (b - a) / (j - i) for (i, a), (j, b) in zip(walls, walls[1:]))}
+    gaps = [per * (b - a) / (j - i) for (i, a), (j, b) in zip(walls, walls[1:])]
+    step_s = {"TRL": statistics.median(gaps) if gaps else float("nan")}
     step_s.update({name: ours_step_s(d) for name, d in ours_runs(a.ours)})
     lines += ["", *time_to(runs, trl[-1][2], step_s)]
     with open(a.out, "w") as f:
@@ -305,8 +306,10 @@ def ours_curve(out_dir: str) -> list:
 
 
 def ours_step_s(out_dir: str) -> float:
-    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl"))]
-    return statistics.median(r["time/step"] - r.get("time/val", 0) for r in rows if r["step"] >= 2)
+    """The median step of one of our runs after its first two (the engine's warm-up), validation left out."""
+    rows = [json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl")) if '"time/step"' in x]
+    later = [r for r in rows if r["step"] >= 2] or rows
+    return statistics.median(r["time/step"] - r.get("time/val", 0) for r in later) if later else float("nan")
 
 
 def time_to(runs: dict, target: float, step_s: dict) -> list:
