@@ -305,7 +305,7 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tied: bool
-    fused: bool = False                        # --kernels=liger or compile (kernels.FUSED): less kept for backward
+    fused: bool = False                        # --kernels=liger or compile (kernel_choice.FUSED): less kept for backward
 
     @property
     def kv_dim(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 import actor
 import critic
 import data
-import kernels
+import kernel_choice
 import ref
 import reward_model
 import rollout
@@ -83,7 +83,7 @@ class Config:
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
-    kernels: str = "auto"                  # the models' kernels (kernels.py): liger (Liger-Kernel's fused RMSNorm, SwiGLU,
+    kernels: str = "auto"                  # the models' kernels (kernel_choice.py): liger (Liger-Kernel's fused RMSNorm, SwiGLU,
                                            # RoPE) | compile (each decoder layer compiled) | torch; auto: liger when
                                            # installed and on a GPU, else torch
     logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
@@ -102,7 +102,7 @@ RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 
           "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
           "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
 CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"), "logger": tracker.KINDS,
-           "kernels": kernels.KERNELS}
+           "kernels": kernel_choice.KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import actor
 import critic
-import kernels
+import kernel_choice
 import ledger
 import ref
 import reward_model
@@ -303,10 +303,10 @@ def report(cfg, t: Target) -> str:
 
 def assumed(cfg, engine: str) -> str:
     """The report's line of what the plan takes for the run's own choices, each with why and how to plan the
-    other: the rollout engine (`auto`: vLLM, a GPU node's) and the kernels (kernels.planned: the run's rule).
+    other: the rollout engine (`auto`: vLLM, a GPU node's) and the kernels (kernel_choice.planned: the run's rule).
     A ValueError where the run would refuse the options (FP8 on HF generate, liger for a model not Qwen2)."""
     rollout.check_fp8(cfg.rollout, engine)
-    used, why = kernels.planned(cfg.kernels, model_config(cfg.model).model_type)
+    used, why = kernel_choice.planned(cfg.kernels, model_config(cfg.model).model_type)
     how = "as given" if cfg.rollout.engine != "auto" else "auto: a GPU node with vLLM; --rollout.engine=hf plans HF generate"
     return f"[plan] assumed: {engine} rollout ({how}); {used} kernels ({why})"
 

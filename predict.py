@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import actor
 import critic
-import kernels
+import kernel_choice
 import ledger
 import model
 import ref
@@ -148,7 +148,7 @@ def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
     kernels a GPU run would use (liger and compile keep less for backward)."""
     k = cfg.actor.ulysses_sequence_parallel_size
     n, dp = cfg.rollout.n, world // k
-    fused = kernels.fused(cfg.kernels, model_config(cfg.model).model_type)
+    fused = kernel_choice.fused(cfg.kernels, model_config(cfg.model).model_type)
     group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
     return model.Sizes(replace(shapes(cfg.model), fused=fused), world, group,
                        4 if cfg.actor.param_dtype == "float32" else 2, cfg.train_batch_size * n // dp,

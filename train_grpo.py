@@ -59,7 +59,7 @@ import actor
 import checkpoint
 import critic
 import data as data_io
-import kernels
+import kernel_choice
 import launch
 import ledger
 import offload
@@ -109,7 +109,7 @@ class Trainer:
     data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
     peak: float = 0.0                      # the GPU's bf16 matmul FLOP/s, measured at set-up (MFU's denominator)
     warned: set = field(default_factory=set)   # warnings already printed (each once per run)
-    kernels: str = ""                      # the set-up line of the models' kernels (kernels.use)
+    kernels: str = ""                      # the set-up line of the models' kernels (kernel_choice.use)
     val: tuple | None = None               # held-out (prompt ids, answers, chats), or None: no validation (validate.py)
     prompt_len: int = 0                    # the longest prompt, training or held-out: what the engine is built for
     updates: int = 0                       # steps whose update is done: the weights a stop or an error keeps
@@ -164,9 +164,9 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
-    used, kernel_line = kernels.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
+    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
-    kernels.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
+    kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory

@@ -41,6 +41,8 @@ def full_param(p: torch.Tensor, device, dtype: torch.dtype | None = None) -> tor
     from torch.distributed.tensor import DTensor
     local = p.to_local().detach().to(device, non_blocking=True)   # CPUOffloadPolicy: shards on the host
     local = local.to(dtype) if dtype is not None else local
+    if p.device_mesh.size() == 1:   # one rank holds it whole: a DTensor gather costs ~0.07-0.26 ms a tensor for nothing
+        return local
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
 
 

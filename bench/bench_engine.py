@@ -6,6 +6,8 @@ two: the first warms the graphs). What FP8 (rollout.kv_cache_dtype, rollout.quan
     python bench/bench_engine.py fp8 fp8 out/engine_fp8.json                               # FP8 weights + KV
     python bench/bench_engine.py fp8 none out/engine_fp8kv.json --model=qwen2.5-1.5b        # FP8 KV only
     python bench/bench_engine.py auto none out/sampler.json --model=qwen2.5-0.5b --sampler   # the sampler's costs
+    python bench/bench_engine.py auto none out/decode.json --model=qwen2.5-0.5b --decode     # where a decode step goes
+    ... --decode --async_scheduling=0                          # the same with vLLM's async scheduling off
 
 Workload: 32 prompts of 128 tokens x 8 samples, 512 tokens each (ignore_eos: every response at full
 length), temperature 1.
@@ -28,6 +30,10 @@ def main():
     kv, quant, out = sys.argv[1], sys.argv[2], sys.argv[3]
     size = next((a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--model=")), "qwen2.5-7b")
     _, _, device = launch.init_distributed()
+    if "--async_scheduling=0" in sys.argv:   # vLLM turns it on where it can; this engine is built without it
+        import vllm_engine
+        new_llm = vllm_engine.new_llm
+        vllm_engine.new_llm = lambda *a, **k: new_llm(*a, async_scheduling=False, **k)
     cfg = rollout.RolloutConfig(engine="vllm", n=8, response_length=512, kv_cache_dtype=kv, quantization=quant)
     req = rollout.request(cfg, prompts=32, prompt_len=128, param_dtype="bfloat16")
     engine = rollout.build(cfg, device=device, model_path=None, config=M.size_config(size), out_dir="/tmp/bench_engine",
@@ -51,6 +57,9 @@ def main():
            "tokens_per_s": tokens / seconds}
     if "--sampler" in sys.argv:
         res["sampler"] = sampler(llm, prompts, size)
+    if "--decode" in sys.argv:
+        res["decode"] = decode(llm, prompts, size, os.path.dirname(os.path.abspath(out)))
+        res["decode"]["async_scheduling"] = "--async_scheduling=0" not in sys.argv
     with open(out, "w") as f:
         json.dump(res, f)
     print(res, flush=True)
@@ -101,6 +110,67 @@ def sampler(llm, prompts: list, size: str) -> dict:
             "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again, "model": size,
             "log_probs_change_no_sample": samples[dicts] == samples[none],
             "flat_log_probs_are_the_same": (samples[dicts], lps[dicts]) == (samples[flat], lps[flat])}
+
+
+def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
+    """Where the decode step's time goes (issue 42's profile): the step at 64 and at 256 sequences (what grows
+    with the batch; 512 tokens each, no log-probs), then 256 sequences x 64 tokens under torch.profiler without
+    and with the sampled tokens' flat log-probs: the GPU's busy time a step (the union of its kernels'
+    intervals) against the wall time a step, the kernels that take it, and the host's launches a step. Bounds:
+    the weights read once a step, and the KV cache read at the mean context (prompt + half the response)."""
+    from vllm import SamplingParams
+    cfg = M.size_config(size)
+
+    def call(k: int, tokens: int, logprobs: bool):
+        params = [SamplingParams(n=8, temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False, seed=i,
+                                 logprobs=0 if logprobs else None, flat_logprobs=True) for i in range(k)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:k]], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    step_ms = {}
+    for k in (8, 32, 8, 32):                          # in alternation; the faster of two
+        step_ms[k * 8] = min(step_ms.get(k * 8, 1e9), call(k, 512, False) / 512 * 1e3)
+    res = {"model": size, "step_ms_by_sequences": step_ms, "profiled": {}}
+    for logprobs in (False, True):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            wall = call(32, 64, logprobs)
+        path = os.path.join(out_dir, f"decode_trace_{size}_{'logprobs' if logprobs else 'none'}.json")
+        prof.export_chrome_trace(path)
+        res["profiled"]["flat log-probs" if logprobs else "no log-probs"] = trace_summary(path, wall, steps=64)
+        os.system(f"gzip -f {path}")
+    n_params = sum(p.numel() for p in rollout_model(llm).parameters())
+    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
+    res["weight_read_bound_ms"] = n_params * 2 / 4.8e12 * 1e3
+    res["kv_read_bound_ms_256"] = kv_token * 256 * (128 + 256) / 4.8e12 * 1e3
+    return res
+
+
+def trace_summary(path: str, wall: float, steps: int) -> dict:
+    """A chrome trace's GPU side a step: busy ms (the union of kernel, copy and set intervals), the ten kernels
+    with the most time, and the host's CUDA-graph and kernel launches a step."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                 if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+    busy, end, by_name = 0.0, -1.0, {}
+    for start, stop, name in gpu:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+        by_name[name[:90]] = by_name.get(name[:90], 0.0) + stop - start
+    launches = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" and e.get("name") in ("cudaGraphLaunch", "cudaLaunchKernel", "cuLaunchKernel",
+                                                                 "cudaMemcpyAsync", "cudaStreamSynchronize"):
+            launches[e["name"]] = launches.get(e["name"], 0) + 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return {"wall_ms_a_step": wall / steps * 1e3, "gpu_busy_ms_a_step": busy / steps / 1e3,
+            "gpu_busy_share": busy / 1e6 / wall, "kernels_a_step": len(gpu) / steps,
+            "host_calls_a_step": {k: v / steps for k, v in launches.items()},
+            "top_kernels_ms_a_step": {k: v / steps / 1e3 for k, v in top}}
 
 
 def rollout_model(llm):

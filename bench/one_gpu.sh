@@ -13,6 +13,7 @@
 #   bash bench/one_gpu.sh stream80e                            # ... with the cache emptied before the streamed step
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
+#   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy against wall, kernels
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
 set -u
@@ -44,6 +45,12 @@ case "${1:-}" in
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
+  decode)     # where a decode step goes: the step at 64 and 256 sequences, profiled with and without log-probs;
+              # vLLM's async scheduling off against on (0.5B)
+    part decode_0p5b 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b.json" --model=qwen2.5-0.5b --decode
+    part decode_1p5b 240 python bench/bench_engine.py auto none "$OUT/decode_1p5b.json" --model=qwen2.5-1.5b --decode
+    part decode_0p5b_sync 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b_sync.json" --model=qwen2.5-0.5b \
+      --decode --async_scheduling=0 ;;
   logprobs)   # the loop's step with the sampled tokens' log-probs every step against none after step 0
     for size in ${2:-0.5b 1.5b}; do
       part "logprobs_$size" 280 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=1 --steps=4 \
@@ -102,5 +109,5 @@ case "${1:-}" in
     part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|logprobs" >&2; exit 2 ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|decode|logprobs" >&2; exit 2 ;;
 esac

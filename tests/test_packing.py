@@ -194,33 +194,33 @@ def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
 def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     """On a CPU `auto` is transformers' modules and says why; liger and compile are refused in one line
     naming the fallback; torch undoes liger's classes in transformers' Qwen2 module."""
-    import kernels
+    import kernel_choice
     from transformers.models.qwen2 import modeling_qwen2
     cpu = torch.device("cpu")
-    assert kernels.resolve("auto", cpu, "qwen2") == ("torch", "auto: liger needs a GPU")
+    assert kernel_choice.resolve("auto", cpu, "qwen2") == ("torch", "auto: liger needs a GPU")
     for kind in ("liger", "compile"):
         with pytest.raises(ValueError, match="use --kernels=torch"):
-            kernels.resolve(kind, cpu, "qwen2")
+            kernel_choice.resolve(kind, cpu, "qwen2")
     norm = modeling_qwen2.Qwen2RMSNorm
-    used, line = kernels.use("torch", cpu, "qwen2")
+    used, line = kernel_choice.use("torch", cpu, "qwen2")
     assert used == "torch" and line.startswith("[kernels] torch")
-    assert modeling_qwen2.Qwen2RMSNorm is norm and kernels.compile_layers([load_model(None)], used) == 0
+    assert modeling_qwen2.Qwen2RMSNorm is norm and kernel_choice.compile_layers([load_model(None)], used) == 0
 
 
 def test_torch_kernels_put_back_what_liger_replaced(monkeypatch):
     """use("liger") swaps classes in transformers' Qwen2 module; use("torch") afterwards puts transformers' own
     back, so the next model built has them. Liger is a stand-in here (the swap is the same on the CPU)."""
-    import kernels
+    import kernel_choice
     from transformers.models.qwen2 import modeling_qwen2 as m
     own = {name: getattr(m, name) for name in ("Qwen2RMSNorm", "Qwen2MLP", "apply_rotary_pos_emb")}
     for name, obj in own.items():
         monkeypatch.setattr(m, name, obj)      # put back whatever this test leaves
     stand_in = (type("StandInNorm", (m.Qwen2RMSNorm,), {}), type("StandInMLP", (m.Qwen2MLP,), {}), lambda *a, **k: None)
     monkeypatch.setattr(kernels, "_liger", lambda: (stand_in, ""))
-    assert kernels.use("liger", torch.device("cuda"), "qwen2")[0] == "liger"   # resolve only reads the device's type
+    assert kernel_choice.use("liger", torch.device("cuda"), "qwen2")[0] == "liger"   # resolve only reads the device's type
     assert (m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb) == stand_in
     assert type(load_model(None).model.norm).__name__ == "StandInNorm"
-    assert kernels.use("torch", torch.device("cpu"), "qwen2")[0] == "torch"
+    assert kernel_choice.use("torch", torch.device("cpu"), "qwen2")[0] == "torch"
     assert {name: getattr(m, name) for name in own} == own
     built = load_model(None)
     assert type(built.model.norm) is own["Qwen2RMSNorm"] and type(built.model.layers[0].mlp) is own["Qwen2MLP"]
@@ -228,14 +228,14 @@ def test_torch_kernels_put_back_what_liger_replaced(monkeypatch):
 
 def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "bfloat16") -> tuple:
     """(log-probs, entropies, grads) of the ~430M model with `kind`'s kernels, packed, checkpointing on."""
-    import kernels
+    import kernel_choice
     from conftest import mid_model
     _, world, device = dist_env
-    used, _ = kernels.use(kind, device, "qwen2")
+    used, _ = kernel_choice.use(kind, device, "qwen2")
     model = mid_model()
     model.load_state_dict(weights)
     model = shard(model, build_mesh(device, world, -1), device, param_dtype=dtype, gradient_checkpointing=True)
-    assert kernels.compile_layers([model], used) == (8 if kind == "compile" else 0)
+    assert kernel_choice.compile_layers([model], used) == (8 if kind == "compile" else 0)
     assert any(type(m).__name__ == "LigerRMSNorm" for m in model.modules()) == (kind == "liger")
     for _ in range(2):                     # compile: the second call runs the compiled graph
         model.zero_grad(set_to_none=True)
@@ -254,7 +254,7 @@ def test_kernels_are_as_accurate_as_torch_in_bf16(dist_env, kind):
     within 1e-4 of torch's, on the packed path with checkpointing (~430M model). Their distance to
     torch's bf16 itself is printed: both sides round differently (fused kernels keep fp32 inside).
     liger is skipped where liger-kernel is not installed (an optional dependency)."""
-    import kernels
+    import kernel_choice
     from conftest import mid_model
     if kind == "liger":
         pytest.importorskip("liger_kernel")
@@ -264,7 +264,7 @@ def test_kernels_are_as_accurate_as_torch_in_bf16(dist_env, kind):
         exact = _kernel_run("torch", weights, batch, dist_env, dtype="float32")
         out = {k: _kernel_run(k, weights, batch, dist_env) for k in ("torch", kind)}
     finally:
-        kernels.use("torch", device, "qwen2")
+        kernel_choice.use("torch", device, "qwen2")
     m = batch["response_mask"].bool()
     err = {k: [(v[i] - exact[i])[m].abs() for i in (0, 1)] for k, v in out.items()}
     cos = {k: torch.nn.functional.cosine_similarity(v[2], exact[2], dim=0).item() for k, v in out.items()}

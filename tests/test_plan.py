@@ -567,14 +567,14 @@ def test_plan_says_the_kernels_it_assumed_as_the_run_on_a_gpu_takes_them(monkeyp
     """--kernels=auto plans what a GPU run would use, liger when liger-kernel imports (this machine's stands in
     for the GPU node's) and torch when not, and the report says which, why and how to plan the other; the
     update's prediction follows. liger for a model the trainer refuses it for (Llama) is the run's one line."""
-    import kernels
+    import kernel_choice
     args = ["--model=random:qwen2.5-0.5b", "--prompt_len=64", "--actor.gradient_checkpointing=false"]
     update = {}
     for installed in (True, False):
         monkeypatch.setattr(kernels, "_liger", lambda: ((object, object, object), "") if installed else
                             (None, "liger-kernel (pip install liger-kernel)"))
-        used = kernels.resolve("auto", torch.device("cuda"), "qwen2")[0]   # what the run on a GPU takes
-        assert used == ("liger" if installed else "torch") and kernels.planned("auto", "qwen2")[0] == used
+        used = kernel_choice.resolve("auto", torch.device("cuda"), "qwen2")[0]   # what the run on a GPU takes
+        assert used == ("liger" if installed else "torch") and kernel_choice.planned("auto", "qwen2")[0] == used
         line = next(x for x in _report(capsys, *args) if x.startswith("[plan] assumed: "))
         other = "torch" if installed else "liger"
         assert f"; {used} kernels (auto: " in line and f"--kernels={other} plans that" in line, line
@@ -586,10 +586,10 @@ def test_plan_says_the_kernels_it_assumed_as_the_run_on_a_gpu_takes_them(monkeyp
     LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, vocab_size=128).save_pretrained(llama)
     save_file({"w": torch.zeros(1)}, str(llama / "model.safetensors"))
-    assert kernels.planned("auto", "llama") == kernels.resolve("auto", torch.device("cuda"), "llama")
-    assert kernels.planned("auto", "llama")[0] == "torch"
+    assert kernel_choice.planned("auto", "llama") == kernel_choice.resolve("auto", torch.device("cuda"), "llama")
+    assert kernel_choice.planned("auto", "llama")[0] == "torch"
     with pytest.raises(ValueError) as run_says:
-        kernels.resolve("liger", torch.device("cuda"), "llama")
+        kernel_choice.resolve("liger", torch.device("cuda"), "llama")
     with pytest.raises(SystemExit) as e:
         plan.main([f"--model={llama}", "--kernels=liger", "--prompt_len=64"])
     assert e.value.code == 2 and capsys.readouterr().err.strip() == f"error: {run_says.value}"
