@@ -202,9 +202,7 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
         mean, std = torch.zeros_like(g), torch.ones_like(g)
     else:
         mean, std = g.mean(-1, keepdim=True), g.std(-1, keepdim=True)   # unbiased std
-    adv = g - mean
-    if norm_by_std:
-        adv = adv / (std + eps)
+    adv = (g - mean) / (std + eps) if norm_by_std else g - mean
     return adv.reshape(-1, 1) * mask
 
 
@@ -479,6 +477,8 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     grads = {"actor grads": states["actor_params"][0]}     # fp32 shards of what trains (host-side with the policy)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
             "LM head chunk (backward)": z.head(n, layout, packing.HEAD_BACKWARD)}
+    if cfg.gradient_checkpointing:   # the head's backward ends before the last layer is rebuilt: only its excess adds
+        busy["LM head chunk (backward)"] = max(0, busy["LM head chunk (backward)"] - busy["activations (one layer rebuilt)"])
     held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
     if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
         held, adam = params, {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
