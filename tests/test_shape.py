@@ -152,3 +152,12 @@ def test_the_limits_hold():
     assert [w for w, n in _functions() if len(n.args.posonlyargs + n.args.args) > 7] == []
     circles = [m for m in copy_set.modules() if any(m in copy_set.copy_set(d) for d in copy_set.imports(m))]
     assert circles == []
+
+
+def test_no_module_has_an_installed_packages_import_name():
+    """Run from the repository root, a top-level `x.py` wins over an installed package `x`: transformers 5.25
+    depends on Hugging Face's `kernels` and imports it when it builds a model, and this repository's
+    `kernels.py` (now `kernel_choice.py`) broke every model import. No module here may take an installed name."""
+    import importlib.metadata
+    installed = importlib.metadata.packages_distributions()
+    assert {m: installed[m] for m in copy_set.modules() if m in installed} == {}
