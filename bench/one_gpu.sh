@@ -50,7 +50,8 @@ case "${1:-}" in
     part decode_0p5b 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b.json" --model=qwen2.5-0.5b --decode
     part decode_1p5b 240 python bench/bench_engine.py auto none "$OUT/decode_1p5b.json" --model=qwen2.5-1.5b --decode
     part decode_0p5b_sync 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b_sync.json" --model=qwen2.5-0.5b \
-      --decode --async_scheduling=0 ;;
+      --decode --async_scheduling=0
+    (cd "$OUT" && tar czf decode_traces.tgz decode_trace_* && rm -f decode_trace_*) ;;   # a call brings back 8 files
   logprobs)   # the loop's step with the sampled tokens' log-probs every step against none after step 0
     for size in ${2:-0.5b 1.5b}; do
       part "logprobs_$size" 280 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=1 --steps=4 \
