@@ -352,7 +352,7 @@ class Shapes:
         layer's set rebuilt in backward with its gradients' transients (2.5 ffn-wide fused, 5 not; round 16)."""
         if checkpointing:
             return {"activations (layer inputs)": self.layers * n_tok * self.hidden * c, "activations (one layer rebuilt)":
-                    n_tok * (self.saved_per_token(c) + c * self.ffn * (5 if self.fused else 10) // 2)}
+                    n_tok * (self.saved_per_token(c) + int(c * self.ffn * (2.5 if self.fused else 5)))}
         return {"activations": self.layers * n_tok * self.saved_per_token(c) + n_tok * (4 + c) * self.hidden}
 
 

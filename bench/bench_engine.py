@@ -12,6 +12,7 @@ two: the first warms the graphs). What FP8 (rollout.kv_cache_dtype, rollout.quan
 Workload: 32 prompts of 128 tokens x 8 samples, 512 tokens each (ignore_eos: every response at full
 length), temperature 1.
 """
+import gzip
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root
 
 import launch
+import ledger
 import model as M
 import rollout
 
@@ -76,7 +78,6 @@ def sampler(llm, prompts: list, size: str) -> dict:
     for log-probs changes a seeded request's samples."""
     import vllm_engine
     from vllm import SamplingParams
-    n_params = sum(p.numel() for p in rollout_model(llm).parameters())
 
     def params(seeded: bool, logprobs: str):           # logprobs: "" (none), "dict" or "flat"
         return [SamplingParams(n=8, temperature=1.0, max_tokens=512, ignore_eos=True, detokenize=False,
@@ -104,10 +105,9 @@ def sampler(llm, prompts: list, size: str) -> dict:
     first = timed(False, "dict")[1]
     torch.cuda.manual_seed(1)
     again = timed(False, "dict")[1]
-    bound_ms = n_params * 2 / 4.8e12 * 1e3
     dicts, flat, none = "seed a request, log-probs", "seed a request, flat log-probs", "seed a request, no log-probs"
     return {"decode_step_ms": {k: min(t) / 512 * 1e3 for k, t in times.items()}, "generate_s": times,
-            "weight_read_bound_ms": bound_ms, "one_seed_reproducible": first == again, "model": size,
+            "weight_read_bound_ms": weight_read_bound_ms(llm), "one_seed_reproducible": first == again, "model": size,
             "log_probs_change_no_sample": samples[dicts] == samples[none],
             "flat_log_probs_are_the_same": (samples[dicts], lps[dicts]) == (samples[flat], lps[flat])}
 
@@ -119,7 +119,7 @@ def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
     intervals) against the wall time a step, the kernels that take it, and the host's launches a step. Bounds:
     the weights read once a step, and the KV cache read at the mean context (prompt + half the response)."""
     from vllm import SamplingParams
-    cfg = M.size_config(size)
+    shapes = M.shapes(M.size_config(size))
 
     def call(k: int, tokens: int, logprobs: bool):
         params = [SamplingParams(n=8, temperature=1.0, max_tokens=tokens, ignore_eos=True, detokenize=False, seed=i,
@@ -138,21 +138,24 @@ def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             wall = call(32, 64, logprobs)
-        path = os.path.join(out_dir, f"decode_trace_{size}_{'logprobs' if logprobs else 'none'}.json")
-        prof.export_chrome_trace(path)
+        path = os.path.join(out_dir, f"decode_trace_{size}_{'logprobs' if logprobs else 'none'}.json.gz")
+        prof.export_chrome_trace(path)                # gzipped by its suffix
         res["profiled"]["flat log-probs" if logprobs else "no log-probs"] = trace_summary(path, wall, steps=64)
-        os.system(f"gzip -f {path}")
-    n_params = sum(p.numel() for p in rollout_model(llm).parameters())
-    kv_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2
-    res["weight_read_bound_ms"] = n_params * 2 / 4.8e12 * 1e3
-    res["kv_read_bound_ms_256"] = kv_token * 256 * (128 + 256) / 4.8e12 * 1e3
+    kv_token = 2 * shapes.layers * shapes.kv_dim * 2  # K and V, bf16, every layer
+    res["weight_read_bound_ms"] = weight_read_bound_ms(llm)
+    res["kv_read_bound_ms_256"] = kv_token * 256 * (128 + 256) / ledger.HBM["H200"] * 1e3
     return res
+
+
+def weight_read_bound_ms(llm) -> float:
+    """The engine's bf16 weights read once, at the H200's HBM bandwidth: a decode step's floor."""
+    return sum(p.numel() for p in rollout_model(llm).parameters()) * 2 / ledger.HBM["H200"] * 1e3
 
 
 def trace_summary(path: str, wall: float, steps: int) -> dict:
     """A chrome trace's GPU side a step: busy ms (the union of kernel, copy and set intervals), the ten kernels
     with the most time, and the host's CUDA-graph and kernel launches a step."""
-    with open(path) as f:
+    with gzip.open(path, "rt") as f:
         events = json.load(f)["traceEvents"]
     gpu = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
