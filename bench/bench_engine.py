@@ -113,7 +113,7 @@ def sampler(llm, prompts: list, size: str) -> dict:
 
 
 def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
-    """Where the decode step's time goes (issue 42's profile): the step at 64 and at 256 sequences (what grows
+    """Where the decode step's time goes: the step at 64 and at 256 sequences (what grows
     with the batch; 512 tokens each, no log-probs), then 256 sequences x 64 tokens under torch.profiler without
     and with the sampled tokens' flat log-probs: the GPU's busy time a step (the union of its kernels'
     intervals) against the wall time a step, the kernels that take it, and the host's launches a step. Bounds:
