@@ -17,6 +17,7 @@ import itertools
 import math
 import sys
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import actor
 import critic
@@ -115,11 +116,10 @@ def sequence_parallel_sizes(cfg, world: int) -> list[int]:
 
 
 def candidates(cfg, world: int, frugal: bool = False):
-    """Every combination of the roles' SEARCH, of halved micro-batch sizes, of vLLM tensor-parallel
-    sizes that divide the world and of Ulysses sizes (`sequence_parallel_sizes`), as copies of `cfg`.
-    `frugal`: only those that could fit where no other does: every flag at its last value (each takes
-    bytes off and puts none on) and the smallest log-prob micro-batch (its forward's transient only
-    grows with it); the update's micro-batch, tensor and sequence parallelism are not monotone."""
+    """Every combination of the roles' SEARCH, of halved micro-batch sizes, of vLLM tensor-parallel sizes that
+    divide the world and of Ulysses sizes (`sequence_parallel_sizes`), as copies of `cfg`. `frugal`: only those
+    that could fit where no other does: every flag at its last value (each takes bytes off, puts none on) and the
+    smallest log-prob micro-batch; the update's micro-batch, tensor and sequence parallelism are not monotone."""
     a, space = cfg.actor, search(cfg)
 
     def halvings(m):
@@ -147,8 +147,8 @@ def candidates(cfg, world: int, frugal: bool = False):
 
 
 def engine_fits(cfg, t: Target):
-    """Async: the engine's GPU keeps the margin, or a ValueError naming its parts and what to change
-    (no flag the search turns moves them: they follow the batch, the lengths and rollout.gpus)."""
+    """Async: the engine's GPU keeps the margin, or a ValueError naming its parts and what to change (they
+    follow the batch, the lengths and rollout.gpus)."""
     top, k = t.gpu_bytes * (1 - t.margin), cfg.rollout.gpus
 
     def need(gpus):                            # one engine GPU's bytes by part with `gpus` engines
@@ -201,17 +201,16 @@ def changes(before, after) -> list[str]:
     out = []
     for key in list(search(before)) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
                                        "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size",
-                                       "actor.ulysses_sequence_parallel_size"]:
-        section, name = key.split(".")
-        v0, v1 = getattr(getattr(before, section), name), getattr(getattr(after, section), name)
+                                       "actor.ulysses_sequence_parallel_size", "rollout.sleep_level"]:
+        v0, v1 = attrgetter(key)(before), attrgetter(key)(after)
         if v0 != v1:
             out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")
     return out
 
 
 def what_would_fit(cfg, t: Target) -> list[str]:
-    """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples,
-    shorter responses, the actor's RESCUE: LoRA, FSDP2's CPU offload policy)."""
+    """When nothing fits: the smallest change of each kind that would (more GPUs, fewer samples, shorter
+    responses, the roles' RESCUE)."""
     tries, engines = [], cfg.rollout.gpus if cfg.rollout.mode == "async" else 0   # async: torchrun starts them too
     for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
         tries.append((f"{t.world * k + engines} GPUs" + (f" ({t.world * k} trainer + {engines} rollout)" if engines else "")
@@ -274,8 +273,7 @@ def async_suggestion(cfg, t: Target, colocated: Plan | None) -> str | None:
 
 # --------------------------------------------------------------------------- reporting
 def report(cfg, t: Target) -> str:
-    """The assumptions (`assumed`), the table for `cfg`, then the fastest configuration that fits (or what
-    would), and whether async rollout would be faster (`async_suggestion`)."""
+    """The assumptions (`assumed`), the table for `cfg`, the fastest that fits (or what would), async's line."""
     plan = predict(cfg, t.world, t.prompt_len, t.engine)
     ro = cfg.rollout
     gpus = f"{t.world} trainer + {ro.gpus} rollout" if ro.mode == "async" and ro.gpus else f"{t.world}"
@@ -322,7 +320,7 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
                 f"GB GPU; the {t.margin:.0%} margin keeps {t.margin * t.gpu_bytes / GB:.1f} GB free)"] + fits
     room = (f"under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin)" if budget > 0 else
             f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
-            f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'a sleeping vLLM'}) "
+            f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'vLLM'}) "
             f"leave it no room")
     out = [f"[plan] nothing fits {room} with any combination of offload flags, checkpointing, micro-batch and "
            f"sequence-parallel sizes; what would: " + ("; ".join(fits) if fits else "nothing tried (a bigger GPU)")]
@@ -409,9 +407,8 @@ def usage() -> str:
 
 
 def main(argv=None):
-    """plan.py's command line: the same parsing and checks as train_grpo.py (options, ranges, the
-    batch arithmetic on --nproc ranks, the model's resolution), plus its own options; a mistake is
-    one `error:` line and exit code 2."""
+    """plan.py's command line: train_grpo.py's parsing and checks (options, ranges, the batch arithmetic on
+    --nproc ranks, the model's resolution) plus its own options; a mistake is one `error:` line, exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--help" in argv or "-h" in argv or "--templates" in argv:
         print(usage() if "--templates" not in argv else templates())
@@ -485,15 +482,15 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
 
 
 def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: int = 0):
-    """Without --offload=auto, the defaults that buy memory with time are sold back while the run still fits a
-    GPU of `gpu_bytes` keeping plan_margin free by the plan (`Target.fits`), unless the command line set them
-    (`relaxations`): the fastest by the plan's step estimate, then the fewest log-prob forwards (the plan does
-    not time them), then the least device memory; said in one line. `gpu_bytes` 0: a CPU run. A new config."""
+    """Without --offload=auto, the defaults that buy memory with time are sold back while the run fits a GPU of
+    `gpu_bytes` keeping plan_margin free (`Target.fits`), unless the command line set them (`relaxations`): the
+    fastest by the plan, then the fewest log-prob forwards (not timed), then the least device memory; said in
+    one line. `gpu_bytes` 0: a CPU run. A new config."""
     if not gpu_bytes or cfg.offload == "auto":
         return cfg
     t = Target(world, prompt_len, gpu_bytes, cfg.plan_margin, engine)
     scored = [(p.seconds, -c.actor.log_prob_micro_batch_size_per_gpu - c.ref.log_prob_micro_batch_size_per_gpu,
-               p.device_peak, i, c) for i, c in enumerate(relaxations(cfg, world, prompt_len))
+               p.device_peak, i, c) for i, c in enumerate(relaxations(cfg, world, prompt_len, engine))
               if t.fits(p := predict(c, world, prompt_len, engine))]   # of equal times the fewest forwards
     best = min(scored, key=lambda x: x[:4])[4] if scored else cfg
     if (moved := changes(cfg, best)) and rank == 0:
@@ -503,30 +500,33 @@ def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: i
     return best if moved else cfg
 
 
-def relaxations(cfg, world: int, prompt_len: int) -> list:
-    """What `relax` weighs, `cfg` first: each LIFTED lever the command line left on (the actor's gradient
-    checkpointing, ~1/4 more update compute) off or kept, times the micro-batch sizes it left, doubled while
-    they divide the rank's mini-batch (the update) or its batch (the log-prob forwards, to FORWARD_TOKENS; each
-    micro-batch pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER); none with a token budget."""
+def relaxations(cfg, world: int, prompt_len: int, engine: str = "vllm") -> list:
+    """What `relax` weighs, `cfg` first: every subset of the LIFTED levers the command line left (the actor's
+    gradient checkpointing, ~1/4 more update compute; a colocated vLLM's sleep, rollout.LIFTED), times the
+    micro-batch sizes it left, doubled while they divide the rank's mini-batch (the update) or its batch (the
+    log-prob forwards, to FORWARD_TOKENS; each pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER)."""
     a, given, dp = cfg.actor, getattr(cfg, "_given", ()), world // cfg.actor.ulysses_sequence_parallel_size
-    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given}
+    levers = {f"actor.{k}": False for k in actor.LIFTED} | ({f"rollout.{k}": v for k, v in rollout.LIFTED.items()}
+                                                            if engine == "vllm" and cfg.rollout.mode == "colocated" else {})
+    lifts = [{}]
+    for key, v in ((k, v) for k, v in levers.items() if k not in given and attrgetter(k)(cfg) != v):
+        lifts += [{**lift, key: v} for lift in lifts]
     rows, cap = cfg.train_batch_size * cfg.rollout.n // dp, FORWARD_TOKENS // (prompt_len + cfg.rollout.response_length)
     grow = {"actor.ppo_micro_batch_size_per_gpu": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows)}
     grow.update({k: (rows, cap) for k, runs in (("actor.log_prob_micro_batch_size_per_gpu", not actor.on_policy(
         a, cfg.train_batch_size)), ("ref.log_prob_micro_batch_size_per_gpu", ref.needed(a))) if runs})
     sizes = []                                 # each key's m, 2m, 4m, ... (m itself always)
     for key, (n, top) in grow.items():
-        m = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+        m = attrgetter(key)(cfg)
         more = [] if key in given or a.use_dynamic_bsz else range(1, 12)
         sizes.append([m] + [m << i for i in more if (m << i) <= min(n, top) and n % (m << i) == 0])
-    return [with_options(cfg, {**lift, **dict(zip(grow, s))}) for lift in ([{}, off] if off else [{}])
-            for s in itertools.product(*sizes)]
+    return [with_options(cfg, {**lift, **dict(zip(grow, s))}) for lift in lifts for s in itertools.product(*sizes)]
 
 
 def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:
-    """The set-up report's line when a stage's predicted device level is inside the margin --offload=auto
-    keeps (plan_margin) or over the GPU: near the top the allocator frees its cache and retries (slower),
-    or runs out. Said before any model is built, with what --offload=auto would choose."""
+    """The set-up report's line when a stage's predicted device level is inside the margin --offload=auto keeps
+    (plan_margin) or over the GPU: the allocator frees its cache and retries (slower), or runs out. Said before
+    any model is built, with what --offload=auto would choose."""
     if device.type != "cuda":
         return None
     gpu = ledger.gpu_capacity(device)

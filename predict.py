@@ -55,6 +55,10 @@ MICRO_LAYER = 4.5e-3         # seconds per micro-batch and layer of an update (l
 TP_ALLREDUCE = 15e-6         # a tensor-parallel engine's all-reduce, twice per layer per decoding step
 FITTED_SEQS = 128            # the sequences an engine decoded in DECODE_STEP's fit; an async engine's beyond them
                              # add their KV cache's reads to each decoding step
+EMPTY_S_PER_GB = 0.9e-3      # colocated vLLM asleep: the bracket's first empty_cache, s a GiB of the update's reserve
+                             # it gives back (round 16: 0.084 s for 89 GiB at 1.5B, 0.030 s for 43 at 0.5B)
+SLEEP_WAKE_S = (0.025, 0.007)    # ... and vLLM's sleep and two wakes: s, + s a GiB of its weights and KV budget
+                             # (0.03-0.04 s at 0.5B, 0.065-0.086 at 1.5B in round 16; 0.12-0.2 s at 7B)
 PUSH_BPS = 25e9              # async: bytes/s of the weight push (gather, bucket copy, NCCL or CUDA IPC); a
                              # placeholder until a 2-GPU push is measured (the 1-GPU one: 2.9 GB in 0.094 s)
 
@@ -230,14 +234,32 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                     buffer_host=rollout_async.buffer_bytes(cfg.rollout, cfg.train_batch_size, prompt_len),
                     beside=0 if cfg.rollout.gpus else sum(eng.values()))
     else:
-        awake = {} if engine != "vllm" else {"trainer (allocated)": sum(stage("between", st, [{}]).terms.values()),
-                                             **rollout.predicted_awake(cfg.rollout, r.z, model_config(cfg.model), r.req),
-                                             "CUDA context": CUDA_CONTEXT}
-        plan = Plan(stages, awake, pinned, _seconds(r, st), beside=VLLM_RESIDENT if engine == "vllm" else 0)
+        engine_awake = rollout.predicted_awake(cfg.rollout, r.z, model_config(cfg.model), r.req) if engine == "vllm" else {}
+        awake = engine_awake and {"trainer (allocated)": sum(stage("between", st, [{}]).terms.values()), **engine_awake,
+                                  "CUDA context": CUDA_CONTEXT}
+        beside = sum(engine_awake.values()) if never_sleeps(r) else VLLM_RESIDENT if engine == "vllm" else 0
+        plan = Plan(stages, awake, pinned, _seconds(r, st), beside=beside)
     plan.device = _device_levels(plan, r, sum(stage("between", st, [{}]).terms.values()), freed_windows(r, st))
+    plan.seconds += bracket_seconds(plan, r)
     plan.checkpoint = checkpoint_bytes(r, st) if cfg.save_freq else 0
     plan.response_length = cfg.rollout.response_length
     return plan
+
+
+def never_sleeps(r: Run) -> bool:
+    """A colocated vLLM engine awake all run (rollout.sleep_level=0): beside every stage, never woken again."""
+    return r.engine == "vllm" and not r.asynchronous and r.cfg.rollout.sleep_level == 0
+
+
+def bracket_seconds(plan: Plan, r: Run) -> float:
+    """What a colocated engine's sleep costs a step (0 awake, async or HF): the first empty_cache gives the
+    update's reserve back (the highest stage's device level less the generate stage's), then vLLM's sleep and
+    two wakes of its weights and KV budget."""
+    if r.engine != "vllm" or r.asynchronous or never_sleeps(r):
+        return 0.0
+    freed = max(plan.device.values()) - plan.device["generate"]
+    mapped = plan.vllm_device["vLLM weights"] + plan.vllm_device["vLLM KV cache"]
+    return max(0, freed) / GB * EMPTY_S_PER_GB + SLEEP_WAKE_S[0] + mapped / GB * SLEEP_WAKE_S[1]
 
 
 def checkpoint_bytes(r: Run, st: dict) -> int:
@@ -288,6 +310,10 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
         reserve[st.name] = carry
     if r.asynchronous:
         return {name: outside + max(reserve.values()) + plan.beside for name in reserve}
+    if never_sleeps(r):                        # nothing emptied; vLLM's forwards cache their transients too; its
+        gen = between + rollout.engine_bytes(model_config(r.cfg.model), kv_bytes=0, req=r.req,   # graphs in beside
+                                             tp=r.cfg.rollout.tensor_parallel_size)["workspace"] - VLLM_RESIDENT
+        return {name: OUTSIDE + max(*reserve.values(), gen) + plan.beside for name in reserve}
     if r.engine != "vllm":
         top = max(max(reserve.values()), int(plan.stages[0].total * (1 + slack)))
         return {name: outside + top for name in reserve}

@@ -16,13 +16,15 @@ contract for this launcher), so the ranks pool their prompts and each keeps its 
 Every step runs the bracket below; each phase's seconds and device memory (`mem_get_info`, the
 only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_device_gb`:
     empty_cache     give PyTorch's cached blocks back so vLLM's pool can map them
-    load_params     actor shards in from pinned host (only with actor.param_offload)
     wake_weights    vLLM maps its weight memory again (KV cache still released)
+    load_params     actor shards in from pinned host (only with actor.param_offload)
     sync            stream the actor's weights in, one bounded bucket at a time
     offload_params  actor shards back out, cache emptied: the trainer leaves the GPU to vLLM
     wake_kv         vLLM maps its KV cache last, when everything else is gone
     generate        sample n responses per prompt, with the sampled tokens' log-probs
     sleep           level 1: weights to host, KV dropped; level 2: both dropped (re-sent anyway)
+sleep_level=0: asleep after its build only; from the first bracket on its weights and KV cache stay beside the
+trainer and the bracket is the sync alone (plan.relax picks it where the awake engine fits beside every stage).
 Checked on vLLM 0.26.0 with torch 2.11 (H200).
 """
 import contextlib
@@ -52,7 +54,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.0    # vLLM: share of the WHOLE GPU for weights + KV cache; 0: the KV
                                            # cache is sized from the batch instead (kv_cache_bytes)
     kv_cache_margin: float = 0.1           # vLLM, sized from the batch: this much more KV than the batch needs
-    sleep_level: int = 2                   # vLLM: 1 keeps weights in host RAM while asleep, 2 drops them
+    sleep_level: int = 2                   # vLLM: 1 keeps weights in host RAM while asleep, 2 drops them,
+                                           # 0 never sleeps after the first bracket (the plan fits it awake)
     enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
@@ -82,10 +85,11 @@ class RolloutConfig:
 RANGES = {"n": ">= 1", "response_length": ">= 1", "temperature": ">= 0", "top_p": "(0, 1]", "top_k": ">= 0",
           "gpu_memory_utilization": "[0, 1]", "kv_cache_margin": ">= 0", "tensor_parallel_size": ">= 1",
           "sync_bucket_mb": ">= 1", "logprobs_every": ">= 0", "gpus": ">= 0", "max_staleness": ">= 1", "buffer_limit": ">= 0"}
-CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (1, 2), "mode": ("colocated", "async"),
+CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2), "mode": ("colocated", "async"),
            "dtype": ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype": ("auto", "fp8"),
            "quantization": ("none", "fp8")}
 RESCUE = {"kv_cache_dtype": ("fp8", "the KV cache at one byte an element, the rollout correction on")}   # plan.py
+LIFTED = {"sleep_level": 0}   # colocated vLLM: awake all run where it fits beside every stage (plan.relax)
 LOGPROBS_EVERY = 10   # logprobs_every's 0 without the correction: the engine-vs-trainer gap read each 10th step
                       # (round 14: the engine's generation 0.79-0.86x without them at 0.5B and 1.5B)
 RELIEF = {  # its terms in a stage's prediction -> the change that shrinks them
@@ -420,7 +424,7 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
         if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
             raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
                                f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
-    llm.sleep(level=cfg.sleep_level)
+    llm.sleep(level=cfg.sleep_level or 2)     # (vLLM's own level 0 pauses its scheduler and frees nothing)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
     return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, req.dtype), asleep_device_gb=_used_gb() - before,
@@ -439,17 +443,18 @@ def _phase(name: str, metrics: dict):
 
 @contextlib.contextmanager
 def awake(engine: Engine, model, stashes: list, metrics: dict):
-    """The bracket (module docstring) around what the engine generates inside it: the actor's weights
-    synced in, its offloaded params in for the sync only, the KV cache woken last; asleep again after.
-    Each phase's seconds and device use to `metrics`, and `rollout/device_peak_gb`, its highest."""
+    """The bracket (module docstring) around what the engine generates inside it: the actor's weights synced in,
+    its offloaded params in for the sync only, the KV cache woken last; asleep again after (sleep_level 0: woken
+    once, the bracket is then the sync). Phases' seconds, device use and their highest to `metrics`."""
     llm = engine.llm
-    with _phase("empty_cache", metrics):
-        torch.cuda.empty_cache()
+    if wake := llm.llm_engine.is_sleeping():
+        with _phase("empty_cache", metrics):
+            torch.cuda.empty_cache()
+        with _phase("wake_weights", metrics):
+            llm.wake_up(tags=["weights"])
     with _phase("load_params", metrics):
         for s in stashes:
             metrics.update(offload.reload(s))
-    with _phase("wake_weights", metrics):
-        llm.wake_up(tags=["weights"])
     with _phase("sync", metrics):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -460,13 +465,16 @@ def awake(engine: Engine, model, stashes: list, metrics: dict):
     with _phase("offload_params", metrics):
         for s in stashes:       # freed; copied out only if the last update left them here (defer_param_offload)
             metrics.update(offload.offload(s, modified=False))
-        torch.cuda.empty_cache()
-    with _phase("wake_kv", metrics):
-        llm.wake_up(tags=["kv_cache"])
+        if wake:
+            torch.cuda.empty_cache()
+    if wake:
+        with _phase("wake_kv", metrics):
+            llm.wake_up(tags=["kv_cache"])
     yield
-    with _phase("sleep", metrics):
-        llm.sleep(level=engine.cfg.sleep_level)
-        torch.cuda.empty_cache()
+    if engine.cfg.sleep_level:
+        with _phase("sleep", metrics):
+            llm.sleep(level=engine.cfg.sleep_level)
+            torch.cuda.empty_cache()
     # the bracket's device-level high point: the sync (actor params beside vLLM's weights) or generation
     metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")
                                             and k.endswith("_device_gb"))

@@ -102,15 +102,19 @@ def loading(llm):
     FP8 weights (rollout.quantization=fp8) through vLLM's layerwise reload: each layer, once all of its
     tensors have come, is quantized again by vLLM's own online FP8 (a layer's bf16 weights are the
     transient) and its FP8 weights and scales are copied into the engine's tensors (CUDA graphs keep
-    pointing at them): what a fresh FP8 engine makes of the same bf16 weights."""
+    pointing at them): what a fresh FP8 engine makes of the same bf16 weights. Then an engine that is awake
+    (async, or rollout.sleep_level=0) forgets its prefix cache: its cached blocks hold the old weights' keys and
+    values, and vLLM would reuse them for the next prompts' shared prefix (a sleeping engine's were dropped)."""
     target, config = vllm_model(llm), vllm_runner(llm).model_config
     if config.quantization is None:
         yield target
-        return
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-    initialize_layerwise_reload(target)
-    yield target
-    finalize_layerwise_reload(target, config)
+    else:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        initialize_layerwise_reload(target)
+        yield target
+        finalize_layerwise_reload(target, config)
+    if not llm.llm_engine.is_sleeping() and not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM kept its prefix cache after new weights (requests still hold blocks)")
 
 
 @torch.no_grad()

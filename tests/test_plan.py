@@ -442,12 +442,13 @@ def test_async_step_time_is_the_longer_of_engine_and_trainer_plus_the_push(respo
     """Async step = max(the engine's generation of its share, the trainer's step without generation)
     + the push (params x compute-dtype bytes at PUSH_BPS + STAGE_FIXED). With 64 sequences an engine
     (within the decoding fit) generation is the colocated rule: with the trainer on the same ranks,
-    the colocated step less it is the trainer's part. Short responses: the trainer is the longer;
+    the colocated step less it and the engine's sleep is the trainer's part. Short responses: the trainer is the longer;
     long: the engine. An engine's share beyond FITTED_SEQS costs more than two engines' halves."""
     base = ["--model=random:qwen2.5-1.5b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
             f"--rollout.response_length={response_length}"]
     P = predict.shapes("random:qwen2.5-1.5b").params
-    colocated = predict.predict(_cfg(*base), 2, 256).seconds
+    colo = predict.predict(_cfg(*base), 2, 256)         # less the sleeping engine's bracket: async has none
+    colocated = colo.seconds - predict.bracket_seconds(colo, predict.run(_cfg(*base), 2, 256))
     generate = response_length * (predict.DECODE_STEP + 2 * P / predict.HBM) + predict.STAGE_FIXED
     async_s = predict.predict(_cfg(*base, *ASYNC, "--rollout.gpus=1"), 2, 256).seconds
     push = 2 * P / predict.PUSH_BPS + predict.STAGE_FIXED
@@ -555,7 +556,8 @@ def test_plan_keeps_the_runs_margin(capsys):
     for given, margin in (None, 0.1), ("--plan_margin=0.3", 0.3):
         lines = _report(capsys, *args, *[given] if given else [])
         fit = next(x for x in lines if x.startswith("[plan] fastest that fits under"))
-        room = plan.Target(1, 64, 80 * GB, margin).room(predict.VLLM_RESIDENT)
+        relaxed = plan.relax(_cfg("--model=random:qwen2.5-0.5b", *[given] if given else []), 1, 64, "vllm", 80 * GB)
+        room = plan.Target(1, 64, 80 * GB, margin).room(predict.predict(relaxed, 1, 64).beside)
         assert f"under {room / GB:.1f} GB ({margin:.0%} margin)" in fit, fit
 
 
@@ -682,6 +684,37 @@ def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_
     assert capsys.readouterr().out == ""
 
 
+def test_relax_keeps_a_colocated_vllm_awake_only_where_it_fits_beside_every_stage(capsys):
+    """rollout.sleep_level=0 (the engine awake all run): its weights, KV budget and graphs sit beside every
+    stage (plan.beside; each stage's device level grows by that less a sleeping engine's residue), and the
+    step drops the sleeping bracket's cost (predict.bracket_seconds: empty_cache of the update's reserve,
+    sleep, two wakes). relax picks it on TRL's 1.5B workload on 140 GB, not where the awake engine would break
+    the margin that the sleeping one keeps, not when the command line set the level, nor with HF generate
+    or async rollout (nothing to wake)."""
+    args = ["--model=random:qwen2.5-1.5b", "--train_batch_size=16", "--actor.ppo_mini_batch_size=16",
+            "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04"]
+    cfg = _cfg(*args)
+    asleep, awake = (predict.predict(plan.with_options(cfg, {"rollout.sleep_level": v}), 1, 64) for v in (2, 0))
+    engine = sum(v for k, v in asleep.vllm_device.items() if k.startswith("vLLM"))
+    assert awake.beside == engine and asleep.beside == predict.VLLM_RESIDENT
+    assert awake.device["update"] == asleep.device["update"] - predict.VLLM_OUTSIDE + engine   # asleep: its residue
+    bracket = predict.bracket_seconds(asleep, predict.run(cfg, 1, 64))
+    assert 0.05 < bracket < 0.3 and awake.seconds == pytest.approx(asleep.seconds - bracket)
+    assert plan.relax(cfg, 1, 64, "vllm", 140 * GB).rollout.sleep_level == 0
+    capsys.readouterr()
+    fixed = plan.with_options(cfg, {"actor.gradient_checkpointing": True})
+    fixed._given = {"actor.gradient_checkpointing", "actor.ppo_micro_batch_size_per_gpu",
+                    "actor.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu"}
+    a2, w2 = (predict.predict(plan.with_options(fixed, {"rollout.sleep_level": v}), 1, 64) for v in (2, 0))
+    gpu = int((a2.device_peak + w2.device_peak) / 2 / 0.9)       # the sleeping engine keeps the margin, awake not
+    assert plan.Target(1, 64, gpu).fits(a2) and not plan.Target(1, 64, gpu).fits(w2)
+    assert plan.relax(fixed, 1, 64, "vllm", gpu).rollout.sleep_level == 2
+    assert plan.relax(_cfg(*args, "--rollout.sleep_level=2"), 1, 64, "vllm", 140 * GB).rollout.sleep_level == 2
+    assert plan.relax(cfg, 1, 64, "hf", 140 * GB).rollout.sleep_level == 2
+    assert plan.relax(_cfg(*args, "--rollout.mode=async"), 1, 64, "vllm", 140 * GB).rollout.sleep_level == 2
+    assert "sleep_level" not in capsys.readouterr().out.replace("sleep_level=2 to keep", "")
+
+
 def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(capsys):
     """TRL's workload at 1.5B (16 prompts x 8, 64 + 256 tokens, KL loss) on one 140 GB GPU: the update's
     micro-batch doubles while the plan keeps the margin (64 of the 128 samples; 128 does not fit without
@@ -696,9 +729,9 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
         == (False, 64, 128)
     assert capsys.readouterr().out.startswith(
         "[plan] actor.gradient_checkpointing=false actor.ppo_micro_batch_size_per_gpu=64 "
-        "ref.log_prob_micro_batch_size_per_gpu=128: faster, and the run keeps 10% of the 140 GB GPU free by the plan "
-        "(pass --actor.gradient_checkpointing=true --actor.ppo_micro_batch_size_per_gpu=16 "
-        "--ref.log_prob_micro_batch_size_per_gpu=32 to keep the defaults)")
+        "ref.log_prob_micro_batch_size_per_gpu=128 rollout.sleep_level=0: faster, and the run keeps 10% of the 140 GB "
+        "GPU free by the plan (pass --actor.gradient_checkpointing=true --actor.ppo_micro_batch_size_per_gpu=16 "
+        "--ref.log_prob_micro_batch_size_per_gpu=32 --rollout.sleep_level=2 to keep the defaults)")
     t = plan.Target(1, 64, 140 * GB)
     assert t.fits(predict.predict(relaxed, 1, 64)) and not t.fits(predict.predict(
         plan.with_options(relaxed, {"actor.ppo_micro_batch_size_per_gpu": 128}), 1, 64))
@@ -718,8 +751,8 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
     plan.main(args + ["--gpu_gb=140", "--prompt_len=64"])         # plan.py plans the run's own configuration
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == ("[plan] planned as the run sets itself up on this GPU (plan.relax): --actor.gradient_checkpointing="
-                       "false --actor.ppo_micro_batch_size_per_gpu=64 --ref.log_prob_micro_batch_size_per_gpu=128; the "
-                       "command line keeps what it sets") and "the configuration as given (peak 8" in out[-2]
+                       "false --actor.ppo_micro_batch_size_per_gpu=64 --ref.log_prob_micro_batch_size_per_gpu=128 "
+                       "--rollout.sleep_level=0; the command line keeps what it sets") and "the configuration as given (peak 8" in out[-2]
     plan.main(args + ["--gpu_gb=140", "--prompt_len=64", "--offload=auto"])
     assert "plan.relax" not in capsys.readouterr().out
 

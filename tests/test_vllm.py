@@ -134,6 +134,61 @@ def test_sleep_wake_resync_leaves_output_unchanged(env, level):
     assert torch.equal(sampled["responses"], sampled2["responses"])      # seeded: reproducible
 
 
+def _first_tokens(model, prompts, device):
+    """The actor's greedy first token for each prompt, and where it leads the second by > 0.05 nats."""
+    pb = rollout.make_batch(prompts, [[] for _ in prompts], 0, 0, 1, device)
+    with torch.no_grad():
+        last = model(input_ids=pb["input_ids"], attention_mask=pb["attention_mask"],
+                     position_ids=pb["position_ids"]).logits[:, -1].float()
+    top = last.topk(2)
+    return top.indices[:, 0], (top.values[:, 0] - top.values[:, 1]) > 0.05
+
+
+def test_an_engine_that_never_sleeps_samples_as_a_sleeping_one_and_forgets_the_old_weights_prefixes(env):
+    """sleep_level 0: the first bracket wakes the engine (empty_cache, both wakes), later ones are the sync
+    alone and it stays awake (its weights and KV share of the GPU still taken after the bracket); greedy and
+    seeded samples equal a sleeping engine's. Prompts sharing a 40-token prefix (two of vLLM's 16-token
+    blocks, kept by its prefix cache while awake), then new weights: its first greedy token is the new
+    actor's on every clear prompt (an engine that reused the cached blocks would read the old weights'
+    keys and values there). The actor's weights and the engine's sleep are put back after."""
+    model, engine, cfg, _, device = env
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(2, 32000, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(2, 32000, (6,), generator=g).tolist() for _ in range(16)]
+    e = (model, engine, cfg, prompts, device)
+    slept, _ = _vllm(e, temperature=0.0)
+    asleep_gb = rollout._used_gb()
+    first, m1 = _vllm(e, temperature=0.0, sleep_level=0)
+    awake_gb = rollout._used_gb()
+    again, m2 = _vllm(e, temperature=0.0, sleep_level=0)
+    seeded = [_vllm(e, sleep_level=level)[0]["responses"] for level in (0, 2, 0)]
+    phases = ("empty_cache", "wake_weights", "wake_kv", "sleep")
+    assert all(f"rollout/{p}_s" in m1 for p in phases[:3]) and not any(f"rollout/{p}_s" in m2 for p in phases)
+    assert torch.equal(slept["responses"], first["responses"]) and torch.equal(first["responses"], again["responses"])
+    assert torch.equal(seeded[0], seeded[1]) and torch.equal(seeded[1], seeded[2])
+    total = torch.cuda.mem_get_info()[1] / GB
+    print(f"\n[vllm] never sleeping: {asleep_gb:.2f} GB used asleep, {awake_gb:.2f} GB awake after the bracket")
+    assert awake_gb - asleep_gb > 0.8 * cfg.gpu_memory_utilization * total
+    saved = [p.to_local().clone() for p in model.parameters()]
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local()
+                local.add_(torch.randn(local.shape, generator=g).to(local) * local.float().std().clamp(min=0.02))
+        new, _ = _vllm(e, temperature=0.0, sleep_level=0)
+        assert not engine.llm.llm_engine.is_sleeping()
+        tokens, clear = _first_tokens(model, prompts, device)
+        print(f"[vllm] new weights: first greedy token equal on "
+              f"{(new['responses'][::cfg.n, 0] == tokens)[clear].float().mean():.3f} of {int(clear.sum())} clear prompts")
+        assert clear.sum() >= 8 and torch.equal(new["responses"][::cfg.n, 0][clear], tokens[clear])
+    finally:
+        with torch.no_grad():
+            for p, s in zip(model.parameters(), saved):
+                p.to_local().copy_(s)
+        _vllm(e, temperature=0.0)                          # level 2: asleep again for the module's other tests
+    assert engine.llm.llm_engine.is_sleeping()
+
+
 def test_param_offload_frees_the_shards_during_generate(env):
     model = env[0]
     stash = offload.param_stash("actor_params", model)
