@@ -7,10 +7,9 @@
         --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
 
-One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's
-bytes happens inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py
-loads and frees the actor's params around the weight sync): this file orders the stages and keeps
-the ledger (ledger.stage); options.py holds the options, each role's `describe` its set-up lines.
+One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's bytes happens
+inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py loads and frees the actor's
+params around the weight sync): this file orders the stages and keeps the ledger (ledger.stage).
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
 Every metric of every step also goes to TensorBoard (`tensorboard --logdir <out_dir>/tensorboard`; or
 wandb, or none: --logger, tracker.py); a GPU run ends with <out_dir>/memory.png (tracker.picture).
@@ -35,9 +34,9 @@ Why this order: vLLM's KV cache is the largest block, so it is woken last, once 
 shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
 classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
 (a live state_dict() result keeps GPU shards alive after an offload).
-Around the steps (main): every check that needs no model runs first, on every rank (`preflight`: options,
-batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line, `error: ...`, said once. A checkpoint every --save_freq steps, after the last step and
-on SIGTERM or Ctrl-C; the same command resumes a stopped run (checkpoint.py, rundir.py).
+Around the steps (main): every check that needs no model runs first, on every rank (`preflight`: options, batch
+arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line, `error: ...`, said once. A checkpoint
+every --save_freq steps, after the last step and on SIGTERM or Ctrl-C; the same command resumes a stopped run.
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
@@ -49,7 +48,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -169,7 +168,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
+    if engine is None:                     # after the offloads: vLLM sizes itself from free memory (a shared
+                                           # engine, a benchmark's variants', samples and sleeps as this run says)
         req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
                               param_dtype=cfg.actor.param_dtype)
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
@@ -178,7 +178,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format),
-                order=order, actor=a, engine=engine, fingerprint=data_io.fingerprint(prompts, answers),
+                order=order, actor=a, engine=replace(engine, cfg=cfg.rollout), fingerprint=data_io.fingerprint(prompts, answers),
                 ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak, kernels=kernel_line, val=val,
                 prompt_len=prompt_len)
     if rank == 0:
