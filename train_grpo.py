@@ -140,8 +140,8 @@ def preflight(cfg: Config):
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None) -> Trainer:
-    """Build every role (each offloads what its flags say), then the rollout engine (or reuse
-    `engine`). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
+    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`,
+    sampling and sleeping as `cfg` says: a benchmark's variants). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
     benchmark's), `val` the held-out ones (None: no validation); without `data` both come from cfg."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
     rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
@@ -168,8 +168,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if engine is None:                     # after the offloads: vLLM sizes itself from free memory (a shared
-                                           # engine, a benchmark's variants', samples and sleeps as this run says)
+    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
                               param_dtype=cfg.actor.param_dtype)
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
