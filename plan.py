@@ -201,7 +201,7 @@ def changes(before, after) -> list[str]:
     out = []
     for key in list(search(before)) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
                                        "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size",
-                                       "actor.ulysses_sequence_parallel_size", "rollout.sleep_level"]:
+                                       "actor.ulysses_sequence_parallel_size"]:
         v0, v1 = attrgetter(key)(before), attrgetter(key)(after)
         if v0 != v1:
             out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")
@@ -490,7 +490,7 @@ def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: i
         return cfg
     t = Target(world, prompt_len, gpu_bytes, cfg.plan_margin, engine)
     scored = [(p.seconds, -c.actor.log_prob_micro_batch_size_per_gpu - c.ref.log_prob_micro_batch_size_per_gpu,
-               p.device_peak, i, c) for i, c in enumerate(relaxations(cfg, world, prompt_len, engine))
+               p.device_peak, i, c) for i, c in enumerate(relaxations(cfg, world, prompt_len))
               if t.fits(p := predict(c, world, prompt_len, engine))]   # of equal times the fewest forwards
     best = min(scored, key=lambda x: x[:4])[4] if scored else cfg
     if (moved := changes(cfg, best)) and rank == 0:
@@ -500,17 +500,15 @@ def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: i
     return best if moved else cfg
 
 
-def relaxations(cfg, world: int, prompt_len: int, engine: str = "vllm") -> list:
-    """What `relax` weighs, `cfg` first: every subset of the LIFTED levers the command line left (the actor's
-    gradient checkpointing, ~1/4 more update compute; a colocated vLLM's sleep, rollout.LIFTED), times the
-    micro-batch sizes it left, doubled while they divide the rank's mini-batch (the update) or its batch (the
-    log-prob forwards, to FORWARD_TOKENS; each pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER)."""
+def relaxations(cfg, world: int, prompt_len: int) -> list:
+    """What `relax` weighs, `cfg` first: every subset of the LIFTED levers the command line left on (the actor's
+    gradient checkpointing, ~1/4 more update compute) lifted or kept, times the micro-batch sizes it left, doubled
+    while they divide the rank's mini-batch (the update) or its batch (the log-prob forwards, to FORWARD_TOKENS;
+    each pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER); none with a token budget."""
     a, given, dp = cfg.actor, getattr(cfg, "_given", ()), world // cfg.actor.ulysses_sequence_parallel_size
-    levers = {f"actor.{k}": False for k in actor.LIFTED} | ({f"rollout.{k}": v for k, v in rollout.LIFTED.items()}
-                                                            if engine == "vllm" and cfg.rollout.mode == "colocated" else {})
     lifts = [{}]
-    for key, v in ((k, v) for k, v in levers.items() if k not in given and attrgetter(k)(cfg) != v):
-        lifts += [{**lift, key: v} for lift in lifts]
+    for key in (f"actor.{k}" for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given):
+        lifts += [{**lift, key: False} for lift in lifts]
     rows, cap = cfg.train_batch_size * cfg.rollout.n // dp, FORWARD_TOKENS // (prompt_len + cfg.rollout.response_length)
     grow = {"actor.ppo_micro_batch_size_per_gpu": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows)}
     grow.update({k: (rows, cap) for k, runs in (("actor.log_prob_micro_batch_size_per_gpu", not actor.on_policy(

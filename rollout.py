@@ -24,7 +24,7 @@ only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_
     generate        sample n responses per prompt, with the sampled tokens' log-probs
     sleep           level 1: weights to host, KV dropped; level 2: both dropped (re-sent anyway)
 sleep_level=0: asleep after its build only; from the first bracket on its weights and KV cache stay beside the
-trainer and the bracket is the sync alone (plan.relax picks it where the awake engine fits beside every stage).
+trainer and the bracket is the sync alone. Not the default: its generation measured slower (bench/README.md).
 Checked on vLLM 0.26.0 with torch 2.11 (H200).
 """
 import contextlib
@@ -55,7 +55,8 @@ class RolloutConfig:
                                            # cache is sized from the batch instead (kv_cache_bytes)
     kv_cache_margin: float = 0.1           # vLLM, sized from the batch: this much more KV than the batch needs
     sleep_level: int = 2                   # vLLM: 1 keeps weights in host RAM while asleep, 2 drops them,
-                                           # 0 never sleeps after the first bracket (the plan fits it awake)
+                                           # 0 never sleeps after the first bracket (planned awake beside
+                                           # every stage; measured no faster end to end: bench/README.md)
     enforce_eager: bool = False            # vLLM: no CUDA graphs (slower decode; graphs survive sleep)
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
@@ -89,7 +90,6 @@ CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2), "mode": (
            "dtype": ("auto", "bfloat16", "float16", "float32"), "kv_cache_dtype": ("auto", "fp8"),
            "quantization": ("none", "fp8")}
 RESCUE = {"kv_cache_dtype": ("fp8", "the KV cache at one byte an element, the rollout correction on")}   # plan.py
-LIFTED = {"sleep_level": 0}   # colocated vLLM: awake all run where it fits beside every stage (plan.relax)
 LOGPROBS_EVERY = 10   # logprobs_every's 0 without the correction: the engine-vs-trainer gap read each 10th step
                       # (round 14: the engine's generation 0.79-0.86x without them at 0.5B and 1.5B)
 RELIEF = {  # its terms in a stage's prediction -> the change that shrinks them
