@@ -16,7 +16,7 @@
 #   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy against wall, kernels
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
-#   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run (plan.relax's pick) against asleep
+#   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -64,11 +64,12 @@ case "${1:-}" in
     m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
     part gc_1p5b 400 python bench/bench_step.py --model=random:qwen2.5-1.5b --micro=0 --steps=6 --warmup=2 \
       --variants="${VARIANTS:-gc_thawed;$m32 gc_thawed;$m32;default;gc_thawed}" --out="$OUT/gc_1p5b.json" ;;
-  awake)      # rollout.sleep_level=0 (what plan.relax picks on TRL's workload on one H200) against the engine asleep
-              # after each generation, one engine shared by the variants, the first again for the process's drift
+  awake)      # rollout.sleep_level=0 against the engine asleep after each generation (the default), one engine
+              # shared by the variants, the first again for the process's drift (round 17 ran it with plan.relax
+              # picking level 0 for "default": the same three runs)
     for size in ${2:-0.5b}; do
       part "awake_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
-        --variants="default;--rollout.sleep_level=2;default" --out="$OUT/awake_$size.json"
+        --variants="--rollout.sleep_level=0;default;--rollout.sleep_level=0" --out="$OUT/awake_$size.json"
     done ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
