@@ -55,10 +55,8 @@ MICRO_LAYER = 4.5e-3         # seconds per micro-batch and layer of an update (l
 TP_ALLREDUCE = 15e-6         # a tensor-parallel engine's all-reduce, twice per layer per decoding step
 FITTED_SEQS = 128            # the sequences an engine decoded in DECODE_STEP's fit; an async engine's beyond them
                              # add their KV cache's reads to each decoding step
-EMPTY_S_PER_GB = 0.9e-3      # colocated vLLM asleep: the bracket's first empty_cache, s a GiB of the update's reserve
-                             # it gives back (round 16: 0.084 s for 89 GiB at 1.5B, 0.030 s for 43 at 0.5B)
-SLEEP_WAKE_S = (0.025, 0.007)    # ... and vLLM's sleep and two wakes: s, + s a GiB of its weights and KV budget
-                             # (0.03-0.04 s at 0.5B, 0.065-0.086 at 1.5B in round 16; 0.12-0.2 s at 7B)
+EMPTY_S_PER_GB = 0.9e-3      # vLLM asleep: the bracket's first empty_cache, s a GiB of the reserve it gives back; and
+SLEEP_WAKE_S = (0.025, 0.007)  # its sleep and two wakes, s + s a GiB of its weights and KV (rounds 16-17, the 7B runs)
 PUSH_BPS = 25e9              # async: bytes/s of the weight push (gather, bucket copy, NCCL or CUDA IPC); a
                              # placeholder until a 2-GPU push is measured (the 1-GPU one: 2.9 GB in 0.094 s)
 
@@ -252,9 +250,8 @@ def never_sleeps(r: Run) -> bool:
 
 
 def bracket_seconds(plan: Plan, r: Run) -> float:
-    """What a colocated engine's sleep costs a step (0 awake, async or HF): the first empty_cache gives the
-    update's reserve back (the highest stage's device level less the generate stage's), then vLLM's sleep and
-    two wakes of its weights and KV budget."""
+    """A colocated engine's sleep a step (0 awake, async, HF): the first empty_cache gives back the update's reserve
+    (the highest stage's device level less generate's), then vLLM's sleep and two wakes of its weights and KV."""
     if r.engine != "vllm" or r.asynchronous or never_sleeps(r):
         return 0.0
     freed = max(plan.device.values()) - plan.device["generate"]
@@ -290,7 +287,9 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
     vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
     emptied: every stage sees the step's largest reserve (steady state from the second step). Async
     rollout is the same (no vLLM in the trainer's process), with the engine process beside every
-    stage when rollout.gpus=0 (plan.beside). `between`: what the trainer holds between stages; `freed`: freed_windows."""
+    stage when rollout.gpus=0 (plan.beside). A checkpointed update whose peak comes before its grads reserves
+    them on top: its freed blocks (a layer's inputs) are smaller than a layer's fp32 grads (round 16: 12-16 %
+    under without). `between`: what the trainer holds between stages; `freed`: freed_windows."""
     slack = LORA_UPDATE_SLACK if r.lora else UPDATE_SLACK
     colocated_vllm = r.engine == "vllm" and not r.asynchronous
     outside = OUTSIDE + (VLLM_OUTSIDE if colocated_vllm else 0)
@@ -303,7 +302,8 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
         if st.name == "update" and r.separate:
             own = st.total * (1 + SECOND_UPDATE_SLACK)
         elif st.name == "update" or (st.name == "critic_update" and r.separate):   # shared: a head's update
-            own = st.total * (1 + slack)
+            own = st.total * (1 + slack) + (0 if "actor grads" in st.terms or not r.cfg.actor.gradient_checkpointing
+                                            else st.held("actor grads"))   # (checkpointed: _device_levels)
         else:
             own = st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
         carry = max(carry, int(own) + freed.get(st.name, 0))
