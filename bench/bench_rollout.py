@@ -24,7 +24,7 @@ import rollout
 from model import build_mesh, load_model, shard
 from launch import init_distributed
 
-PHASES = ("empty_cache", "load_params", "wake_weights", "sync", "offload_params", "wake_kv", "sleep")
+PHASES = ("empty_cache", "wake_weights", "load_params", "sync", "offload_params", "wake_kv", "sleep")
 
 
 def parse_args():
