@@ -1,21 +1,20 @@
 """The planner's prediction: every stage's peak GPU memory per rank (allocator and device level) and the step's
-time, before anything is built. It is a composition: each role predicts its own state groups and stages in
-the `predicted` section of its file (actor.py, ref.py, critic.py, reward_model.py, rollout.py,
-rollout_async.py, rollout_engine.py), and this file walks them in the order train_grpo.train_step runs the
-stages, adds what every other group holds between its uses, and calibrates the device level and the time
-on the H200 measurements of bench/results/plan_truth.json. It names no role's flags, moves nothing and builds
-no model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command line).
+time, before anything is built. Each role predicts its own state groups and stages (the `predicted` section of
+actor.py, ref.py, critic.py, reward_model.py, rollout.py, rollout_async.py, rollout_engine.py); this file walks
+them in train_grpo.train_step's order, adds what every other group holds between its uses, and calibrates the
+device level and the time on bench/results/plan_truth.json's H200 runs. It names no role's flags, moves nothing
+and builds no model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command line).
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80    # the table, and what fits (plan.py)
     python -m pytest -q tests/test_plan.py                             # the terms against the model and the H200
 
-The terms (per rank, bytes; each named in the table): a role's state group is (bytes on the GPU in use,
-between uses, in pinned host memory) under its flags; a stage is its owner's moments, each {term: bytes},
-beside every other group's between-bytes and cuBLAS's workspace; its peak is the largest moment. The
-shapes (model.Shapes) give the fp32 shards, Adam's moments, FSDP2's gathered layers, the activations autograd
-keeps per token, the LM head's chunk (packing.HEAD_*), the engine's weights and KV cache (rollout.Request).
-Async rollout (rollout.mode=async): the engine's GPU (`Plan.engine_device`: on rank 0's GPU with
-rollout.gpus=0, inside every stage's device level) and the host buffer; `world` is the trainer's ranks."""
+The terms (per rank, bytes; each named in the table): a role's state group is (bytes on the GPU in use, between
+uses, in pinned host memory) under its flags; a stage is its owner's moments, each {term: bytes}, beside every
+other group's between-bytes and cuBLAS's workspace; its peak is the largest moment. The shapes (model.Shapes) give
+the fp32 shards, Adam's moments, FSDP2's gathered layers, the activations autograd keeps per token, the LM head's
+chunk (packing.HEAD_*), the engine's weights and KV cache (rollout.Request). Async rollout (rollout.mode=async):
+the engine's GPU (`Plan.engine_device`: on rank 0's GPU with rollout.gpus=0, inside every stage's device level)
+and the host buffer; `world` is the trainer's ranks."""
 import functools
 from dataclasses import dataclass, field, replace
 
@@ -47,14 +46,12 @@ SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
 ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 DECODE_STEP = 2.5e-3         # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
-                             # scheduling; 64-128 sequences), fitted on the H200 rows of
-                             # bench/results/plan_truth.json
+                             # scheduling; 64-128 sequences), fitted on the H200 rows of plan_truth.json
 HBM = 4.0e12                 # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
 STAGE_FIXED = 0.2            # seconds each stage pays whatever its size (launches, syncs, the ledger)
 MICRO_LAYER = 4.5e-3         # seconds per micro-batch and layer of an update (launches, FSDP2's gathers)
 TP_ALLREDUCE = 15e-6         # a tensor-parallel engine's all-reduce, twice per layer per decoding step
-FITTED_SEQS = 128            # the sequences an engine decoded in DECODE_STEP's fit; an async engine's beyond them
-                             # add their KV cache's reads to each decoding step
+FITTED_SEQS = 128            # the sequences of DECODE_STEP's fit; an async engine's beyond them add their KV reads
 EMPTY_S_PER_GB = 0.9e-3      # vLLM asleep: the bracket's first empty_cache, s a GiB of the reserve it gives back; and
 SLEEP_WAKE_S = (0.025, 0.007)  # its sleep and two wakes, s + s a GiB of its weights and KV (rounds 16-17, the 7B runs)
 PUSH_BPS = 25e9              # async: bytes/s of the weight push (gather, bucket copy, NCCL or CUDA IPC); a
@@ -287,9 +284,7 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
     vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
     emptied: every stage sees the step's largest reserve (steady state from the second step). Async
     rollout is the same (no vLLM in the trainer's process), with the engine process beside every
-    stage when rollout.gpus=0 (plan.beside). A checkpointed update whose peak comes before its grads reserves
-    them on top: its freed blocks (a layer's inputs) are smaller than a layer's fp32 grads (round 16: 12-16 %
-    under without). `between`: what the trainer holds between stages; `freed`: freed_windows."""
+    stage when rollout.gpus=0 (plan.beside). `between`: what the trainer holds between stages; `freed`: freed_windows."""
     slack = LORA_UPDATE_SLACK if r.lora else UPDATE_SLACK
     colocated_vllm = r.engine == "vllm" and not r.asynchronous
     outside = OUTSIDE + (VLLM_OUTSIDE if colocated_vllm else 0)
@@ -302,8 +297,7 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
         if st.name == "update" and r.separate:
             own = st.total * (1 + SECOND_UPDATE_SLACK)
         elif st.name == "update" or (st.name == "critic_update" and r.separate):   # shared: a head's update
-            own = st.total * (1 + slack) + (0 if "actor grads" in st.terms or not r.cfg.actor.gradient_checkpointing
-                                            else st.held("actor grads"))   # (checkpointed: _device_levels)
+            own = st.total * (1 + slack) + _grads_apart(st, r)
         else:
             own = st.total + (FORWARD_SLACK if st.total > between + GB // 4 else 0)
         carry = max(carry, int(own) + freed.get(st.name, 0))
@@ -324,6 +318,12 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
     if "val" in out:                           # validation's bracket: the same sync, the same engine awake
         out["val"] = out["generate"]
     return out
+
+
+def _grads_apart(st: Stage, r: Run) -> int:
+    """A checkpointed update whose peak comes before its grads reserves them on top: the blocks its backward frees
+    (a layer's inputs) are smaller than a layer's fp32 grads (round 16: 12-16 % under the device level without)."""
+    return st.held("actor grads") if r.cfg.actor.gradient_checkpointing and "actor grads" not in st.terms else 0
 
 
 def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):

@@ -52,13 +52,32 @@ def _peft_merged(a):
     return wrapper.merge_and_unload()
 
 
-def _fake_llm(received: list):
+def _fake_llm(received: list, asleep: bool = True, resets: list | None = None):
     """What `vllm_engine.vllm_runner(llm)` reaches into (an unquantized engine), with a load_weights that
-    records each bucket."""
+    records each bucket; asleep (a colocated sync: its KV cache not yet woken) or awake, recording each prefix
+    cache reset in `resets` (and refusing it when `resets` is None)."""
     model = types.SimpleNamespace(load_weights=lambda bucket: received.append([(n, t.clone()) for n, t in bucket]))
     ns = types.SimpleNamespace
     runner = ns(model=model, model_config=ns(quantization=None))
-    return ns(llm_engine=ns(model_executor=ns(driver_worker=ns(worker=ns(model_runner=runner)))))
+    return ns(llm_engine=ns(model_executor=ns(driver_worker=ns(worker=ns(model_runner=runner))),
+                            is_sleeping=lambda: asleep),
+              reset_prefix_cache=lambda: resets is not None and (resets.append(len(received)) or True))
+
+
+def test_a_load_into_an_awake_engine_resets_its_prefix_cache_after_the_last_bucket(dist_env):
+    """vllm_engine.loading: an awake engine (async's, rollout.sleep_level=0) forgets its prefix cache once, after
+    the last bucket (its cached blocks hold the old weights' keys and values); an asleep one is not asked (the
+    sleep dropped them); an engine that refuses the reset (a request still holding blocks) is an error."""
+    _, world, device = dist_env
+    a = _lora_actor(device, build_mesh(device, world, -1))
+    received, resets = [], []
+    vllm_engine.sync_weights(_fake_llm(received, asleep=False, resets=resets), a.model, torch.float32, 1, device)
+    assert len(received) > 1 and resets == [len(received)]
+    asleep = []
+    vllm_engine.sync_weights(_fake_llm([], asleep=True, resets=asleep), a.model, torch.float32, 1, device)
+    assert asleep == []
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        vllm_engine.sync_weights(_fake_llm([], asleep=False, resets=None), a.model, torch.float32, 1, device)
 
 
 # --------------------------------------------------------------------------- sizes
