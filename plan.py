@@ -501,14 +501,12 @@ def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: i
 
 
 def relaxations(cfg, world: int, prompt_len: int) -> list:
-    """What `relax` weighs, `cfg` first: every subset of the LIFTED levers the command line left on (the actor's
-    gradient checkpointing, ~1/4 more update compute) lifted or kept, times the micro-batch sizes it left, doubled
-    while they divide the rank's mini-batch (the update) or its batch (the log-prob forwards, to FORWARD_TOKENS;
-    each pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER); none with a token budget."""
+    """What `relax` weighs, `cfg` first: each LIFTED lever the command line left on (the actor's gradient
+    checkpointing, ~1/4 more update compute) off or kept, times the micro-batch sizes it left, doubled while
+    they divide the rank's mini-batch (the update) or its batch (the log-prob forwards, to FORWARD_TOKENS; each
+    micro-batch pays its launches and FSDP2 gathers a layer: predict.MICRO_LAYER); none with a token budget."""
     a, given, dp = cfg.actor, getattr(cfg, "_given", ()), world // cfg.actor.ulysses_sequence_parallel_size
-    lifts = [{}]
-    for key in (f"actor.{k}" for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given):
-        lifts += [{**lift, key: False} for lift in lifts]
+    off = {f"actor.{k}": False for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given}
     rows, cap = cfg.train_batch_size * cfg.rollout.n // dp, FORWARD_TOKENS // (prompt_len + cfg.rollout.response_length)
     grow = {"actor.ppo_micro_batch_size_per_gpu": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows)}
     grow.update({k: (rows, cap) for k, runs in (("actor.log_prob_micro_batch_size_per_gpu", not actor.on_policy(
@@ -518,7 +516,8 @@ def relaxations(cfg, world: int, prompt_len: int) -> list:
         m = attrgetter(key)(cfg)
         more = [] if key in given or a.use_dynamic_bsz else range(1, 12)
         sizes.append([m] + [m << i for i in more if (m << i) <= min(n, top) and n % (m << i) == 0])
-    return [with_options(cfg, {**lift, **dict(zip(grow, s))}) for lift in lifts for s in itertools.product(*sizes)]
+    return [with_options(cfg, {**lift, **dict(zip(grow, s))}) for lift in ([{}, off] if off else [{}])
+            for s in itertools.product(*sizes)]
 
 
 def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> str | None:

@@ -229,10 +229,10 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
                     buffer_host=rollout_async.buffer_bytes(cfg.rollout, cfg.train_batch_size, prompt_len),
                     beside=0 if cfg.rollout.gpus else sum(eng.values()))
     else:
-        engine_awake = rollout.predicted_awake(cfg.rollout, r.z, model_config(cfg.model), r.req) if engine == "vllm" else {}
-        awake = engine_awake and {"trainer (allocated)": sum(stage("between", st, [{}]).terms.values()), **engine_awake,
-                                  "CUDA context": CUDA_CONTEXT}
-        beside = sum(engine_awake.values()) if never_sleeps(r) else VLLM_RESIDENT if engine == "vllm" else 0
+        vllm = rollout.predicted_awake(cfg.rollout, r.z, model_config(cfg.model), r.req) if engine == "vllm" else {}
+        awake = vllm and {"trainer (allocated)": sum(stage("between", st, [{}]).terms.values()), **vllm,
+                          "CUDA context": CUDA_CONTEXT}
+        beside = sum(vllm.values()) if never_sleeps(r) else VLLM_RESIDENT if engine == "vllm" else 0
         plan = Plan(stages, awake, pinned, _seconds(r, st), beside=beside)
     plan.device = _device_levels(plan, r, sum(stage("between", st, [{}]).terms.values()), freed_windows(r, st))
     plan.seconds += bracket_seconds(plan, r)

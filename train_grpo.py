@@ -140,9 +140,9 @@ def preflight(cfg: Config):
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None) -> Trainer:
-    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`,
-    sampling and sleeping as `cfg` says: a benchmark's variants). `data`: (prompt ids, answers, chats or None) instead of cfg.data (preflight's, or a
-    benchmark's), `val` the held-out ones (None: no validation); without `data` both come from cfg."""
+    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`, sampling
+    and sleeping as `cfg` says: a benchmark's variants). `data`: (prompt ids, answers, chats or None) instead of
+    cfg.data (preflight's, or a benchmark's), `val` the held-out ones (None: no validation); else both from cfg."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
     rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
@@ -177,9 +177,9 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format),
-                order=order, actor=a, engine=replace(engine, cfg=cfg.rollout), fingerprint=data_io.fingerprint(prompts, answers),
-                ref=r, critic=c, chats=chats, reward_model=rm, plan=predicted, peak=peak, kernels=kernel_line, val=val,
-                prompt_len=prompt_len)
+                order=order, actor=a, engine=replace(engine, cfg=cfg.rollout), ref=r, critic=c, chats=chats,
+                fingerprint=data_io.fingerprint(prompts, answers), reward_model=rm, plan=predicted, peak=peak,
+                kernels=kernel_line, val=val, prompt_len=prompt_len)
     if rank == 0:
         print("\n".join(report(t)), flush=True)
         print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)

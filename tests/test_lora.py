@@ -64,22 +64,6 @@ def _fake_llm(received: list, asleep: bool = True, resets: list | None = None):
               reset_prefix_cache=lambda: resets is not None and (resets.append(len(received)) or True))
 
 
-def test_a_load_into_an_awake_engine_resets_its_prefix_cache_after_the_last_bucket(dist_env):
-    """vllm_engine.loading: an awake engine (async's, rollout.sleep_level=0) forgets its prefix cache once, after
-    the last bucket (its cached blocks hold the old weights' keys and values); an asleep one is not asked (the
-    sleep dropped them); an engine that refuses the reset (a request still holding blocks) is an error."""
-    _, world, device = dist_env
-    a = _lora_actor(device, build_mesh(device, world, -1))
-    received, resets = [], []
-    vllm_engine.sync_weights(_fake_llm(received, asleep=False, resets=resets), a.model, torch.float32, 1, device)
-    assert len(received) > 1 and resets == [len(received)]
-    asleep = []
-    vllm_engine.sync_weights(_fake_llm([], asleep=True, resets=asleep), a.model, torch.float32, 1, device)
-    assert asleep == []
-    with pytest.raises(RuntimeError, match="prefix cache"):
-        vllm_engine.sync_weights(_fake_llm([], asleep=False, resets=None), a.model, torch.float32, 1, device)
-
-
 # --------------------------------------------------------------------------- sizes
 def test_lora_param_count_matches_peft():
     """`actor.lora_param_count` (no model built) equals the trainable count peft gives the tiny model
@@ -216,6 +200,22 @@ def test_lora_sync_sends_peft_merged_weights(dist_env):
         assert torch.allclose(t.cpu(), merged[name], atol=1e-6, rtol=0), name
         if name.split(".")[-2] in lora.LORA_TARGETS and name.endswith(".weight"):
             assert not torch.allclose(t.cpu(), base[name], atol=1e-3), name
+
+
+def test_a_load_into_an_awake_engine_resets_its_prefix_cache_after_the_last_bucket(dist_env):
+    """vllm_engine.loading: an awake engine (async's, rollout.sleep_level=0) forgets its prefix cache once, after
+    the last bucket (its cached blocks hold the old weights' keys and values); an asleep one is not asked (the
+    sleep dropped them); an engine that refuses the reset (a request still holding blocks) is an error."""
+    _, world, device = dist_env
+    a = _lora_actor(device, build_mesh(device, world, -1))
+    received, resets = [], []
+    vllm_engine.sync_weights(_fake_llm(received, asleep=False, resets=resets), a.model, torch.float32, 1, device)
+    assert len(received) > 1 and resets == [len(received)]
+    asleep = []
+    vllm_engine.sync_weights(_fake_llm([], asleep=True, resets=asleep), a.model, torch.float32, 1, device)
+    assert asleep == []
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        vllm_engine.sync_weights(_fake_llm([], asleep=False, resets=None), a.model, torch.float32, 1, device)
 
 
 def test_lora_hf_generate_uses_the_adapter(dist_env):
