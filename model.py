@@ -198,7 +198,7 @@ def forward(model, mb: dict, temperature: float, layout: packing.Layout, entropy
     """Log-probs (and entropy) of the response tokens, (B, R), zero on padding. Only the positions
     that predict a response token reach the LM head, a chunk at a time (packing.py).
     entropy: "none"; "log" (no graph: nothing extra kept for backward); "grad" (in the loss)."""
-    logp, ent = packing.response_logprobs(model, mb, temperature, layout, entropy_grad=entropy == "grad")
+    logp, ent = packing.response_logprobs(model, mb, temperature, layout, entropy)
     return logp, (None if entropy == "none" else ent)
 
 

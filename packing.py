@@ -153,36 +153,36 @@ def model_inputs(mb: dict, packed: bool, sp: int = 1) -> tuple[dict, torch.Tenso
 # fp32 logits, logsumexp's exp, the softmax and its product with the logits; in backward the recomputed
 # chunk as well (measured on the H200, test_plan.py)
 HEAD_FORWARD, HEAD_BACKWARD = 12, 20
+HEAD = {}                      # the chunk function, when not _head_chunk: kernel_choice.compile_head's
 
 
-def _head_chunk(h, w, ids, temperature: float, entropy_grad: bool):
-    """(C, H) hidden states -> (C, 2): log p(ids) and the entropy, from one (C, vocab) fp32 block."""
+def _head_chunk(h, w, ids, temperature: float, entropy: str):
+    """(C, H) hidden states -> (C, 2): log p(ids) and the entropy (zeros if "none"), from one (C, V) fp32 block."""
     logits = (h @ w.t()).float().div_(temperature)                         # (C, V): this chunk only
     lse = logits.logsumexp(-1)
     logp = logits.gather(-1, ids[:, None])[:, 0] - lse
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+        ent = lse - (torch.softmax(logits, -1) * logits).sum(-1) if entropy != "none" else torch.zeros_like(lse)
     return torch.stack([logp, ent], -1)
 
 
-def head_logprobs(hidden, weight, ids, temperature: float, chunk: int, entropy_grad: bool) -> torch.Tensor:
+def head_logprobs(hidden, weight, ids, temperature: float, chunk: int, entropy: str = "none") -> torch.Tensor:
     """log p(ids) and entropy, (N, 2), for hidden (N, H) through the LM head `weight` (V, H).
     With grad, each chunk is checkpointed: backward recomputes its logits (one chunk alive), one
     more head matmul per token. chunk <= 0: all N at once, nothing recomputed.
     N = 0 still runs one (empty) chunk, so the head's weight takes part in backward on every rank."""
-    n = ids.numel()
+    n, fn = ids.numel(), HEAD.get("chunk", _head_chunk)
     if chunk <= 0:                         # one block, kept for backward: fastest, most memory
-        return _head_chunk(hidden, weight, ids, temperature, entropy_grad)
+        return fn(hidden, weight, ids, temperature, entropy)
     out = []
     for s in range(0, max(n, 1), chunk):
-        args = (hidden[s:s + chunk], weight, ids[s:s + chunk], temperature, entropy_grad)
-        out.append(checkpoint(_head_chunk, *args, use_reentrant=False) if torch.is_grad_enabled()
-                   else _head_chunk(*args))
+        args = (hidden[s:s + chunk], weight, ids[s:s + chunk], temperature, entropy)
+        out.append(checkpoint(fn, *args, use_reentrant=False) if torch.is_grad_enabled() else fn(*args))
     return torch.cat(out)
 
 
 @contextlib.contextmanager
-def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int, entropy_grad: bool):
+def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int, entropy: str):
     """Inside this block the model's LM head returns (N, 2) log-probs and entropies of `targets`
     instead of logits, from the hidden states at the flat rows `pick` (N,) of what it is given
     (B, K, H). It runs inside the model's forward, so FSDP2 has the head's weight gathered there
@@ -191,7 +191,7 @@ def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int
 
     def forward(hidden):                   # (B, K, H) -> (N, 2)
         h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, pick)
-        return head_logprobs(h, head.weight, targets, temperature, chunk, entropy_grad)
+        return head_logprobs(h, head.weight, targets, temperature, chunk, entropy)
 
     head.forward = forward
     try:
@@ -200,9 +200,9 @@ def _head_computes_logprobs(model, pick, targets, temperature: float, chunk: int
         del head.forward                   # the class's forward again
 
 
-def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entropy_grad: bool = False):
-    """(B, R) log-probs of the response tokens and their entropies (zero on padding). Only the
-    positions that predict a response token reach the LM head; the (B, T, V) logits never exist.
+def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entropy: str = "none"):
+    """(B, R) log-probs of the response tokens and entropies (zero on padding; entropy "none": zeros, "log":
+    no graph, "grad"). Only the positions that predict a response token reach the LM head, never (B, T, V).
     `mb` needs "lengths" (host_lengths); nothing here waits for the GPU."""
     mb = host_lengths(mb)
     B, R = mb["responses"].shape
@@ -214,7 +214,7 @@ def response_logprobs(model, mb: dict, temperature: float, layout: Layout, entro
         keep, pick = at, torch.arange(at.numel(), device=dev)
     else:                                  # the head sees each row's last R+1 positions
         keep, pick = R + 1, to_device(p["rows"] * (R + 1) + p["j"], dev)
-    with _head_computes_logprobs(model, pick, targets, temperature, layout.chunk, entropy_grad):
+    with _head_computes_logprobs(model, pick, targets, temperature, layout.chunk, entropy):
         out = model(**kw, logits_to_keep=keep, use_cache=False).logits     # (N, 2)
     out = ulysses.gather(out[:targets.numel()], p)   # an empty micro-batch ran one empty chunk; (N, 2)
     zeros = torch.zeros(B * R, dtype=torch.float32, device=dev)

@@ -163,7 +163,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
-    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type)   # before any model is built
+    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type, cfg.head_kernel)  # before models
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)

@@ -81,7 +81,7 @@ def test_lm_head_chunk_matches_torch():
     h, w = torch.randn(6, 5, generator=g), torch.randn(7, 5, generator=g)
     ids = torch.randint(0, 7, (6,), generator=g)
     logits = (h @ w.t()) / 0.7
-    out = packing._head_chunk(h, w, ids, 0.7, False)
+    out = packing._head_chunk(h, w, ids, 0.7, "log")
     assert torch.allclose(out[:, 0], torch.log_softmax(logits, -1).gather(-1, ids[:, None])[:, 0], atol=1e-6)
     assert torch.allclose(out[:, 1], torch.distributions.Categorical(logits=logits).entropy(), atol=1e-5)
 

@@ -40,6 +40,40 @@ def _grads(model):
     return torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])
 
 
+@pytest.mark.parametrize("entropy", ["grad", "log", "none"])
+def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, entropy):
+    """--head_kernel=compile's chunk function, traced by torch.compile (aot_eager here: the same graph and
+    autograd split as inductor's, without generating code), inside the sharded model's forward, with
+    checkpointed chunks of 5 (the last one padded to 5 and its padding dropped): the log-probs, the
+    entropies and the gradients equal the eager head's within fp32 rounding, with grad and without."""
+    import torch._dynamo
+    import kernel_choice
+    model, device = _model(dist_env)
+    batch = tiny_batch(12, 6, device, seed=1)
+    lay = layout(12, logits_chunk_tokens=5)
+    out = {}
+    torch._dynamo.reset()                  # what an earlier test compiled would be reused, not compiled here
+    try:
+        for on in (False, True):
+            kernel_choice.compile_head(on, backend="aot_eager")
+            graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            model.zero_grad(set_to_none=True)
+            lp, ent = packing.response_logprobs(model, batch, 0.7, lay, entropy=entropy)
+            (lp.sum() + (0.1 * ent.sum() if entropy == "grad" else 0)).backward()
+            with torch.no_grad():
+                no_grad = packing.response_logprobs(model, batch, 0.7, lay, entropy=entropy)
+            out[on] = (lp.detach(), ent, _grads(model), *no_grad)
+            assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs) == on   # it really compiled
+            g = torch.Generator().manual_seed(2)                # the head alone: 7 rows in chunks of 5, 7 back
+            h, w = torch.randn(7, 8, generator=g), torch.randn(11, 8, generator=g)
+            out[on] += (packing.head_logprobs(h, w, torch.randint(0, 11, (7,), generator=g), 0.7, 5, entropy),)
+    finally:
+        kernel_choice.compile_head(False)
+    assert int(batch["response_mask"].sum()) % 5 and out[False][2].abs().max() > 1e-3
+    assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(out[False], out[True]))
+    assert (out[True][1].abs().sum() > 0) == (entropy != "none")       # "none": zeros, no softmax pass
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("chunk", [0, 3])
 def test_packed_and_chunked_equal_full_logits(dist_env, packed, chunk):
@@ -49,7 +83,7 @@ def test_packed_and_chunked_equal_full_logits(dist_env, packed, chunk):
     model, device = _model(dist_env)
     batch = tiny_batch(12, 6, device, seed=1)
     lay = layout(12, remove_padding=packed, logits_chunk_tokens=chunk)
-    lp, ent = packing.response_logprobs(model, batch, 0.7, lay, entropy_grad=True)
+    lp, ent = packing.response_logprobs(model, batch, 0.7, lay, entropy="grad")
     (lp.sum() + 0.1 * ent.sum()).backward()
     got = _grads(model)
     model.zero_grad(set_to_none=True)
@@ -105,7 +139,7 @@ def test_empty_micro_batch_is_a_dummy_with_nothing_to_learn(dist_env):
     model, device = _model(dist_env)
     mb = packing.take(tiny_batch(4, 5, device, seed=3), torch.tensor([], dtype=torch.long))
     assert mb["response_mask"].sum() == 0 and mb["input_ids"].shape[0] == 1
-    lp, ent = packing.response_logprobs(model, mb, 1.0, layout(1), entropy_grad=True)
+    lp, ent = packing.response_logprobs(model, mb, 1.0, layout(1), entropy="grad")
     (lp.sum() + ent.sum()).backward()
     assert torch.equal(lp, torch.zeros_like(lp))
     assert all(p.grad is not None and torch.equal(p.grad.full_tensor(), torch.zeros_like(p.grad.full_tensor()))
@@ -201,6 +235,8 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     for kind in ("liger", "compile"):
         with pytest.raises(ValueError, match="use --kernels=torch"):
             kernel_choice.resolve(kind, cpu, "qwen2")
+    with pytest.raises(ValueError, match="--head_kernel=compile needs a GPU; use --head_kernel=eager"):
+        kernel_choice.use("torch", cpu, "qwen2", head="compile")
     norm = modeling_qwen2.Qwen2RMSNorm
     used, line = kernel_choice.use("torch", cpu, "qwen2")
     assert used == "torch" and line.startswith("[kernels] torch")
@@ -227,11 +263,14 @@ def test_torch_kernels_put_back_what_liger_replaced(monkeypatch):
 
 
 def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "bfloat16") -> tuple:
-    """(log-probs, entropies, grads) of the ~430M model with `kind`'s kernels, packed, checkpointing on."""
+    """(log-probs, entropies, grads) of the ~430M model with `kind`'s kernels, packed, checkpointing on
+    ("head": transformers' modules and the LM head's chunk compiled, --head_kernel=compile)."""
     import kernel_choice
     from conftest import mid_model
     _, world, device = dist_env
-    used, _ = kernel_choice.use(kind, device, "qwen2")
+    head = "compile" if kind == "head" else "eager"
+    kind = "torch" if kind == "head" else kind
+    used, _ = kernel_choice.use(kind, device, "qwen2", head)
     model = mid_model()
     model.load_state_dict(weights)
     model = shard(model, build_mesh(device, world, -1), device, param_dtype=dtype, gradient_checkpointing=True)
@@ -239,16 +278,17 @@ def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "b
     assert any(type(m).__name__ == "LigerRMSNorm" for m in model.modules()) == (kind == "liger")
     for _ in range(2):                     # compile: the second call runs the compiled graph
         model.zero_grad(set_to_none=True)
-        lp, ent = packing.response_logprobs(model, batch, 1.0, layout(8), entropy_grad=True)
+        lp, ent = packing.response_logprobs(model, batch, 1.0, layout(8), entropy="grad")
         (lp.sum() + 0.01 * ent.sum()).backward()
     return lp.detach(), ent.detach(), _grads(model)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["liger", "compile"])
+@pytest.mark.parametrize("kind", ["liger", "compile", "head"])
 def test_kernels_are_as_accurate_as_torch_in_bf16(dist_env, kind):
-    """--kernels=liger and =compile (which really ran: Liger's modules in the model, 8 layers compiled) are
+    """--kernels=liger and =compile (which really ran: Liger's modules in the model, 8 layers compiled), and
+    --head_kernel=compile ("head", with transformers' modules), are
     no further from the fp32 computation than transformers' own bf16 modules: log-probs' and entropies'
     mean |error| at most 10 % more (+0.001), max |error| < 0.1 nats, the gradient's cosine to fp32's
     within 1e-4 of torch's, on the packed path with checkpointing (~430M model). Their distance to

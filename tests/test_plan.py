@@ -74,7 +74,7 @@ def test_lm_head_chunk_bytes_per_element():
     mt = MemTracker()
     mt.track_external(h, w)
     with mt:
-        out = packing.head_logprobs(h, w, torch.randint(0, V, (N,)), 1.0, C, False)
+        out = packing.head_logprobs(h, w, torch.randint(0, V, (N,)), 1.0, C, "log")
         out[:, 0].sum().backward()
     peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     per_elt = (peak - 2 * (h.numel() + w.numel()) * 2) / (C * V)
