@@ -93,15 +93,15 @@ def resolve(kind: str, device: torch.device, model_type: str) -> tuple[str, str]
     return kind, "as given"
 
 
-def use(kind: str, device: torch.device, model_type: str, head: str = "eager") -> tuple[str, str]:
+def use(kind: str, device: torch.device, model_type: str, head: str = "eager", rows: int = 512) -> tuple[str, str]:
     """Before any model is built: transformers' Qwen2 module gets `kind`'s classes (liger) or its own
     back (torch, compile), so the models built afterwards have them (RoPE is looked up at each call:
-    it follows at once); the LM head's chunk runs `head` (eager, or compile: a GPU's). Returns (the
-    kernels used, the set-up line)."""
+    it follows at once); the LM head's chunks of `rows` tokens run `head` (eager, or compile: a GPU's).
+    Returns (the kernels used, the set-up line)."""
     from transformers.models.qwen2 import modeling_qwen2 as m
     if head == "compile" and device.type != "cuda":
         raise ValueError("--head_kernel=compile needs a GPU; use --head_kernel=eager")
-    compile_head(head == "compile")
+    compile_head(head == "compile", rows)
     used, why = resolve(kind, device, model_type)
     own = _torch_modules()
     if used == "liger":
@@ -118,28 +118,29 @@ WHAT = {"liger": "Liger-Kernel's RMSNorm, SwiGLU and RoPE in every Qwen2 model",
 
 @functools.cache
 def _compiled_head(backend: str):
-    """packing._head_chunk compiled, its rows padded to a multiple of 512 (the default chunk: one shape for
-    every chunk, the last one of a batch too) and the padding dropped from what it returns."""
-    compiled = torch.compile(packing._head_chunk, backend=backend)
-
-    def run(h, w, ids, temperature: float, entropy: str):
-        n = h.shape[0]
-        pad = -n % 512 if n else 512       # an empty chunk (a rank with no response tokens) runs padding
-        if pad:
-            h, ids = F.pad(h, (0, 0, 0, pad)), F.pad(ids, (0, pad))
-        return compiled(h, w, ids, temperature, entropy)[:n]
-    return run
+    return torch.compile(packing._head_chunk, backend=backend)
 
 
-def compile_head(on: bool, backend: str = "inductor") -> bool:
-    """The LM head's chunk function (packing.HEAD), process-wide: compiled (`backend`: inductor on a GPU; a
-    test's aot_eager traces the same graph without generating code) or eager. Returns `on`. Compiled, the
+def _padded(compiled, rows: int, h, w, ids, temperature: float, entropy: str):
+    """`compiled` on h's rows padded to a multiple of `rows` (the chunk: every chunk one shape, a batch's last
+    one too, none padded beyond its chunk), the padding dropped from what it returns."""
+    n = h.shape[0]
+    pad = -n % rows if n else rows         # an empty chunk (a rank with no response tokens) runs padding
+    if pad:
+        h, ids = F.pad(h, (0, 0, 0, pad)), F.pad(ids, (0, pad))
+    return compiled(h, w, ids, temperature, entropy)[:n]
+
+
+def compile_head(on: bool, rows: int = 512, backend: str = "inductor") -> bool:
+    """The LM head's chunk function (packing.HEAD), process-wide: compiled, on chunks of `rows` response tokens
+    (actor.logits_chunk_tokens; <= 0, the whole batch at once: multiples of 512), or eager. `backend`: inductor
+    on a GPU; a test's aot_eager traces the same graph without generating code. Returns `on`. Compiled, the
     cast, the temperature, logsumexp, the gather and the entropy fuse into a few reductions over a chunk's
     logits instead of a dozen eager passes over its (chunk, vocab) fp32 block: at 1.5B's head over 32k
     response tokens, forward + backward 2.0x faster and the chunk's peak 0.58 GB against 1.45
     (bench/bench_head.py); the plan keeps the eager head's bytes (packing.HEAD_BACKWARD), on the safe side."""
     if on:
-        packing.HEAD["chunk"] = _compiled_head(backend)
+        packing.HEAD["chunk"] = functools.partial(_padded, _compiled_head(backend), rows if rows > 0 else 512)
     else:
         packing.HEAD.pop("chunk", None)
     return on

@@ -163,7 +163,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
         print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
-    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type, cfg.head_kernel)  # before models
+    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type,   # before any model
+                                          cfg.head_kernel, cfg.actor.logits_chunk_tokens)
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -181,8 +182,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
                 fingerprint=data_io.fingerprint(prompts, answers), reward_model=rm, plan=predicted, peak=peak,
                 kernels=kernel_line, val=val, prompt_len=prompt_len)
     if rank == 0:
-        print("\n".join(report(t)), flush=True)
-        print(predict.table(t.plan, ledger.gpu_capacity(device)), flush=True)
+        print("\n".join(report(t) + [predict.table(t.plan, ledger.gpu_capacity(device))]), flush=True)
     return t
 
 

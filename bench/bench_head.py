@@ -38,7 +38,7 @@ def timed(fn, reps: int, warmup: int) -> float:
 
 
 def variant(h, w, ids, g, temperature: float, chunk: int, compiled: bool, reps: int) -> dict:
-    kernel_choice.compile_head(compiled)
+    kernel_choice.compile_head(compiled, chunk)
 
     def update():        # the update's: log-probs with grad, the entropy without (entropy_coeff 0)
         h.grad = w.grad = None

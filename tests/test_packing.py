@@ -55,7 +55,7 @@ def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, e
     torch._dynamo.reset()                  # what an earlier test compiled would be reused, not compiled here
     try:
         for on in (False, True):
-            kernel_choice.compile_head(on, backend="aot_eager")
+            kernel_choice.compile_head(on, rows=5, backend="aot_eager")
             graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             model.zero_grad(set_to_none=True)
             lp, ent = packing.response_logprobs(model, batch, 0.7, lay, entropy=entropy)
@@ -72,6 +72,32 @@ def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, e
     assert int(batch["response_mask"].sum()) % 5 and out[False][2].abs().max() > 1e-3
     assert all(torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(out[False], out[True]))
     assert (out[True][1].abs().sum() > 0) == (entropy != "none")       # "none": zeros, no softmax pass
+
+
+def test_a_compiled_heads_chunks_are_padded_to_the_chunk_and_no_further(monkeypatch):
+    """The compiled head sees one shape: each chunk's rows padded up to the chunk (the last of 12 rows in chunks
+    of 5: 2 -> 5), never to more (a smaller chunk is a memory choice); the whole batch at once (chunk 0) to a
+    multiple of 512. The padding is dropped: the same numbers as the eager head."""
+    import kernel_choice
+    seen = []
+
+    def spy(h, w, ids, temperature, entropy):          # stands in for the compiled function
+        seen.append(h.shape[0])
+        return packing._head_chunk(h, w, ids, temperature, entropy)
+    monkeypatch.setattr(kernel_choice, "_compiled_head", lambda backend: spy)
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(12, 8, generator=g), torch.randn(11, 8, generator=g)
+    ids = torch.randint(0, 11, (12,), generator=g)
+    eager = packing.head_logprobs(h, w, ids, 0.7, 5, "log")
+    try:
+        out = {}
+        for chunk in (5, 0):
+            kernel_choice.compile_head(True, rows=chunk)
+            out[chunk] = packing.head_logprobs(h, w, ids, 0.7, chunk, "log")
+    finally:
+        kernel_choice.compile_head(False)
+    assert seen == [5, 5, 5, 512]
+    assert all(torch.allclose(o, eager, atol=1e-6) for o in out.values())
 
 
 @pytest.mark.parametrize("packed", [True, False])
