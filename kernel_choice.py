@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import packing
 
 KERNELS = ("auto", "liger", "compile", "torch")
-HEAD_KERNELS = ("eager", "compile")         # the LM head's chunk (compile_head): --head_kernel
+HEAD_KERNELS = ("auto", "eager", "compile")   # the LM head's chunk (compile_head): --head_kernel
 # What they keep for backward: liger and compile alike keep no fp32 copy of each RMSNorm's input and no
 # MLP activation (model.Shapes.fused); measured update peaks with checkpointing off, 0.5B / 1.5B:
 # torch 23.75 / 56.18 GB, liger 19.70 / 47.96, compile 19.74 / 48.02 (bench/README.md)
@@ -99,8 +99,7 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
     it follows at once); the LM head's chunks of `rows` tokens run `head` (eager, or compile: a GPU's).
     Returns (the kernels used, the set-up line)."""
     from transformers.models.qwen2 import modeling_qwen2 as m
-    if head == "compile" and device.type != "cuda":
-        raise ValueError("--head_kernel=compile needs a GPU; use --head_kernel=eager")
+    given, head = head, resolve_head(head, device)
     compile_head(head == "compile", rows)
     used, why = resolve(kind, device, model_type)
     own = _torch_modules()
@@ -109,7 +108,15 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
     else:
         for name, obj in own.items():
             setattr(m, name, obj)
-    return used, f"[kernels] {used} ({why}): {WHAT[used]}; the LM head's chunk {head}"
+    return used, f"[kernels] {used} ({why}): {WHAT[used]}; the LM head's chunk {head}" + " (auto)" * (given == "auto")
+
+
+def resolve_head(head: str, device: torch.device) -> str:
+    """The LM head's chunk a run uses: auto is compile on a GPU (inductor generates its Triton kernels there)
+    and eager elsewhere; compile where there is no GPU is an error."""
+    if head == "compile" and device.type != "cuda":
+        raise ValueError("--head_kernel=compile needs a GPU; use --head_kernel=eager")
+    return head if head != "auto" else "compile" if device.type == "cuda" else "eager"
 
 
 WHAT = {"liger": "Liger-Kernel's RMSNorm, SwiGLU and RoPE in every Qwen2 model", "torch": "transformers' modules",

@@ -163,6 +163,38 @@ def held_blocks(top: int = 8) -> list[str]:
          for (pool, site), n in sorted(sums.items(), key=lambda kv: -kv[1])[:top]]
 
 
+def peak_blocks(snapshot: dict, before: int, top: int = 12) -> dict:
+    """What was live at the highest point of a recorded stretch: `snapshot` is torch.cuda.memory._snapshot()
+    taken at its end with the history recorded from its start (_record_memory_history), `before` the bytes
+    allocated when recording began. Replays the trace (alloc +, free_completed -) to its peak and sums the
+    blocks live there by allocating site (the innermost frame, then this project's first two; a backward's
+    blocks, made on autograd's thread without a Python stack, by size); blocks older than the recording are
+    one line, less what the stretch freed of them before its peak."""
+    root, events = os.path.dirname(os.path.abspath(__file__)), [e for t in snapshot["device_traces"] for e in t]
+    now, peak, top_at = 0, 0, -1               # the start is the peak until passed
+    for i, e in enumerate(events):
+        now += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
+        if now > peak:
+            peak, top_at = now, i
+    at, old_gone = {}, 0                       # replayed again to the peak: what was live there
+    for e in events[:top_at + 1]:
+        if e["action"] == "alloc":
+            at[e["addr"]] = e
+        elif e["action"] == "free_completed" and at.pop(e["addr"], None) is None:
+            old_gone += e["size"]
+    sums = {}
+    for e in at.values():
+        frames = e.get("frames", [])
+        mine = [f"{os.path.relpath(f['filename'], root)}:{f['line']}" for f in frames if f["filename"].startswith(root)]
+        inner = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:1]]
+        site = " < ".join(inner + mine[:2]) or f"no Python stack (autograd's thread): blocks of {e['size'] / 2 ** 20:.1f} MiB"
+        sums[site] = sums.get(site, 0) + e["size"]
+    rows = [(n, "allocated before the stretch, still live at its peak")] if (n := before - old_gone) else []
+    rows += sorted(((n, s) for s, n in sums.items()), reverse=True)[:top]
+    return {"peak_gb": (before + peak) / GB, "before_gb": before / GB,
+            "live_at_peak": [f"{n / GB:.3f} GB {s}" for n, s in rows]}
+
+
 def memory_watch(out_dir: str, rank: int, device: torch.device, history: bool = False):
     """On a GPU: an OOM leaves a memory snapshot in out_dir (viewable at pytorch.org/memory_viz);
     with `history` (--memory_history), every allocation's stack is recorded into it as well."""

@@ -97,6 +97,34 @@ def on_gc(phase: str, info: dict):
     GC["full"] += info["generation"] == 2
 
 
+@contextlib.contextmanager
+def recorded(stage_name: str, out: dict):
+    """The loop's stages as they are, but inside the one named `stage_name` the CUDA allocator records every
+    allocation (Python stacks); at its end `out` gets what was live at its peak (ledger.peak_blocks)."""
+    real = ledger.stage
+
+    @contextlib.contextmanager
+    def stage(name, metrics, device, external=0):
+        with real(name, metrics, device, external):
+            if name != stage_name:
+                yield
+                return
+            before = torch.cuda.memory_allocated(device) - external
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            try:
+                yield
+            finally:
+                torch.cuda.synchronize(device)
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                out.update(ledger.peak_blocks(snapshot, before))
+    ledger.stage = stage
+    try:
+        yield
+    finally:
+        ledger.stage = real
+
+
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     """(medians of the measured steps' figures, the profile or None, the engine) for one variant. Its steps run
     with the set-up's objects frozen, as train_grpo.run's do (vllm_engine.frozen_heap); the flag `gc_thawed`
@@ -109,11 +137,16 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
             None) if args.prompt_len else None
     t = train_grpo.setup(cfg, engine=engine, data=data)
     SHARED["engine"] = t.engine                # a variant that fails later leaves the mode's engine to the next
-    steps, table = [], None
+    steps, table, peak = [], None, {}
     with contextlib.nullcontext() if thawed else vllm_engine.frozen_heap():   # thawed before the variant is dropped
         for s in range(args.warmup + args.steps):
             last = profile and s == args.warmup + args.steps - 1
             GC.update(s=0.0, full=0)
+            if args.peak_stage and s == args.warmup + args.steps - 1:
+                with recorded(args.peak_stage, peak):          # the last step's stage: what was live at its peak
+                    steps.append(train_grpo.train_step(t, s))
+                steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"]})
+                continue
             if not last:
                 steps.append(train_grpo.train_step(t, s))
                 steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
@@ -129,6 +162,9 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
          if isinstance(v, (int, float))}
     m["bench/step_s_all"] = [x["time/step"] for x in measured]
     m.update({f"plan/{k}": v for k, v in predicted(t).items()})
+    if peak:                                   # beside it, the plan's terms at the stage's peak moment
+        st = t.plan.stage(args.peak_stage)
+        m["bench/peak"] = {**peak, "plan_terms": {k: round(v / 2 ** 30, 3) for k, v in st.terms.items()}}
     engine, t = t.engine, None
     gc.collect()
     torch.cuda.empty_cache()
@@ -209,6 +245,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="profile each variant's last step")
+    ap.add_argument("--peak_stage", default="", help="a stage (update, ref_logp, ...): in each variant's last step, "
+                    "what was live at its peak by allocating site, beside the plan's terms (slower: a recorded step)")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     _, _, device = launch.init_distributed()
@@ -236,6 +274,10 @@ def main():
                     "rollout/generate_s")
             print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
                                            if k in keep}), res["runs"][name].get("error", ""), flush=True)
+            if peak := res["runs"][name].get("metrics", {}).get("bench/peak"):
+                print(f"[{name}] {args.peak_stage}: {peak['peak_gb']:.3f} GB at its peak ({peak['before_gb']:.3f} "
+                      f"at its start):\n  " + "\n  ".join(peak["live_at_peak"]) + f"\n  the plan's terms (GB): "
+                      f"{json.dumps(peak['plan_terms'])}", flush=True)
         engine = SHARED["engine"] = None
         gc.collect()
         torch.cuda.empty_cache()

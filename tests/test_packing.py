@@ -253,7 +253,8 @@ def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
 
 def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     """On a CPU `auto` is transformers' modules and says why; liger and compile are refused in one line
-    naming the fallback; torch undoes liger's classes in transformers' Qwen2 module."""
+    naming the fallback; torch undoes liger's classes in transformers' Qwen2 module. The LM head's `auto` is
+    eager on a CPU and compile on a GPU, and the set-up line says it was auto's choice."""
     import kernel_choice
     from transformers.models.qwen2 import modeling_qwen2
     cpu = torch.device("cpu")
@@ -263,6 +264,10 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
             kernel_choice.resolve(kind, cpu, "qwen2")
     with pytest.raises(ValueError, match="--head_kernel=compile needs a GPU; use --head_kernel=eager"):
         kernel_choice.use("torch", cpu, "qwen2", head="compile")
+    assert kernel_choice.use("torch", cpu, "qwen2", head="auto")[1].endswith("the LM head's chunk eager (auto)")
+    assert "chunk" not in packing.HEAD        # auto on a CPU: the eager head
+    assert [kernel_choice.resolve_head(h, torch.device("cuda")) for h in kernel_choice.HEAD_KERNELS] == \
+        ["compile", "eager", "compile"]        # resolve only reads the device's type
     norm = modeling_qwen2.Qwen2RMSNorm
     used, line = kernel_choice.use("torch", cpu, "qwen2")
     assert used == "torch" and line.startswith("[kernels] torch")

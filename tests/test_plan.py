@@ -281,6 +281,32 @@ def test_checkpointed_updates_of_128_samples_within_3_and_a_half_percent():
     assert len(rows) == 3 and all(abs(e) <= 0.035 for e in errors.values()), errors
 
 
+def test_peak_blocks_names_what_was_live_at_a_stretchs_peak():
+    """ledger.peak_blocks (bench_step.py --peak_stage: where a stage's peak parts from the plan) replays a recorded
+    allocator trace to its highest point: the blocks live there by site (Python's, or a backward's by size), and
+    the blocks older than the recording less what the stretch freed of them before its peak; nothing after it."""
+    root, M = os.path.dirname(ledger.__file__), 2 ** 20
+    mine = [{"filename": "/usr/lib/torch/nn/functional.py", "line": 7, "name": "linear"},
+            {"filename": os.path.join(root, "actor.py"), "line": 10, "name": "update_policy"},
+            {"filename": os.path.join(root, "train_grpo.py"), "line": 20, "name": "train_step"}]
+    trace = [{"action": "alloc", "addr": 1, "size": 1000 * M, "frames": mine},
+             {"action": "segment_alloc", "addr": 9, "size": 4096, "frames": []},
+             {"action": "free_completed", "addr": 77, "size": 50 * M, "frames": []},  # an older block
+             {"action": "alloc", "addr": 2, "size": 300 * M, "frames": []},  # the backward's: no stack
+             {"action": "alloc", "addr": 3, "size": 300 * M, "frames": []},
+             {"action": "free_requested", "addr": 1, "size": 1000 * M, "frames": mine},
+             {"action": "free_completed", "addr": 1, "size": 1000 * M, "frames": mine},
+             {"action": "alloc", "addr": 4, "size": 500 * M, "frames": mine}]
+    out = ledger.peak_blocks({"device_traces": [trace]}, before=150 * M)
+    assert out["peak_gb"] == (150 + 950 + 600) * M / GB and out["before_gb"] == 150 * M / GB
+    assert out["live_at_peak"] == [
+        f"{100 * M / GB:.3f} GB allocated before the stretch, still live at its peak",
+        f"{1000 * M / GB:.3f} GB functional.py:7 linear < actor.py:10 < train_grpo.py:20",
+        f"{600 * M / GB:.3f} GB no Python stack (autograd's thread): blocks of 300.0 MiB"]
+    assert ledger.peak_blocks({"device_traces": [[trace[2]]]}, before=150 * M)["live_at_peak"] == \
+        [f"{150 * M / GB:.3f} GB allocated before the stretch, still live at its peak"]   # only frees: the start
+
+
 def test_vllm_start_share_asks_for_what_the_engine_needs():
     """vLLM 0.26 refuses to start unless free >= gpu_memory_utilization x GPU, also when the KV cache
     is given in bytes: the share passed is the engine's own need, so a trainer holding 19 GiB of a
