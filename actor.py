@@ -16,15 +16,13 @@ stash knows at build whether its flag puts it on the host, so every bracket read
                         stream during the first forward/backward (`clipped_step` waits right before
                         `optimizer.step()`), or with optimizer_stream a window of layers at a time at the
                         step (offload.streamed_step): then the update never holds all of them.
-    the levers          prefetch_update (`prefetch_update`, called during the ref forward),
-                        defer_param_offload (`update` keeps the params; the next sync copies them
-                        out), optimizer_load_at_step (Adam copied in at the step, not before).
+    the levers          prefetch_update (during the ref forward), defer_param_offload (`update` keeps the
+                        params for the next sync), optimizer_load_at_step (Adam in at the step, not before).
     checkpoints         `state_in`: every group in while a checkpoint reads (or a resume writes) them.
 
-LoRA (lora_rank > 0, lora.py): only the adapters train (grads and Adam for them alone); the frozen
-base is held in the compute dtype and is the reference (`compute_ref_log_probs`: adapter off). The
-params group splits in two: `Actor.params` (the adapters) and `Actor.base` (frozen: copied out once,
-at build; later brackets only free it). What the planner counts of all this: the `predicted` section.
+LoRA (lora_rank > 0, lora.py): only the adapters train (grads and Adam for them alone); the frozen base, in the
+compute dtype, is the reference (`compute_ref_log_probs`: adapter off). The params group splits: `Actor.params`
+(the adapters) and `Actor.base` (copied out once, at build; later brackets only free it). The planner's: `predicted`.
 Batches: rollout.make_batch's dicts (old_log_probs, ref_log_probs, advantages (B, R) as their stages add them).
 """
 import contextlib
@@ -134,7 +132,7 @@ RELIEF = {  # the actor's terms of a stage's prediction -> the change that remov
     "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
     "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
     "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
-    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens",
+    "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens", "LM head weight grad": "--actor.lora_rank=64",
     "Adam windows (in, stepping, out)": "a smaller actor.optimizer_window_layers"}
 
 
@@ -167,10 +165,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 
 
 def policy_stats(clipped: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
-    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the mini-batch's global
-    count), whatever loss_agg_mode is: summed over micro-batches and ranks they are token means, as verl
-    reports them. ppo_kl is KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance);
-    verl logs k1, the mean of old - new log-prob (same expectation, noisier, can be negative)."""
+    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the mini-batch's global count),
+    whatever loss_agg_mode is: summed over micro-batches and ranks, token means, as verl reports them. ppo_kl is
+    KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance); verl logs k1 (noisier)."""
     k3 = ratio - 1 - torch.log(ratio)
     return torch.stack([(clipped * mask).sum(), (k3 * mask).sum()]) / tokens
 
@@ -187,9 +184,8 @@ def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
 
 
 def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Token-level truncated importance weights min(pi_old / pi_rollout, C), no gradient: they carry
-    the policy loss from the engine's distribution (an older policy with async rollout, and vLLM's
-    kernels in any case) to the trainer's. Truncation bounds the variance a rare token could bring."""
+    """Token-level truncated importance weights min(pi_old / pi_rollout, C), no gradient: the policy loss carried from
+    the engine's distribution (an older policy when async; vLLM's kernels) to the trainer's, its variance bounded."""
     return torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20)).clamp(max=threshold)
 
 
@@ -207,9 +203,8 @@ def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std
 
 
 def prefetches(cfg: ActorConfig, ppo: bool) -> bool:
-    """The params come in during the ref stage and stay for the update (prefetch_update): only with
-    param_offload, and only when a ref forward comes right before the update (GRPO with the KL loss;
-    PPO's critic stages sit between them). The loop, `describe` and the planner read this rule."""
+    """The params come in during the ref stage and stay for the update (prefetch_update): with param_offload, when a
+    ref forward comes right before the update (GRPO with the KL loss; not PPO). The loop, describe, the planner read it."""
     return cfg.prefetch_update and cfg.param_offload and cfg.use_kl_loss and not ppo
 
 
@@ -328,9 +323,8 @@ def compute_old_log_probs(a: Actor, batch: dict, temperature: float, train_batch
 
 
 def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict, ppo: bool) -> torch.Tensor:
-    """LoRA's reference log-probs: the actor's own forward with its adapter off (the frozen base, the
-    policy at step 0: no reference model is held), inside its bracket; when it `prefetches` the params
-    stay after it for the update (the ref forward needs them itself: no copy to hide, one to save)."""
+    """LoRA's reference log-probs: the actor's forward with its adapter off (the frozen base, the policy at step 0),
+    in its bracket; when it `prefetches` the params stay for the update (no copy to hide, one to save)."""
     layout = make_layout(a.cfg, a.cfg.log_prob_micro_batch_size_per_gpu, a.cfg.log_prob_max_token_len_per_gpu)
     with resident(a, metrics, keep=prefetches(a.cfg, ppo)), a.lora.disable_adapter():
         return compute_log_probs(a.model, batch, layout, temperature)
@@ -344,9 +338,8 @@ def prefetch_update(a: Actor, metrics: dict):
 
 
 def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict) -> dict:
-    """The update stage's bracket: params in -> Adam in on a side stream (waited for right before
-    the optimizer step, in `clipped_step`) -> update -> Adam out -> params out, or kept on the GPU
-    until the next weight sync has read them (defer_param_offload: one reload fewer per step)."""
+    """The update stage's bracket: params in -> Adam in on a side stream (waited for in `clipped_step`) -> update ->
+    Adam out -> params out, or kept until the next weight sync has read them (defer_param_offload)."""
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not (a.cfg.optimizer_load_at_step or a.windows):
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
@@ -361,12 +354,10 @@ IS_STATS = STATS[-2:]                           # reported only with actor.rollo
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
                   temperature: float, *, adam: offload.Stash | None = None, windows: list | None = None) -> dict:
-    """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into
-    micro-batches whose gradients accumulate. Losses use the mini-batch's global token and
-    sequence counts, times the world size because FSDP averages gradients over ranks, so the
-    update is the same for any micro-batch size and any number of ranks.
-    `adam`: the optimizer state's stash, made ready right before each optimizer step (or streamed in a
-    window at a time for it: `windows`, optimizer_stream)."""
+    """PPO epochs over mini-batches of `mini_size` samples (this rank's share), each split into micro-batches whose
+    gradients accumulate. Losses use the mini-batch's global token and sequence counts, times the world size (FSDP
+    averages gradients over ranks): the same update for any micro-batch size and number of ranks. `adam`: Adam's
+    stash, made ready right before each optimizer step (or streamed in a window at a time: `windows`)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     on_policy = "old_log_probs" not in batch        # the old_logp stage was skipped: old == current
     batch = packing.host_lengths(batch)    # one host sync for the stage, none per micro-batch
@@ -432,23 +423,21 @@ def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, m
                skipped_steps=sum(not math.isfinite(n) for n in norms),
                delta_w_abs_mean=(sums[-2] / sums[-1]).item(), **moved)
     if mismatch:
-        out.update(ledger.logprob_mismatch(torch.cat([lp for lp, _ in mismatch]),
-                                    {k: torch.cat([mb[k] for _, mb in mismatch])
-                                     for k in ("response_mask", "rollout_log_probs")}))
+        out.update(ledger.logprob_mismatch(torch.cat([lp for lp, _ in mismatch]), {k: torch.cat([mb[k] for _, mb in
+                                                mismatch]) for k in ("response_mask", "rollout_log_probs")}))
     return out
 
 
 # --------------------------------------------------------------------------- predicted
-# The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or
-# moves anything): per rank, `z` a model.Sizes, a state group (name: its stash's) as (bytes on the GPU
-# in use, between uses, in pinned host memory), a stage as its moments, each {term: bytes}.
+# The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or moves anything):
+# per rank, `z` a model.Sizes, a group (its stash's name) as (bytes on the GPU in use, between uses, in pinned host
+# memory), a stage as its moments, each {term: bytes}.
 GROUPS = ("actor_base", "actor_params")     # what a forward of the policy needs in (`policy_stashes`)
 
 
 def predicted_states(cfg: ActorConfig, z, config) -> dict:
-    """Full fine-tuning: fp32 shards and Adam's two moments (param_offload_layers: only the first k
-    layers' shards leave). LoRA: the frozen base in the compute dtype, the adapters fp32 and their Adam.
-    CPUOffloadPolicy: everything on the host (the grads too), a layer at a time comes over."""
+    """Full fine-tuning: fp32 shards and Adam's two moments (param_offload_layers: the first k layers' shards leave).
+    LoRA: the frozen base in the compute dtype, the adapters fp32 and their Adam. CPUOffloadPolicy: all on the host."""
     s = z.shapes
     if cfg.lora_rank:
         n = lora.lora_param_count(config, cfg.lora_rank, cfg.lora_target_modules)
@@ -476,13 +465,25 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     n, params, adam = z.tokens(layout), in_use(states, *GROUPS), in_use(states, "actor_optimizer")
     grads = {"actor grads": states["actor_params"][0]}     # fp32 shards of what trains (host-side with the policy)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
-            "LM head chunk (backward)": z.head(n, layout, packing.HEAD_BACKWARD)}
+            "LM head chunk (backward)": z.head(n, layout, z.shapes.head[1])}
     if cfg.gradient_checkpointing:   # the head's backward ends before the last layer is rebuilt: only its excess adds
         busy["LM head chunk (backward)"] = max(0, busy["LM head chunk (backward)"] - busy["activations (one layer rebuilt)"])
     held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
     if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
         held, adam = params, {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
-    return update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
+    phases = update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
+    if cfg.gradient_checkpointing and not z.accumulating(layout):
+        phases.append({**held, **last_layer_backward(cfg, z, n, grads["actor grads"], busy["gathered layers + root"])})
+    return phases
+
+
+def last_layer_backward(cfg: ActorConfig, z, n: int, grads: int, gathered: int) -> dict:
+    """A checkpointed update's peak (a snapshot at 1.5B, bench/README.md): the last layer at the end of its backward,
+    every layer's grads reduced, its rebuilt set still held, the LM head's weight grad (unsharded) not yet reduced."""
+    s = z.shapes
+    return {"actor grads": grads if cfg.lora_rank else grads * s.layers * s.layer_params // s.params,
+            "activations (one layer rebuilt)": n * (s.saved_per_token(z.c) + z.c * (s.ffn + 2 * s.hidden)),
+            "LM head weight grad": 0 if cfg.lora_rank else z.c * s.vocab * s.hidden, "gathered layers + root": gathered}
 
 
 def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> int:
@@ -499,9 +500,8 @@ def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> in
 
 
 def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:
-    """The actor's copies that do not hide behind compute: its params out at the sync and in again
-    (hidden behind the ref forward when it `prefetches`), Adam in (on a side stream behind the
-    forward/backward, or at the step) and out; with CPUOffloadPolicy the optimizer's step on the CPU."""
+    """The actor's copies that do not hide behind compute: params out at the sync and in again (behind the ref forward
+    when it `prefetches`), Adam in (behind the forward/backward, or at the step) and out; CPUOffloadPolicy's CPU step."""
     host = {g: h for g, (u, b, h) in states.items()}
     if cfg.offload_policy:                     # 16.2 s for 1.54B params on one H200 host
         return 10.5e-9 * z.shapes.params / max(z.world, 1) + 1.5 * host["actor_params"] / bandwidth

@@ -111,6 +111,17 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
     return used, f"[kernels] {used} ({why}): {WHAT[used]}; the LM head's chunk {head}" + " (auto)" * (given == "auto")
 
 
+# The LM head chunk's bytes per (token, vocab) element at its peak, no-grad forward / backward (model.Shapes.head):
+# eager's (packing.HEAD_*); compiled, the bf16 logits its matmul writes, in backward with their gradient and the
+# chunk's weight gradient (bench_head.py: 0.58 GB a 512-token chunk at 1.5B, 0.44 at 0.5B; round 19)
+HEAD_BYTES = {"eager": (packing.HEAD_FORWARD, packing.HEAD_BACKWARD), "compile": (2, 8)}
+
+
+def planned_head(head: str) -> tuple:
+    """The LM head chunk's bytes an element a GPU run with `--head_kernel=head` has (the planner's, anywhere)."""
+    return HEAD_BYTES[resolve_head(head, torch.device("cuda"))]
+
+
 def resolve_head(head: str, device: torch.device) -> str:
     """The LM head's chunk a run uses: auto is compile on a GPU (inductor generates its Triton kernels there)
     and eager elsewhere; compile where there is no GPU is an error."""

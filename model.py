@@ -306,6 +306,7 @@ class Shapes:
     head_dim: int
     tied: bool
     fused: bool = False                        # --kernels=liger or compile (kernel_choice.FUSED): less kept for backward
+    head: tuple = (packing.HEAD_FORWARD, packing.HEAD_BACKWARD)   # the LM head chunk's bytes an element (--head_kernel)
 
     @property
     def kv_dim(self) -> int:
@@ -344,8 +345,8 @@ class Shapes:
     def gather(self, c: int) -> int:           # FSDP2 in a forward: the layer computed, the next, the root
         return c * (2 * self.layer_params + self.root_params)
 
-    def layer_work(self, n_tok: int, c: int) -> int:   # a no-grad layer's transient over n_tok tokens
-        return n_tok * (c * (3 * self.ffn + 5 * self.hidden) + 8 * self.hidden)
+    def layer_work(self, n_tok: int, c: int) -> int:   # a no-grad layer's transient over n_tok tokens: the MLP's
+        return n_tok * (c * 3 * self.ffn + 8 * self.hidden)   # three ffn-wide tensors, an fp32 norm (round 19's fit)
 
     def activations(self, n_tok: int, c: int, checkpointing: bool) -> dict:
         """What a forward keeps for backward: every layer's set, or with checkpointing each layer's input and one
@@ -406,7 +407,7 @@ class Sizes:
         """A no-grad forward's transient: the gathered layers and a layer's work or the LM head's chunk."""
         n = self.tokens(layout)
         return {"gathered layers + root": self.shapes.gather(self.c),
-                "forward transient": max(self.shapes.layer_work(n, self.c), self.head(n, layout, packing.HEAD_FORWARD))}
+                "forward transient": max(self.shapes.layer_work(n, self.c), self.head(n, layout, self.shapes.head[0]))}
 
 
 def state(nbytes: int, offloaded: bool) -> tuple:

