@@ -117,9 +117,9 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
 HEAD_BYTES = {"eager": (packing.HEAD_FORWARD, packing.HEAD_BACKWARD), "compile": (2, 8)}
 
 
-def planned_head(head: str) -> tuple:
-    """The LM head chunk's bytes an element a GPU run with `--head_kernel=head` has (the planner's, anywhere)."""
-    return HEAD_BYTES[resolve_head(head, torch.device("cuda"))]
+def planned_head(head: str) -> str:
+    """The LM head's chunk a GPU run with `--head_kernel=head` uses: the planner's, wherever it runs."""
+    return resolve_head(head, torch.device("cuda"))
 
 
 def resolve_head(head: str, device: torch.device) -> str:

@@ -306,7 +306,9 @@ def assumed(cfg, engine: str) -> str:
     rollout.check_fp8(cfg.rollout, engine)
     used, why = kernel_choice.planned(cfg.kernels, model_config(cfg.model).model_type)
     how = "as given" if cfg.rollout.engine != "auto" else "auto: a GPU node with vLLM; --rollout.engine=hf plans HF generate"
-    return f"[plan] assumed: {engine} rollout ({how}); {used} kernels ({why})"
+    head = kernel_choice.planned_head(cfg.head_kernel)
+    return f"[plan] assumed: {engine} rollout ({how}); {used} kernels ({why}); the LM head {head}" + \
+        (" (auto: a GPU's; --head_kernel=eager plans the other)" if cfg.head_kernel == "auto" else " (as given)")
 
 
 def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:

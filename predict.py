@@ -144,12 +144,12 @@ class Run:
 
 def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
     """One rank's share: a Ulysses group's k ranks hold the same rows (the batch splits over world / k); the
-    kernels a GPU run would use (liger and compile keep less for backward)."""
-    k = cfg.actor.ulysses_sequence_parallel_size
+    kernels and LM head a GPU run would use (liger and compile keep less for backward; a compiled head's chunk)."""
+    k, head = cfg.actor.ulysses_sequence_parallel_size, kernel_choice.HEAD_BYTES[kernel_choice.planned_head(cfg.head_kernel)]
     n, dp = cfg.rollout.n, world // k
     fused = kernel_choice.fused(cfg.kernels, model_config(cfg.model).model_type)
     group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
-    return model.Sizes(replace(shapes(cfg.model), fused=fused, head=kernel_choice.planned_head(cfg.head_kernel)), world, group,
+    return model.Sizes(replace(shapes(cfg.model), fused=fused, head=head), world, group,
                        4 if cfg.actor.param_dtype == "float32" else 2, cfg.train_batch_size * n // dp,
                        cfg.actor.ppo_mini_batch_size * n // dp, prompt_len, cfg.rollout.response_length, k)
 
