@@ -249,6 +249,9 @@ def main():
                     "what was live at its peak by allocating site, beside the plan's terms (slower: a recorded step)")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
+    if args.peak_stage and any("--head_kernel=eager" not in v for v in args.variants.split(";")):
+        ap.error("--peak_stage records every allocation, and torch fails inside the compiled LM head while it does "
+                 "(round 19): add --head_kernel=eager to each variant")
     _, _, device = launch.init_distributed()
     gc.callbacks.append(on_gc)
     res = {"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,

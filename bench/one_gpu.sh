@@ -17,7 +17,7 @@
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
 #   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
-#   bash bench/one_gpu.sh head [0.5b|1.5b]                     # the LM head compiled against eager: alone, then in the step
+#   bash bench/one_gpu.sh head [0.5b|1.5b]                     # the LM head compiled (the default) against eager: alone, then in the step
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -72,13 +72,13 @@ case "${1:-}" in
       part "awake_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
         --variants="--rollout.sleep_level=0;default;--rollout.sleep_level=0" --out="$OUT/awake_$size.json"
     done ;;
-  head)       # --head_kernel=compile: the head alone (bench_head.py, no vLLM needed), then the step side by side
-              # with the default, the default again last (the process's drift); TRL's workload
+  head)       # the compiled head (--head_kernel=auto, the default on a GPU): alone (bench_head.py, no vLLM needed),
+              # then the step beside --head_kernel=eager, the default again last (the process's drift); TRL's workload
     for size in ${2:-0.5b 1.5b}; do
       hidden=$([ "$size" = 0.5b ] && echo 896 || echo 1536)
       part "head_alone_$size" 120 python bench/bench_head.py --hidden="$hidden" --out="$OUT/head_alone_$size.json"
       part "head_step_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
-        --variants="default;--head_kernel=compile;default" --out="$OUT/head_step_$size.json"
+        --variants="default;--head_kernel=eager;default" --out="$OUT/head_step_$size.json"
     done ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
