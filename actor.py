@@ -167,7 +167,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
 def policy_stats(clipped: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
     """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the mini-batch's global count),
     whatever loss_agg_mode is: summed over micro-batches and ranks, token means, as verl reports them. ppo_kl is
-    KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance); verl logs k1 (noisier)."""
+    KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance); verl logs k1 (can be < 0)."""
     k3 = ratio - 1 - torch.log(ratio)
     return torch.stack([(clipped * mask).sum(), (k3 * mask).sum()]) / tokens
 
@@ -423,15 +423,15 @@ def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, m
                skipped_steps=sum(not math.isfinite(n) for n in norms),
                delta_w_abs_mean=(sums[-2] / sums[-1]).item(), **moved)
     if mismatch:
-        out.update(ledger.logprob_mismatch(torch.cat([lp for lp, _ in mismatch]), {k: torch.cat([mb[k] for _, mb in
-                                                mismatch]) for k in ("response_mask", "rollout_log_probs")}))
+        logp, mbs = torch.cat([lp for lp, _ in mismatch]), [mb for _, mb in mismatch]   # the on-policy forwards'
+        out.update(ledger.logprob_mismatch(logp, {k: torch.cat([mb[k] for mb in mbs]) for k in ("response_mask", "rollout_log_probs")}))
     return out
 
 
 # --------------------------------------------------------------------------- predicted
-# The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or moves anything):
-# per rank, `z` a model.Sizes, a group (its stash's name) as (bytes on the GPU in use, between uses, in pinned host
-# memory), a stage as its moments, each {term: bytes}.
+# The actor's bytes in the planner's terms (predict.py composes every role's; nothing here builds or
+# moves anything): per rank, `z` a model.Sizes, a state group (name: its stash's) as (bytes on the GPU
+# in use, between uses, in pinned host memory), a stage as its moments, each {term: bytes}.
 GROUPS = ("actor_base", "actor_params")     # what a forward of the policy needs in (`policy_stashes`)
 
 

@@ -112,8 +112,9 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
 
 
 # The LM head chunk's bytes per (token, vocab) element at its peak, no-grad forward / backward (model.Shapes.head):
-# eager's (packing.HEAD_*); compiled, the bf16 logits its matmul writes, in backward with their gradient and the
-# chunk's weight gradient (bench_head.py: 0.58 GB a 512-token chunk at 1.5B, 0.44 at 0.5B; round 19)
+# eager's (packing.HEAD_*); compiled, the bf16 logits its matmul writes (test_memory.py's plan test's ref stage,
+# 6.92 GB measured, 7.00 planned), in backward with their gradient and the chunk's weight gradient (bench_head.py:
+# 0.58 GB a 512-token chunk at 1.5B, 0.44 at 0.5B; round 19)
 HEAD_BYTES = {"eager": (packing.HEAD_FORWARD, packing.HEAD_BACKWARD), "compile": (2, 8)}
 
 
