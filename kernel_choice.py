@@ -124,11 +124,15 @@ def planned_head(head: str) -> str:
 
 
 def resolve_head(head: str, device: torch.device) -> str:
-    """The LM head's chunk a run uses: auto is compile on a GPU (inductor generates its Triton kernels there)
-    and eager elsewhere; compile where there is no GPU is an error."""
+    """The LM head's chunk a run uses: auto is compile on a GPU inductor writes Triton kernels for (Triton
+    installed, compute capability 7.0 or newer) and eager elsewhere; compile where there is no GPU is an error."""
     if head == "compile" and device.type != "cuda":
         raise ValueError("--head_kernel=compile needs a GPU; use --head_kernel=eager")
-    return head if head != "auto" else "compile" if device.type == "cuda" else "eager"
+    if head != "auto":
+        return head
+    triton = importlib.util.find_spec("triton") is not None   # the planner on a CPU: the GPU node's, by this one's
+    new = not torch.cuda.is_available() or torch.cuda.get_device_capability(device) >= (7, 0)
+    return "compile" if device.type == "cuda" and triton and new else "eager"
 
 
 WHAT = {"liger": "Liger-Kernel's RMSNorm, SwiGLU and RoPE in every Qwen2 model", "torch": "transformers' modules",

@@ -88,7 +88,7 @@ class Config:
                                            # installed and on a GPU, else torch
     head_kernel: str = "auto"              # the LM head's log-prob chunk (packing.py): compile (its reductions fused:
                                            # the 1.5B update 1.20x faster; compiles at the first steps) | eager;
-                                           # auto: compile on a GPU, else eager
+                                           # auto: compile on a GPU with Triton, else eager
     logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
                                            # (<out_dir>/wandb, offline unless WANDB_MODE) | none; auto: tensorboard
                                            # when installed, else none (metrics.jsonl is always written)

@@ -5,6 +5,7 @@
 The reference everywhere is the plain computation: padded rows, the whole (B, R, vocab) logits
 in fp32, log-softmax and entropy over them, fixed-size micro-batches.
 """
+import importlib.util
 import sys
 
 import pytest
@@ -251,10 +252,10 @@ def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
     assert d.mean() < 0.01 and d.max() < 0.1 and cos > 0.999
 
 
-def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
+def test_kernels_choice_is_said_and_refused_where_it_cannot_run(monkeypatch):
     """On a CPU `auto` is transformers' modules and says why; liger and compile are refused in one line
     naming the fallback; torch undoes liger's classes in transformers' Qwen2 module. The LM head's `auto` is
-    eager on a CPU and compile on a GPU, and the set-up line says it was auto's choice."""
+    eager on a CPU and compile on a GPU with Triton, and the set-up line says it was auto's choice."""
     import kernel_choice
     from transformers.models.qwen2 import modeling_qwen2
     cpu = torch.device("cpu")
@@ -267,7 +268,10 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run():
     assert kernel_choice.use("torch", cpu, "qwen2", head="auto")[1].endswith("the LM head's chunk eager (auto)")
     assert "chunk" not in packing.HEAD        # auto on a CPU: the eager head
     assert [kernel_choice.resolve_head(h, torch.device("cuda")) for h in kernel_choice.HEAD_KERNELS] == \
-        ["compile", "eager", "compile"]        # resolve only reads the device's type
+        ["compile", "eager", "compile"]        # no GPU here: the GPU node's choice, Triton as this machine has it
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    assert kernel_choice.resolve_head("auto", torch.device("cuda")) == "eager"   # inductor's GPU code needs Triton
     norm = modeling_qwen2.Qwen2RMSNorm
     used, line = kernel_choice.use("torch", cpu, "qwen2")
     assert used == "torch" and line.startswith("[kernels] torch")
