@@ -46,7 +46,8 @@ def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, e
     """--head_kernel=compile's chunk function, traced by torch.compile (aot_eager here: the same graph and
     autograd split as inductor's, without generating code), inside the sharded model's forward, with
     checkpointed chunks of 5 (the last one padded to 5 and its padding dropped): the log-probs, the
-    entropies and the gradients equal the eager head's within fp32 rounding, with grad and without."""
+    entropies and the gradients equal the eager head's within fp32 rounding, with grad and without; and the head
+    alone with its weight frozen (LoRA's: the hidden states' gradient only)."""
     import torch._dynamo
     import kernel_choice
     model, device = _model(dist_env)
@@ -65,9 +66,11 @@ def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, e
                 no_grad = packing.response_logprobs(model, batch, 0.7, lay, entropy=entropy)
             out[on] = (lp.detach(), ent, _grads(model), *no_grad)
             assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs) == on   # it really compiled
-            g = torch.Generator().manual_seed(2)                # the head alone: 7 rows in chunks of 5, 7 back
-            h, w = torch.randn(7, 8, generator=g), torch.randn(11, 8, generator=g)
-            out[on] += (packing.head_logprobs(h, w, torch.randint(0, 11, (7,), generator=g), 0.7, 5, entropy),)
+            g = torch.Generator().manual_seed(2)                # the head alone: 7 rows in chunks of 5, 7 back,
+            h, w = torch.randn(7, 8, generator=g, requires_grad=True), torch.randn(11, 8, generator=g)   # w frozen:
+            alone = packing.head_logprobs(h, w, torch.randint(0, 11, (7,), generator=g), 0.7, 5, entropy)   # LoRA's
+            (alone[:, 0].sum() + (alone[:, 1].sum() if entropy == "grad" else 0)).backward()
+            out[on] += (alone.detach(), h.grad)
     finally:
         kernel_choice.compile_head(False)
     assert int(batch["response_mask"].sum()) % 5 and out[False][2].abs().max() > 1e-3
