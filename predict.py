@@ -275,16 +275,15 @@ def freed_windows(r: Run, st: dict) -> dict:
 
 
 def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
-    """Each stage's device-level bytes at its highest (what mem_get_info shows; nvidia-smi too): the
-    allocator's reserve plus what lies outside it. The reserve only grows within a step: nothing
-    gives cached blocks back between the weight sync's empty_cache and the next step's, so a stage
-    holds the largest reserve of the stages before it as well as its own allocated peak plus the
-    cached blocks of its transients (FORWARD_SLACK, UPDATE_SLACK). The generate stage peaks either
-    at the weight sync (the trainer's actor params in, beside vLLM's woken weights) or while
-    vLLM's KV cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is
-    emptied: every stage sees the step's largest reserve (steady state from the second step). Async
-    rollout is the same (no vLLM in the trainer's process), with the engine process beside every
-    stage when rollout.gpus=0 (plan.beside). `between`: what the trainer holds between stages; `freed`: freed_windows."""
+    """Each stage's device-level bytes at its highest (what mem_get_info shows; nvidia-smi too): the allocator's
+    reserve plus what lies outside it. The reserve only grows within a step: nothing gives cached blocks back between
+    the weight sync's empty_cache and the next step's, so a stage holds the largest reserve of the stages before it
+    as well as its own allocated peak plus the cached blocks of its transients (FORWARD_SLACK, UPDATE_SLACK). The
+    generate stage peaks at the weight sync (the actor's params in, beside vLLM's woken weights) or while vLLM's KV
+    cache is awake (plan.vllm_device), whichever is higher. With HF generate nothing is emptied: every stage sees
+    the step's largest reserve (steady state from the second step); async rollout too (no vLLM in the trainer's
+    process), the engine beside every stage with rollout.gpus=0 (plan.beside). `between`: what the trainer holds
+    between stages; `freed`: freed_windows."""
     slack = LORA_UPDATE_SLACK if r.lora else UPDATE_SLACK
     colocated_vllm = r.engine == "vllm" and not r.asynchronous
     outside = OUTSIDE + (VLLM_OUTSIDE if colocated_vllm else 0)
@@ -321,9 +320,10 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
 
 
 def _grads_apart(st: Stage, r: Run) -> int:
-    """A checkpointed update whose peak comes before its grads reserves them on top: the blocks its backward frees
-    (a layer's inputs) are smaller than a layer's fp32 grads (round 16: 12-16 % under the device level without)."""
-    return st.held("actor grads") if r.cfg.actor.gradient_checkpointing and "actor grads" not in st.terms else 0
+    """A checkpointed update reserves its fp32 grads beside the layer inputs its backward frees (smaller than a layer's
+    grads: never reused for them): on a peak before the grads, the grads; on the last layer's (round 19), the inputs."""
+    group = "activations (layer inputs)" if "LM head weight grad" in st.terms else "actor grads"   # last_layer_backward
+    return st.held(group) if r.cfg.actor.gradient_checkpointing and group not in st.terms else 0
 
 
 def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
