@@ -288,7 +288,7 @@ def test_checkpointed_updates_of_128_samples_within_5_percent():
     assert len(rows) == 6 and all(abs(e) <= 0.05 for e in errors.values()), errors
     device = {r["name"]: plans[r["name"]].device["update"] / GB / r["device_gb"]["update"] - 1 for r in rows
               if "update" in r.get("device_gb", {})}     # the reserve: the grads beside the freed layer inputs
-    assert len(device) == 3 and all(abs(e) <= 0.05 for e in device.values()), device
+    assert len(device) == 5 and all(abs(e) <= 0.05 for e in device.values()), device
     peaks = {name: p.stage("update").terms for name, p in plans.items() if "1.5b" in name and "liger" in name}
     assert len(peaks) == 3 and all("LM head weight grad" in t and "activations (layer inputs)" not in t
                                    for t in peaks.values()), peaks
