@@ -161,7 +161,7 @@ def compile_head(on: bool, rows: int = 512, backend: str = "inductor") -> bool:
     cast, the temperature, logsumexp, the gather and the entropy fuse into a few reductions over a chunk's
     logits instead of a dozen eager passes over its (chunk, vocab) fp32 block: at 1.5B's head over 32k
     response tokens, forward + backward 2.0x faster and the chunk's peak 0.58 GB against 1.45
-    (bench/bench_head.py); the plan keeps the eager head's bytes (packing.HEAD_BACKWARD), on the safe side."""
+    (bench/bench_head.py); the planner counts its chunk's bytes (HEAD_BYTES)."""
     if on:
         packing.HEAD["chunk"] = functools.partial(_padded, _compiled_head(backend), rows if rows > 0 else 512)
     else:

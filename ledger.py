@@ -139,21 +139,27 @@ def gpu_bytes(*objs) -> int:
     return sum(seen.values())
 
 
+def _site(frames: list) -> str:
+    """Where a CUDA block was made, from its allocation's stack (innermost first): the innermost frame, then the
+    first two of this project or of vLLM ("" without a stack)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    ours = [f"{os.path.relpath(f['filename'], root) if f['filename'].startswith(root) else f['filename'].split('site-packages/')[-1]}"
+            f":{f['line']}" for f in frames if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
+    return " < ".join([f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:1]] + ours[:2])
+
+
 def held_blocks(top: int = 8) -> list[str]:
     """What the CUDA allocator holds now, by where it was made: the live blocks of its snapshot summed by
     pool (the default one, or a private one: vLLM's sleep pool, CUDA graphs) and by the allocating line
-    (the first frame of this project or of vLLM, innermost first), after a line of each pool's total. Stacks
-    exist only for blocks made while torch.cuda.memory._record_memory_history was on (--memory_history): how
-    a leak names its line."""
-    root, sums = os.path.dirname(os.path.abspath(__file__)), {}
+    (`_site`), after a line of each pool's total. Stacks exist only for blocks made while
+    torch.cuda.memory._record_memory_history was on (--memory_history): how a leak names its line."""
+    sums = {}
     for seg in torch.cuda.memory._snapshot()["segments"]:
         pool = "default pool" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else \
             f"pool {tuple(seg['segment_pool_id'])}"
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
-                sites = [f"{os.path.relpath(f['filename'], root) if f['filename'].startswith(root) else f['filename'].split('site-packages/')[-1]}:{f['line']}"
-                         for f in b.get("frames", []) if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
-                key = (pool, " < ".join(sites[:3]) or "no stack")
+                key = (pool, _site(b.get("frames", [])) or "no stack")
                 sums[key] = sums.get(key, 0) + b["size"]
     pools = {}
     for (pool, _), n in sums.items():
@@ -167,10 +173,10 @@ def peak_blocks(snapshot: dict, before: int, top: int = 12) -> dict:
     """What was live at the highest point of a recorded stretch: `snapshot` is torch.cuda.memory._snapshot()
     taken at its end with the history recorded from its start (_record_memory_history), `before` the bytes
     allocated when recording began. Replays the trace (alloc +, free_completed -) to its peak and sums the
-    blocks live there by allocating site (the innermost frame, then this project's first two; a backward's
-    blocks, made on autograd's thread without a Python stack, by size); blocks older than the recording are
-    one line, less what the stretch freed of them before its peak."""
-    root, events = os.path.dirname(os.path.abspath(__file__)), [e for t in snapshot["device_traces"] for e in t]
+    blocks live there by allocating site (`_site`; a backward's blocks, made on autograd's thread without a
+    Python stack, by size); blocks older than the recording are one line, less what the stretch freed of them
+    before its peak."""
+    events = [e for t in snapshot["device_traces"] for e in t]
     now, peak, top_at = 0, 0, -1               # the start is the peak until passed
     for i, e in enumerate(events):
         now += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
@@ -184,10 +190,7 @@ def peak_blocks(snapshot: dict, before: int, top: int = 12) -> dict:
             old_gone += e["size"]
     sums = {}
     for e in at.values():
-        frames = e.get("frames", [])
-        mine = [f"{os.path.relpath(f['filename'], root)}:{f['line']}" for f in frames if f["filename"].startswith(root)]
-        inner = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:1]]
-        site = " < ".join(inner + mine[:2]) or f"no Python stack (autograd's thread): blocks of {e['size'] / 2 ** 20:.1f} MiB"
+        site = _site(e.get("frames", [])) or f"no Python stack (autograd's thread): blocks of {e['size'] / 2 ** 20:.1f} MiB"
         sums[site] = sums.get(site, 0) + e["size"]
     rows = [(n, "allocated before the stretch, still live at its peak")] if (n := before - old_gone) else []
     rows += sorted(((n, s) for s, n in sums.items()), reverse=True)[:top]

@@ -125,6 +125,22 @@ def recorded(stage_name: str, out: dict):
         ledger.stage = real
 
 
+def one_step(t, s: int, last: bool, args, profile: bool, peak: dict) -> tuple:
+    """(the loop's step s with the collector's figures, its profile table or None): the variant's last step is
+    profiled (`profile`), or its --peak_stage recorded (`peak` gets what was live at the stage's peak)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    GC.update(s=0.0, full=0)
+    prof = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if last and profile else None
+    with prof or (recorded(args.peak_stage, peak) if last and args.peak_stage else contextlib.nullcontext()):
+        m = train_grpo.train_step(t, s)
+    m.update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
+    if prof is None:
+        return m, None
+    path = os.path.join(tempfile.mkdtemp(), "step.json")
+    prof.export_chrome_trace(path)
+    return m, profile_table(path)
+
+
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     """(medians of the measured steps' figures, the profile or None, the engine) for one variant. Its steps run
     with the set-up's objects frozen, as train_grpo.run's do (vllm_engine.frozen_heap); the flag `gc_thawed`
@@ -140,23 +156,9 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     steps, table, peak = [], None, {}
     with contextlib.nullcontext() if thawed else vllm_engine.frozen_heap():   # thawed before the variant is dropped
         for s in range(args.warmup + args.steps):
-            last = profile and s == args.warmup + args.steps - 1
-            GC.update(s=0.0, full=0)
-            if args.peak_stage and s == args.warmup + args.steps - 1:
-                with recorded(args.peak_stage, peak):          # the last step's stage: what was live at its peak
-                    steps.append(train_grpo.train_step(t, s))
-                steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"]})
-                continue
-            if not last:
-                steps.append(train_grpo.train_step(t, s))
-                steps[-1].update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
-                continue
-            from torch.profiler import ProfilerActivity, profile as torch_profile
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                steps.append(train_grpo.train_step(t, s))
-            path = os.path.join(tempfile.mkdtemp(), "step.json")
-            prof.export_chrome_trace(path)
-            table = profile_table(path)
+            m, tab = one_step(t, s, s == args.warmup + args.steps - 1, args, profile, peak)
+            steps.append(m)
+            table = tab or table
     measured = steps[args.warmup:] or steps
     m = {k: statistics.median(x[k] for x in measured if k in x) for k, v in measured[-1].items()
          if isinstance(v, (int, float))}
@@ -232,7 +234,8 @@ def predicted(t) -> dict:
     return {"step_s": t.plan.seconds, **{f"vllm/{k}_gb": v / 2 ** 30 for k, v in t.plan.vllm_device.items()}}
 
 
-def main():
+def parse():
+    """The command line; a --peak_stage that cannot run is one line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen2.5-0.5b")
     ap.add_argument("--variants", default="default", help="';'-separated sets of train_grpo flags ('default': none)")
@@ -249,9 +252,32 @@ def main():
                     "what was live at its peak by allocating site, beside the plan's terms (slower: a recorded step)")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
+    if args.peak_stage and args.profile:
+        ap.error("--peak_stage and --profile both take each variant's last step: pass one")
     if args.peak_stage and any("--head_kernel=eager" not in v for v in args.variants.split(";")):
         ap.error("--peak_stage records every allocation, and torch fails inside the compiled LM head while it does "
                  "(round 19): add --head_kernel=eager to each variant")
+    return args
+
+
+KEEP = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
+        "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
+        "bench/left_allocated_gb", "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean",
+        "bench/gc_s", "bench/gc_full", "rollout/generate_s")      # what a variant's line prints
+
+
+def say(name: str, run: dict, stage: str):
+    """A variant's line (KEEP's figures, or its error), and with --peak_stage what was live at the stage's peak."""
+    m = run.get("metrics", {})
+    print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in m.items() if k in KEEP}), run.get("error", ""), flush=True)
+    if peak := m.get("bench/peak"):
+        print(f"[{name}] {stage}: {peak['peak_gb']:.3f} GB at its peak ({peak['before_gb']:.3f} at its start):\n  "
+              + "\n  ".join(peak["live_at_peak"]) + f"\n  the plan's terms (GB): {json.dumps(peak['plan_terms'])}",
+              flush=True)
+
+
+def main():
+    args = parse()
     _, _, device = launch.init_distributed()
     gc.callbacks.append(on_gc)
     res = {"model": args.model, "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
@@ -270,17 +296,7 @@ def main():
                 engine = SHARED.get("engine")  # vLLM's sleep allocator allows one engine a process: keep it
             with open(args.out, "w") as f:    # after every variant: a cut-off run keeps its rows
                 json.dump(res, f, indent=1)
-            keep = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu",
-                    "perf/ref_logp_mfu", "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb",
-                    "plan/ref_logp/predicted_gb", "bench/left_allocated_gb", "perf/generate_tokens_per_s",
-                    "rollout/generate_device_gb", "rollout/logp_diff_mean", "bench/gc_s", "bench/gc_full",
-                    "rollout/generate_s")
-            print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in res["runs"][name].get("metrics", {}).items()
-                                           if k in keep}), res["runs"][name].get("error", ""), flush=True)
-            if peak := res["runs"][name].get("metrics", {}).get("bench/peak"):
-                print(f"[{name}] {args.peak_stage}: {peak['peak_gb']:.3f} GB at its peak ({peak['before_gb']:.3f} "
-                      f"at its start):\n  " + "\n  ".join(peak["live_at_peak"]) + f"\n  the plan's terms (GB): "
-                      f"{json.dumps(peak['plan_terms'])}", flush=True)
+            say(name, res["runs"][name], args.peak_stage)
         engine = SHARED["engine"] = None
         gc.collect()
         torch.cuda.empty_cache()
