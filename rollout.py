@@ -33,6 +33,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -329,24 +330,20 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], R: int, pad
                eos_id: int, device) -> dict:
     """Left-pad prompts to the longest (P), right-pad responses to R; the response mask keeps
     tokens up to and including the first EOS. Position ids count only real tokens, so a
-    left-padded row sees the same positions as it would alone."""
-    P = max(len(p) for p in prompts)
-    B = len(prompts)
-    ids = torch.full((B, P + R), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, P + R), dtype=torch.long)
+    left-padded row sees the same positions as it would alone. Filled in numpy and moved once (a
+    tensor a row took 10 ms of the bracket at 128 samples)."""
+    P, B = max(len(p) for p in prompts), len(prompts)
+    ids, attn = np.full((B, P + R), pad_id, dtype=np.int64), np.zeros((B, P + R), dtype=np.int64)
     for i, (p, r) in enumerate(zip(prompts, responses)):
         r = list(r[:R])
         if eos_id in r:
             r = r[:r.index(eos_id) + 1]            # drop whatever follows the first EOS
-        ids[i, P - len(p):P] = torch.tensor(p)
-        attn[i, P - len(p):P] = 1
-        if r:
-            ids[i, P:P + len(r)] = torch.tensor(r)
-            attn[i, P:P + len(r)] = 1
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        ids[i, P - len(p):P + len(r)] = [*p, *r]
+        attn[i, P - len(p):P + len(r)] = 1
+    pos = np.maximum(attn.cumsum(-1) - 1, 0)
     batch = {"input_ids": ids, "attention_mask": attn, "position_ids": pos,
-             "responses": ids[:, P:].clone(), "response_mask": attn[:, P:].clone()}
-    return {k: v.to(device) for k, v in batch.items()}
+             "responses": ids[:, P:].copy(), "response_mask": attn[:, P:].copy()}
+    return {k: torch.from_numpy(v).to(device) for k, v in batch.items()}
 
 
 # --------------------------------------------------------------------------- HF engine
@@ -531,10 +528,10 @@ def samples_batch(rows: list, responses: list, logps: list | None, R: int, pad_i
     batch = make_batch(rows, responses, R, pad_id, eos_id, device)
     if logps is None:
         return batch
-    rl = torch.zeros(len(rows), R)
+    rl = np.zeros((len(rows), R), dtype=np.float32)
     for i, lp in enumerate(logps):
-        rl[i, :min(len(lp), R)] = torch.tensor(lp[:R], dtype=torch.float32)
-    batch["rollout_log_probs"] = rl.to(device) * batch["response_mask"]
+        rl[i, :min(len(lp), R)] = lp[:R]
+    batch["rollout_log_probs"] = torch.from_numpy(rl).to(device) * batch["response_mask"]
     return batch
 
 

@@ -256,6 +256,8 @@ def train_step(t: Trainer, step: int) -> dict:
             held_out(t, step, m)
     with stage("rollout_wait" if t.stream is not None else "generate"):
         batch = sampled(t, step, idx, sp, m)
+    if t.stream is None:                   # what the trainer kept on the GPU while the engine generated (counted
+        m["rollout/trainer_gpu_gb"] = held_gb(t)   # here, unchanged since: 1,400 tensors' walk is not the bracket's)
     with stage("reward"):                  # CPU: decode and score each response
         scores = rule_scores(t, batch, idx, sp.size, m)
     if t.reward_model is not None:         # its shards in, scores, out (its position: ledger.STAGES)
@@ -297,7 +299,6 @@ def sampled(t: Trainer, step: int, idx: list, sp, m: dict) -> dict:
     batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
                              rollout.sample_seed(t.cfg.seed, step, t.rank, t.world), actor.policy_stashes(t.actor), m,
                              logprobs=step % t.cfg.rollout.logprobs_every == 0)
-    m["rollout/trainer_gpu_gb"] = held_gb(t)  # what the trainer kept on the GPU while the engine generated
     return ulysses.gather_batch(batch, sp)
 
 
@@ -327,9 +328,8 @@ def perf(t: Trainer, batch: dict, m: dict) -> dict:
 
 
 def held_out(t: Trainer, step: int, m: dict):   # the val stage: the policy after `step` updates (validate.py)
-    m.update(validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=t.cfg,
-                               reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device,
-                               rank=t.rank, world=t.world, step=step))
+    m.update(validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=t.cfg, step=step,
+                               reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device, rank=t.rank, world=t.world))
 
 
 def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
@@ -396,6 +396,7 @@ def train(t: Trainer, start: int) -> bool:
     for step in range(start, cfg.steps):
         with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
+        vllm_engine.refreeze(step - start)   # the first steps' compiled graphs out of each sleep's collection
         if t.rank == 0:
             rundir.on_rank0(rundir.write_step, metrics_path, log, m, step)   # a failure stops every rank after the step
             print(tracker.log_line(m, step, cfg.steps, t_start, start), flush=True)

@@ -157,6 +157,7 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     with contextlib.nullcontext() if thawed else vllm_engine.frozen_heap():   # thawed before the variant is dropped
         for s in range(args.warmup + args.steps):
             m, tab = one_step(t, s, s == args.warmup + args.steps - 1, args, profile, peak)
+            vllm_engine.refreeze(s)            # as train_grpo.train does (a no-op thawed)
             steps.append(m)
             table = tab or table
     measured = steps[args.warmup:] or steps

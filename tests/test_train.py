@@ -575,6 +575,8 @@ def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeyp
     assert vllm_engine.vllm_samples([([1, 2], out(lp))])[2] == [[-0.5, -1.5]]
     flat = type("Flat", (), {"start_indices": [0, 1], "token_ids": [5, 6], "logprobs": [-0.5, -1.5]})()  # flat_logprobs
     assert vllm_engine.vllm_samples([([1, 2], out(flat))])[2] == [[-0.5, -1.5]]
+    wide = type("Flat", (), {"start_indices": [0, 2], "token_ids": [5, 7, 6, 8], "logprobs": [-0.5, -2, -1.5, -3]})()
+    assert vllm_engine.vllm_samples([([1, 2], out(wide))])[2] == [[-0.5, -1.5]]   # logprobs=k: k + 1 a position
     flat.token_ids = [6, 5]
     with pytest.raises(RuntimeError, match="do not start with the sampled token"):
         vllm_engine.vllm_samples([([1, 2], out(flat))])
