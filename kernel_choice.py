@@ -146,12 +146,20 @@ def _compiled_head(backend: str):
 
 def _padded(compiled, rows: int, h, w, ids, temperature: float, entropy: str):
     """`compiled` on h's rows padded to a multiple of `rows` (the chunk: every chunk one shape, a batch's last
-    one too, none padded beyond its chunk), the padding dropped from what it returns."""
+    one too, none padded beyond its chunk), the padding dropped from what it returns. While the CUDA allocator
+    records stacks (--memory_history, test_memory.py's leak test) the chunk runs eager: torch 2.11's compiled
+    autograd function fails there ("SystemError: ... returned NULL without setting an exception", round 20)."""
+    if _recording(h):
+        return packing._head_chunk(h, w, ids, temperature, entropy)
     n = h.shape[0]
     pad = -n % rows if n else rows         # an empty chunk (a rank with no response tokens) runs padding
     if pad:
         h, ids = F.pad(h, (0, 0, 0, pad)), F.pad(ids, (0, pad))
     return compiled(h, w, ids, temperature, entropy)[:n]
+
+
+def _recording(h) -> bool:
+    return h.is_cuda and torch._C._cuda_isHistoryEnabled()
 
 
 def compile_head(on: bool, rows: int = 512, backend: str = "inductor") -> bool:

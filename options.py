@@ -88,7 +88,7 @@ class Config:
                                            # installed and on a GPU, else torch
     head_kernel: str = "auto"              # the LM head's log-prob chunk (packing.py): compile (its reductions fused:
                                            # the 1.5B update 1.20x faster; compiles at the first steps) | eager;
-                                           # auto: compile on a GPU with Triton, else eager
+                                           # auto: compile on a GPU with Triton, else eager (and with --memory_history)
     logger: str = "auto"                   # every metric of every step to tensorboard (<out_dir>/tensorboard) | wandb
                                            # (<out_dir>/wandb, offline unless WANDB_MODE) | none; auto: tensorboard
                                            # when installed, else none (metrics.jsonl is always written)
@@ -131,6 +131,11 @@ def check_config(cfg: Config):
     if cfg.val_response_length > r.response_length:
         raise ValueError(f"--val_response_length={cfg.val_response_length} is over --rollout.response_length="
                          f"{r.response_length}, the length the engine is built for; use at most that (0: the same)")
+    if cfg.memory_history and cfg.head_kernel != "eager":   # torch 2.11's compiled head fails while stacks are recorded
+        if cfg.head_kernel == "compile":
+            raise ValueError("--head_kernel=compile with --memory_history=true: the compiled LM head fails while the "
+                             "allocator records every allocation's stack; use --head_kernel=eager (auto picks it then)")
+        cfg.head_kernel = "eager"
     if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
         fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
         cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"

@@ -81,7 +81,8 @@ def test_a_compiled_head_gives_the_eager_heads_numbers_through_fsdp2(dist_env, e
 def test_a_compiled_heads_chunks_are_padded_to_the_chunk_and_no_further(monkeypatch):
     """The compiled head sees one shape: each chunk's rows padded up to the chunk (the last of 12 rows in chunks
     of 5: 2 -> 5), never to more (a smaller chunk is a memory choice); the whole batch at once (chunk 0) to a
-    multiple of 512. The padding is dropped: the same numbers as the eager head."""
+    multiple of 512. The padding is dropped: the same numbers as the eager head. While the allocator records
+    stacks, no chunk goes to the compiled function."""
     import kernel_choice
     seen = []
 
@@ -102,6 +103,12 @@ def test_a_compiled_heads_chunks_are_padded_to_the_chunk_and_no_further(monkeypa
         kernel_choice.compile_head(False)
     assert seen == [5, 5, 5, 512]
     assert all(torch.allclose(o, eager, atol=1e-6) for o in out.values())
+    monkeypatch.setattr(kernel_choice, "_recording", lambda h: True)   # the allocator records stacks: eager
+    try:                                   # (torch 2.11's compiled autograd function fails there, round 20)
+        kernel_choice.compile_head(True, rows=5)
+        assert torch.equal(packing.head_logprobs(h, w, ids, 0.7, 5, "log"), eager) and seen == [5, 5, 5, 512]
+    finally:
+        kernel_choice.compile_head(False)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -258,7 +265,8 @@ def test_flash_varlen_matches_padded_sdpa_in_bf16(dist_env):
 def test_kernels_choice_is_said_and_refused_where_it_cannot_run(monkeypatch):
     """On a CPU `auto` is transformers' modules and says why; liger and compile are refused in one line
     naming the fallback; torch undoes liger's classes in transformers' Qwen2 module. The LM head's `auto` is
-    eager on a CPU and compile on a GPU with Triton, and the set-up line says it was auto's choice."""
+    eager on a CPU and compile on a GPU with Triton, and the set-up line says it was auto's choice; with
+    --memory_history auto is eager and compile is refused in one line."""
     import kernel_choice
     from transformers.models.qwen2 import modeling_qwen2
     cpu = torch.device("cpu")
@@ -275,6 +283,10 @@ def test_kernels_choice_is_said_and_refused_where_it_cannot_run(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
     assert kernel_choice.resolve_head("auto", torch.device("cuda")) == "eager"   # inductor's GPU code needs Triton
+    import options                         # the allocator recording stacks (--memory_history): the compiled head fails
+    assert options.parse_args(["--memory_history=true"]).head_kernel == "eager"
+    with pytest.raises(ValueError, match="use --head_kernel=eager"):
+        options.parse_args(["--memory_history=true", "--head_kernel=compile"])
     norm = modeling_qwen2.Qwen2RMSNorm
     used, line = kernel_choice.use("torch", cpu, "qwen2")
     assert used == "torch" and line.startswith("[kernels] torch")
