@@ -67,7 +67,7 @@ def refreeze(steps_run: int):
     """After each of a run's first two steps, inside `frozen_heap`: what they made and kept (torch.compile's graphs
     and guards: the LM head compiled at the first update, again with dynamic shapes at the second) frozen beside
     the set-up's. Unfrozen, vLLM's collection in each sleep walked them: 0.026 s a step at 1.5B with the head
-    compiled against 0.012 eager (round 19, `bench/gc_s`). What a later step drops is freed by its count as before."""
+    compiled against 0.012 eager (round 19, bench/gc_s). What a later step drops is freed by its count as before."""
     if steps_run < 2 and gc.get_freeze_count():
         gc.collect()
         gc.freeze()
