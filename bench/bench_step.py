@@ -256,8 +256,9 @@ def parse():
     if args.peak_stage and args.profile:
         ap.error("--peak_stage and --profile both take each variant's last step: pass one")
     if args.peak_stage and any("--head_kernel=eager" not in v for v in args.variants.split(";")):
-        ap.error("--peak_stage records every allocation, and torch fails inside the compiled LM head while it does "
-                 "(round 19): add --head_kernel=eager to each variant")
+        ap.error("--peak_stage records every allocation, and while it does the LM head runs eager (torch's compiled "
+                 "head fails there: kernel_choice._padded), so the plan's terms would be another head's: add "
+                 "--head_kernel=eager to each variant")
     return args
 
 
