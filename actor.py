@@ -52,6 +52,7 @@ class ActorConfig:
     ppo_mini_batch_size: int = 16          # prompts per optimizer step (x n samples, split over ranks)
     ppo_micro_batch_size_per_gpu: int = 16  # samples per forward/backward (gradient accumulation)
     ppo_epochs: int = 1                    # passes over each step's batch (more than 1: off-policy)
+    shuffle: bool = False                  # mix the samples across mini-batches (TRL does), not whole groups a step
     log_prob_micro_batch_size_per_gpu: int = 32  # samples per forward for old log-probs
     clip_ratio_low: float = 0.2            # the ratio is clipped below at 1 - this
     clip_ratio_high: float = 0.2           # ... and above at 1 + this
@@ -72,17 +73,16 @@ class ActorConfig:
                                            # forward (hides the copy; the ref stage holds them too)
     defer_param_offload: bool = True       # with param_offload: params stay after the update until the next
                                            # weight sync, which copies them out (one reload fewer per step)
-    optimizer_load_at_step: bool = False   # with optimizer_offload: Adam comes in just before optimizer.step
-                                           # (verl #5282): the update's peak loses the activations, the copy
-                                           # is no longer hidden behind the forward/backward
+    optimizer_load_at_step: bool = False   # with optimizer_offload: Adam comes in just before optimizer.step (verl
+                                           # #5282): the update's peak loses the activations, the copy is not hidden
     optimizer_stream: bool = False         # with optimizer_offload: Adam steps a window of layers at a time, each
                                            # window's state in and out on side streams: the step's peak holds ~3
                                            # windows of Adam instead of all of it (8 bytes a param), same numbers
     optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
-    gradient_checkpointing: bool = True    # recompute each layer's activations in backward: at 0.5B, micro-batch
-                                           # 32 x 320 tokens, the update's peak 25 -> 12 GB for +0.2 s (verl's and
-                                           # TRL's default too); --offload=auto turns it off where memory allows
+    gradient_checkpointing: bool = True    # recompute each layer's activations in backward: at 0.5B, micro-batch 32 x
+                                           # 320 tokens, the update's peak 25 -> 12 GB for +0.2 s (verl's and TRL's
+                                           # default too); --offload=auto turns it off where memory allows
     # LoRA (peft): only low-rank adapters train; the frozen base with the adapter off is the reference
     lora_rank: int = 0                     # 0: off (full fine-tuning); r > 0: adapters of rank r
     lora_alpha: int = 16                   # the adapter's scale is lora_alpha / lora_rank
@@ -269,8 +269,7 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
     k = c.param_offload_layers
     lines.append(offload.describe("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
                                   a.params.nbytes + a.base.nbytes, c.param_offload, a.device))
-    lines.append(offload.describe("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes,
-                                  c.optimizer_offload, a.device))
+    lines.append(offload.describe("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, c.optimizer_offload, a.device))
     timing, early = [], prefetches(c, ppo)  # the copy levers: when each offloaded group moves
     if c.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if c.defer_param_offload
@@ -337,9 +336,11 @@ def prefetch_update(a: Actor, metrics: dict):
         metrics.update(offload.reload(s, background=True))
 
 
-def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict) -> dict:
+def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict, seed: int = 0) -> dict:
     """The update stage's bracket: params in -> Adam in on a side stream (waited for in `clipped_step`) -> update ->
     Adam out -> params out, or kept until the next weight sync has read them (defer_param_offload)."""
+    if a.cfg.shuffle:   # `seed`: the step's, every rank's (a Ulysses group, a resume mix alike); a copy of the batch
+        batch = packing.take(batch, torch.randperm(len(batch["responses"]), generator=torch.Generator().manual_seed(seed)))
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not (a.cfg.optimizer_load_at_step or a.windows):
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
@@ -534,10 +535,9 @@ def state_in(a: Actor, loading: bool = False):
 
 
 def save(a: Actor, tokenizer, path: str, rank: int, model_path: str | None = None) -> str:
-    """The final checkpoint in `path`: the policy as a Hugging Face model; with LoRA the adapter in
-    peft's format, and with save_merged also the merged model in path/merged. From a local
-    `model_path` the input's other files (tokenizer, generation config) are copied as they were.
-    Returns what it wrote."""
+    """The final checkpoint in `path`: the policy as a Hugging Face model; LoRA: the adapter in peft's format (and
+    with save_merged the merged model in path/merged). From a local `model_path` the input's other files (tokenizer,
+    generation config) are copied as they were. Returns what it wrote."""
     with resident(a, {}):
         if a.lora is None:
             weights.save_hf(a.model, tokenizer, path, rank, a.device, model_path=model_path)

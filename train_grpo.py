@@ -279,7 +279,7 @@ def train_step(t: Trainer, step: int) -> dict:
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
     with stage("update"):
         t.updating = True
-        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m))
+        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m, seed=rollout.sample_seed(cfg.seed, step, 0, 1)))
     t.updates, t.updating = step + 1, False
     if t.stream is not None:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)

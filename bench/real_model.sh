@@ -9,7 +9,9 @@
 #   VAL_FREQ=5 (validations and TRL's checkpoints every 5 steps), EXTRA="--save_freq=0 ..." (more of our options)
 #   bash bench/real_model.sh rows          # PPO, LoRA, FP8 KV, FP8 weights + KV side by side on the GPU (short)
 #   bash bench/real_model.sh trl_speed [0.5b|1.5b]   # TRL's workload, ours (bench/bench_step.py) and TRL, per size
-#   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10 steps
+#   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10
+#                                                 # steps, then trl_eval in the same call (~90 s more): the checkpoints
+#                                                 # are in the machine's /tmp, lost if it goes back between calls
 #   bash bench/real_model.sh trl_eval     # the base model and TRL's checkpoints through one greedy evaluator
 # TRL's parts want TRL's wheels installed first (no registry on the GPU machine):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .peers/*.whl
@@ -35,6 +37,12 @@ pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (r
   local files=(); for d in "$@"; do for f in metrics.jsonl val_samples.jsonl run_config.json log.txt; do
     [ -f "$d/$f" ] && files+=("$d/$f"); done; done
   [ ${#files[@]} -gt 0 ] && tar czf "$OUT/$part.tgz.tmp" "${files[@]}" 2>/dev/null && mv "$OUT/$part.tgz.tmp" "$OUT/$part.tgz"
+}
+evaluate() {  # the base model first (its engine is reused), then each checkpoint TRL wrote, then our final/ if any
+  timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
+    "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
+    > "$OUT/trl_eval$S.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
+  echo "[trl_eval$S] exit $?" | tee -a "$OUT/summary.txt"
 }
 keep_packing() { (while sleep 30; do pack "$@"; done) > /dev/null 2>&1 & echo $!; }
 
@@ -79,11 +87,8 @@ case "${1:-}" in
     timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
       --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
       --lr=2e-6 --steps=50 --save_steps="${VAL_FREQ:-10}" --seed="$SEED" --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
-    echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json" ;;
-  trl_eval)    # the base model first (its engine is reused), then each checkpoint TRL wrote
-    timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
-      "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
-      > "$OUT/trl_eval.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
-    echo "[trl_eval] exit $?" | tee -a "$OUT/summary.txt" ;;
+    echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json"
+    [ -n "${NO_EVAL:-}" ] || evaluate ;;   # round 21 lost two runs' checkpoints to a machine that went back
+  trl_eval) evaluate ;;
   *) echo "usage: bash bench/real_model.sh grpo|grpo_async [seconds] | rows [seconds] [fp8 seconds] | trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
 esac

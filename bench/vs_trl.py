@@ -325,21 +325,79 @@ def time_to(runs: dict, target: float, step_s: dict) -> list:
     return lines
 
 
-def plot(runs: dict, path: str):
+def plot(runs: dict, path: str, what: str = "held-out accuracy, greedy"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, pts in runs.items():
         line, = ax.plot([p[1] for p in pts], [100 * p[2] for p in pts], marker="o", label=f"{name} (strict)")
-        ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], marker=".", ls="--", color=line.get_color(),
-                label=f"{name} (flexible)")
+        if len(pts[0]) > 3:                # the held-out curves' flexible scores
+            ax.plot([p[1] for p in pts], [100 * p[3] for p in pts], marker=".", ls="--", color=line.get_color(),
+                    label=f"{name} (flexible)")
     ax.set_xlabel("training minutes (validation left out)")
-    ax.set_ylabel("held-out accuracy, greedy (%)")
+    ax.set_ylabel(f"{what} (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------- reward: no evaluator needed
+def reward(a):
+    """The training reward (strict, the sampled batch's mean) against training minutes, TRL's runs beside ours:
+    each run's mean over blocks of --block generation steps, and the minutes each run took to first reach the
+    lowest of the TRL runs' last-block means (so that every TRL run reaches it). A proxy for the held-out curve when TRL's checkpoints were not evaluated;
+    per step it compares what each side's samples earned, not the greedy answers."""
+    runs = {**{name: trl_reward(d) for name, d in named(a.trl, "TRL")},
+            **{name: ours_reward(d) for name, d in named(a.ours, "ours")}}
+    blocks = {name: [(pts[i + a.block - 1][0], pts[i + a.block - 1][1],
+                      statistics.fmean(p[2] for p in pts[i:i + a.block]))
+                     for i in range(0, len(pts) - a.block + 1, a.block)] for name, pts in runs.items()}
+    trl = [b for name, d in named(a.trl, "TRL") for b in blocks[name][-1:]]
+    target = min(b[2] for b in trl)
+    first = {name: next((b for b in bs if b[2] >= target), None) for name, bs in blocks.items()}
+    base = statistics.fmean(first[name][1] for name, _ in named(a.trl, "TRL"))
+    lines = [f"| run | steps | mean reward over steps ({a.block} a block): step, minutes, reward |", "|---|---|---|"]
+    lines += [f"| {name} | {len(runs[name])} | " + "; ".join(f"{s}: {m:.2f} min, {r:.3f}" for s, m, r in bs) + " |"
+              for name, bs in blocks.items()]
+    lines += ["", f"| run | minutes to {target:.3f} (the lowest TRL run's last block) | x TRL's mean | at step |",
+              "|---|---|---|---|"]
+    lines += [f"| {name} | " + (f"{b[1]:.2f} | {b[1] / base:.2f} | {b[0]} |" if b else "not reached | | |")
+              for name, b in first.items()]
+    with open(a.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    if a.plot:
+        plot(blocks, a.plot, f"training reward, a mean over {a.block} steps")
+
+
+def named(spec: str, default: str) -> list:
+    """name=dir pairs split by commas; a bare dir is `default` (then default_2, ...)."""
+    out = []
+    for i, x in enumerate(y for y in spec.split(",") if y):
+        out.append(tuple(x.split("=", 1)) if "=" in x else (default if i == 0 else f"{default}_{i + 1}", x))
+    return out
+
+
+def trl_reward(folder: str) -> list:
+    """(generation step from 1, training minutes when it was logged, the batch's mean reward) of a TRL task run:
+    TRL logs the reward with the first optimizer step after each generation; checkpoint writes left out."""
+    d = json.load(open(os.path.join(folder, "steps.json")))
+    per, saved = d["optimizer_steps_per_step"], d.get("saves", [])
+    return [((r["step"] + per - 1) // per, (r["wall_s"] - sum(x["save_s"] for x in saved if x["step"] < r["step"])) / 60,
+             r["reward"]) for r in d["steps"] if "reward" in r and "train_runtime" not in r]
+
+
+def ours_reward(out_dir: str) -> list:
+    """(step from 1, training minutes at its end, the batch's mean reward) of one of our runs, validation left out."""
+    rows = sorted((json.loads(x) for x in open(os.path.join(out_dir, "metrics.jsonl")) if '"reward_mean"' in x),
+                  key=lambda r: r["step"])
+    minutes, out = 0.0, []
+    for r in rows:
+        minutes += (r.get("time/step", 0) - r.get("time/val", 0)) / 60
+        out.append((r["step"] + 1, minutes, r["reward_mean"]))
+    return out
 
 
 def speed_report(a):
@@ -368,7 +426,7 @@ def speed_report(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=("speed", "task", "eval", "report", "speed_report"))
+    ap.add_argument("part", choices=("speed", "task", "eval", "report", "reward", "speed_report"))
     ap.add_argument("folders", nargs="*", help="eval: checkpoint folders, the first one's engine reused")
     ap.add_argument("--size", default="qwen2.5-0.5b")
     ap.add_argument("--tokenizer", default="/tmp/qwen-coder-0.5b", help="speed: a Qwen2.5 tokenizer's folder")
@@ -390,14 +448,17 @@ def main():
     ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--liger", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3)
-    ap.add_argument("--trl", default="", help="report: TRL's task folder; speed_report: TRL's speed JSON")
+    ap.add_argument("--trl", default="", help="report: TRL's task folder (reward: or name=folder,...); "
+                    "speed_report: TRL's speed JSON")
     ap.add_argument("--eval", default="", help="report: eval's JSON")
     ap.add_argument("--ours", default="", help="report: our run's out_dir, or name=dir,name=dir (colocated=...,"
                     "async=...); speed_report: bench_step.py's JSON")
+    ap.add_argument("--block", type=int, default=5, help="reward: generation steps a mean")
     ap.add_argument("--plot", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_intermixed_args()         # eval's folders may come after the options
-    {"speed": speed, "task": task, "eval": evaluate, "report": report, "speed_report": speed_report}[a.part](a)
+    {"speed": speed, "task": task, "eval": evaluate, "report": report, "reward": reward,
+     "speed_report": speed_report}[a.part](a)
 
 
 if __name__ == "__main__":

@@ -142,6 +142,30 @@ def test_gradient_checkpointing_gives_the_same_update(dist_env):
     assert deltas[0].abs().max() > 1e-4 and torch.allclose(deltas[0], deltas[1], atol=1e-6)
 
 
+def test_shuffle_mixes_the_samples_across_optimizer_steps(dist_env):
+    """--actor.shuffle (TRL's order): the update's batch is permuted row for row before the mini-batch split, seeded
+    by `seed` alone. One mini-batch: the same update as without it (every tensor's rows moved together); two: another
+    update (the steps see other samples); the same seed twice: the same update."""
+    _, world, device = dist_env
+    mesh = build_mesh(device, world, -1)
+    batch = tiny_batch(8, 5, device, seed=3)
+    batch.pop("old_log_probs")             # on-policy: the update's own forward is the old policy
+
+    def delta(shuffle: bool, mini: int, seed: int = 0):
+        a = actor.build(actor.ActorConfig(shuffle=shuffle, grad_clip=1e9, kl_loss_coef=0.1), mesh=mesh,
+                        device=device, model=load_model(None, seed=0))
+        a.optimizer = torch.optim.SGD(a.model.parameters(), lr=1.0)
+        before = [p.detach().full_tensor().clone() for p in a.model.parameters()]
+        actor.update(a, dict(batch), mini, 1.0, {}, seed=seed)
+        return torch.cat([(b - p.detach().full_tensor()).flatten() for b, p in zip(before, a.model.parameters())])
+
+    whole, mixed = delta(False, 8), delta(True, 8)
+    assert whole.abs().max() > 1e-4 and torch.allclose(mixed, whole, atol=1e-6, rtol=1e-4)
+    halves, mixed_halves = delta(False, 4), delta(True, 4)
+    assert not torch.allclose(mixed_halves, halves, atol=1e-4)
+    assert torch.equal(delta(True, 4), mixed_halves) and not torch.equal(delta(True, 4, seed=1), mixed_halves)
+
+
 def test_batch_size_checks():
     cfg = options.parse_args([])
     assert options.check_sizes(cfg, 2) == cfg.actor.ppo_mini_batch_size * cfg.rollout.n // 2

@@ -252,6 +252,31 @@ def test_the_trl_report_counts_training_minutes_only(tmp_path):
     assert "| async | 0.45 | 0.11 | 3.00 | 0.25 |" in table
 
 
+def test_the_reward_report_needs_no_evaluator(tmp_path):
+    """bench/vs_trl.py reward (no TRL needed): each run's training reward in blocks of steps against training minutes
+    (TRL: a generation step's reward at its first optimizer step's wall time, saves left out; ours: the steps' time
+    less validation), and the minutes to the lowest TRL run's last block."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import vs_trl
+    trl, ours = tmp_path / "trl", tmp_path / "ours"
+    trl.mkdir(), ours.mkdir()
+    steps = [{"step": s, "wall_s": 6.0 * s + (5.0 if s > 4 else 0.0), **({"reward": 0.1 * (s // 2)} if s % 2 else {})}
+             for s in range(1, 9)]                      # 4 generations (optimizer steps 1, 3, 5, 7), a 5 s save at 4
+    (trl / "steps.json").write_text(json.dumps({"optimizer_steps_per_step": 2, "steps": steps,
+                                                "saves": [{"step": 4, "save_s": 5.0}]}))
+    rows = [{"step": s, "reward_mean": 0.1 * s, "time/step": 3.0 + (1.0 if s == 2 else 0.0),
+             "time/val": 1.0 if s == 2 else 0.0} for s in range(6)]
+    (ours / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "reward.txt"
+    vs_trl.reward(type("A", (), {"trl": str(trl), "ours": f"async={ours}", "block": 2, "out": str(out), "plot": ""})())
+    table = out.read_text().splitlines()
+    # TRL's generations: rewards 0, 0.1, 0.2, 0.3 at 6, 18, 30, 42 s of training (the save left out)
+    assert "| TRL | 4 | 2: 0.30 min, 0.050; 4: 0.70 min, 0.250 |" in table
+    assert "| async | 6 | 2: 0.10 min, 0.050; 4: 0.20 min, 0.250; 6: 0.30 min, 0.450 |" in table
+    assert "| TRL | 0.70 | 1.00 | 4 |" in table and "| async | 0.20 | 0.29 | 4 |" in table
+
+
 def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
     """bench/vs_trl.py (no TRL needed): `timed` adds `_generate`'s time and the no-grad log-prob forwards'
     (not those under grad: the loss's) to each logged step, and speed_report gives TRL's medians after the
