@@ -271,7 +271,7 @@ def report(a):
         (step_of[e["folder"]] // per, wall[step_of[e["folder"]]] / 60, e["strict"], e["flexible"])
         for e in evals if e["folder"] in step_of]
     other = [e for e in evals[1:] if e["folder"] not in step_of]   # e.g. our final/: the evaluator against our run's
-    runs = {"TRL": trl, **{name: ours_curve(d) for name, d in ours_runs(a.ours)}}
+    runs = {"TRL": trl, **{name: ours_curve(d) for name, d in named(a.ours, "ours")}}
     lines = ["| run | step | training min | strict | flexible |", "|---|---|---|---|---|"]
     lines += [f"| {name} | {s} | {m:.2f} | {st:.3f} | {fl:.3f} |" for name, pts in runs.items() for s, m, st, fl in pts]
     lines += [f"| (evaluator) {e['folder']} | | | {e['strict']:.3f} | {e['flexible']:.3f} |" for e in other]
@@ -279,18 +279,13 @@ def report(a):
     walls = sorted((s, w) for s, w in wall.items() if s % per == 0)
     gaps = [per * (b - a) / (j - i) for (i, a), (j, b) in zip(walls, walls[1:])]
     step_s = {"TRL": statistics.median(gaps) if gaps else float("nan")}
-    step_s.update({name: ours_step_s(d) for name, d in ours_runs(a.ours)})
+    step_s.update({name: ours_step_s(d) for name, d in named(a.ours, "ours")})
     lines += ["", *time_to(runs, trl[-1][2], step_s)]
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     if a.plot:
         plot(runs, a.plot)
-
-
-def ours_runs(spec: str) -> list:
-    """--ours: a run's out_dir, or name=dir pairs split by commas (colocated=...,async=...)."""
-    return [tuple(x.split("=", 1)) if "=" in x else ("ours", x) for x in spec.split(",") if x]
 
 
 def ours_curve(out_dir: str) -> list:
@@ -373,7 +368,8 @@ def reward(a):
 
 
 def named(spec: str, default: str) -> list:
-    """name=dir pairs split by commas; a bare dir is `default` (then default_2, ...)."""
+    """--ours, --trl: name=dir pairs split by commas (colocated=...,async=...); a bare dir is `default` (then
+    default_2, ...)."""
     out = []
     for i, x in enumerate(y for y in spec.split(",") if y):
         out.append(tuple(x.split("=", 1)) if "=" in x else (default if i == 0 else f"{default}_{i + 1}", x))
