@@ -11,6 +11,9 @@ machine for this bench only). Three parts, each a process of its own:
     # evaluator our validation uses (chat template, instruction, 512 tokens, strict and flexible forms)
     python bench/vs_trl.py eval --val=/tmp/gsm8k_val.jsonl --out=trl_eval.json trl_task/checkpoint-10 ...
     python bench/vs_trl.py report --trl=trl_task --eval=trl_eval.json --ours=<our run dir> --out=vs_trl.md
+    # the training reward of each side's runs against minutes (no evaluator); TRL's loss gradient against ours
+    python bench/vs_trl.py reward --trl=trl_task,trl_task_s1 --ours=async=<dir>,async_s1=<dir> --out=reward.txt
+    python bench/vs_trl.py grad --out=trl_grad.json        # CPU: one batch, the tiny model, no vLLM
 
 `speed` and `task` write each optimizer step's wall-clock time, TRL's own step_time, reward, KL and
 completion length to JSON as they come (a call cut short keeps its steps). DRY=1 runs `speed` and `task`
@@ -396,6 +399,68 @@ def ours_reward(out_dir: str) -> list:
     return out
 
 
+# --------------------------------------------------------------------------- grad: one batch, both losses
+def grad(a):
+    """TRL's GRPO loss gradient against ours on one batch (CPU, fp32, the embedded tiny model, no vLLM): 16
+    samples of 3-6 prompt and 4-12 response tokens (every third ending in EOS), random advantages, a reference
+    0.02 away; a GRPOTrainer's `_compute_loss` (its defaults: the dapo loss, clip 0.2, k3 KL times its ratio)
+    against actor.update_policy with SGD at lr 1, for each of --betas: the two gradients' cosine and norm ratio."""
+    import torch
+    import actor
+    import launch
+    import rollout
+    import tiny
+    from model import build_mesh, compute_log_probs, make_layout, shard
+    device, g = launch.init_distributed()[2], torch.Generator().manual_seed(0)
+    folder, tok = os.path.join(a.out + ".d", "tiny"), tiny.build_tokenizer()
+    tiny.build_tiny_model(0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    B, R = 16, 12
+    prompts = [torch.randint(2, 16, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    resps = [torch.randint(2, 16, (int(torch.randint(4, R + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    resps = [r[:-1] + [1] if i % 3 == 0 else r for i, r in enumerate(resps)]     # EOS (id 1) inside the mask
+    adv, batch = torch.randn(B, generator=g), rollout.make_batch(prompts, resps, R, pad_id=0, eos_id=1, device=device)
+    ref = tiny.build_tiny_model(0)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    mesh = build_mesh(device, 1, -1)
+    ref_lp = compute_log_probs(shard(ref, mesh, device), batch, make_layout(actor.ActorConfig(), B, 32768), 1.0)
+    P, results = batch["input_ids"].shape[1] - R, []
+    for beta in map(float, a.betas.split(",")):
+        ours = shard(tiny.build_tiny_model(0), mesh, device)
+        before = [p.detach().full_tensor().clone() for p in ours.parameters()]
+        cfg = actor.ActorConfig(grad_clip=1e9, kl_loss_coef=beta, use_kl_loss=beta > 0, rollout_is="none")
+        actor.update_policy(ours, torch.optim.SGD(ours.parameters(), lr=1.0), {
+            **batch, "advantages": adv[:, None] * batch["response_mask"], "ref_log_probs": ref_lp}, cfg, B, 1.0)
+        mine = torch.cat([(b - p.detach().full_tensor()).flatten() for b, p in zip(before, ours.parameters())])
+        trainer = trl_trainer(a.out + ".d", folder, tok, B, R, beta)
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1   # set by its training loop; one window of one batch
+        trainer._compute_loss(trainer.model, {
+            "prompt_ids": batch["input_ids"][:, :P], "prompt_mask": batch["attention_mask"][:, :P],
+            "completion_ids": batch["responses"], "completion_mask": batch["response_mask"], "advantages": adv,
+            "num_items_in_batch": batch["response_mask"].sum().float(), "ref_per_token_logps": ref_lp}).backward()
+        theirs = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+        mine, theirs = mine.double(), theirs.double()     # fp32 sums over 3M elements drift past 1
+        results.append({"beta": beta, "cosine": torch.nn.functional.cosine_similarity(mine, theirs, dim=0).item(),
+                        "norm_ours_over_trl": (mine.norm() / theirs.norm()).item()})
+        print(json.dumps(results[-1]), flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"versions": versions(), "results": results}, f, indent=1)
+
+
+def trl_trainer(where: str, folder: str, tok, batch: int, response_len: int, beta: float):
+    """A GRPOTrainer on the CPU over `folder`, one batch a step (its loss is all that is used)."""
+    from datasets import Dataset
+    from trl import GRPOTrainer
+    cfg = trl_config(os.path.join(where, "trl"), use_vllm=False, vllm_enable_sleep_mode=False, bf16=False,
+                     use_cpu=True, per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=4,
+                     generation_batch_size=batch, max_completion_length=response_len, beta=beta)
+    return GRPOTrainer(model=folder, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=cfg,
+                       train_dataset=Dataset.from_list([{"prompt": "1="}] * batch), processing_class=tok)
+
+
 def speed_report(a):
     """TRL's speed run beside ours (bench_step.py's JSON, every variant) as one table: medians over the steps
     after the first two (TRL: its wall time a step, `_generate`'s share, the rest its train part; ours: the
@@ -422,7 +487,7 @@ def speed_report(a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=("speed", "task", "eval", "report", "reward", "speed_report"))
+    ap.add_argument("part", choices=("speed", "task", "eval", "report", "reward", "grad", "speed_report"))
     ap.add_argument("folders", nargs="*", help="eval: checkpoint folders, the first one's engine reused")
     ap.add_argument("--size", default="qwen2.5-0.5b")
     ap.add_argument("--tokenizer", default="/tmp/qwen-coder-0.5b", help="speed: a Qwen2.5 tokenizer's folder")
@@ -450,10 +515,11 @@ def main():
     ap.add_argument("--ours", default="", help="report: our run's out_dir, or name=dir,name=dir (colocated=...,"
                     "async=...); speed_report: bench_step.py's JSON")
     ap.add_argument("--block", type=int, default=5, help="reward: generation steps a mean")
+    ap.add_argument("--betas", default="0,0.001,0.04,1", help="grad: the KL coefficients to compare at")
     ap.add_argument("--plot", default="")
     ap.add_argument("--out", required=True)
     a = ap.parse_intermixed_args()         # eval's folders may come after the options
-    {"speed": speed, "task": task, "eval": evaluate, "report": report, "reward": reward,
+    {"speed": speed, "task": task, "eval": evaluate, "report": report, "reward": reward, "grad": grad,
      "speed_report": speed_report}[a.part](a)
 
 
