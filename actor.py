@@ -339,7 +339,7 @@ def prefetch_update(a: Actor, metrics: dict):
 def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: dict, seed: int = 0) -> dict:
     """The update stage's bracket: params in -> Adam in on a side stream (waited for in `clipped_step`) -> update ->
     Adam out -> params out, or kept until the next weight sync has read them (defer_param_offload)."""
-    if a.cfg.shuffle:   # `seed`: the step's on every rank (a Ulysses group, a resume mix alike); the batch copied: ~8 MB at 256 x 700 tokens
+    if a.cfg.shuffle:   # `seed`: the step's on every rank (Ulysses, a resume: alike); a batch copy, ~8 MB at 256 x 700
         batch = packing.take(batch, torch.randperm(len(batch["responses"]), generator=torch.Generator().manual_seed(seed)))
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not (a.cfg.optimizer_load_at_step or a.windows):
