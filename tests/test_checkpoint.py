@@ -22,6 +22,7 @@ from conftest import launches, metrics, run, start
 OFFLOAD = ["--actor.param_offload=true", "--actor.optimizer_offload=true", "--ref.param_offload=true"]
 SMALL = ["--train_batch_size=8", "--actor.ppo_mini_batch_size=4", "--rollout.n=4"]   # 2 optimizer steps a step
 MIXED = ["--actor.shuffle=true"]           # the samples mixed across those steps: a resume mixes them alike
+REFERENCE = OFFLOAD + SMALL + MIXED        # the uninterrupted run's flags: a run compared with it takes them too
 # what a step computed (not how long it took or where its bytes were)
 NUMBERS = ("reward_mean", "response_length", "pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "grad_norm",
            "optimizer_steps", "skipped_steps", "delta_w_abs_mean", "reward/equal_groups_frac", "critic/vf_loss",
@@ -59,7 +60,7 @@ def workers(proc) -> dict:
 def uninterrupted(tmp_path_factory):
     """The reference: 6 steps on 2 ranks (offload flags on, samples mixed, checkpoints every 2 steps), never stopped."""
     out = str(tmp_path_factory.mktemp("ref") / "run")
-    r = run([f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL + MIXED, nproc=2)
+    r = run([f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + REFERENCE, nproc=2)
     assert r.returncode == 0, r.stderr[-3000:]
     return metrics(out)
 
@@ -84,7 +85,7 @@ def test_sigkill_mid_step_then_resume_equals_uninterrupted(tmp_path, uninterrupt
     after it, and every step's metrics of the finished run equal the uninterrupted run's, bit for
     bit (fp32 on the CPU), each step exactly once."""
     out = str(tmp_path / "run")
-    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL + MIXED
+    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + REFERENCE
     with open(tmp_path / "killed.log", "w") as log:
         proc = start(args, 2, log=log)
         wait_for_lines(out, 3, proc)
@@ -109,7 +110,7 @@ def test_sigterm_saves_a_checkpoint_then_resume_equals_uninterrupted(tmp_path, u
     checkpoint was due: save_freq=100) and exit with the [preempt] line; the same command resumes
     there and the run's metrics equal the uninterrupted run's."""
     out = str(tmp_path / "run")
-    args = [f"--out_dir={out}", "--steps=6", "--save_freq=100", "--save=false"] + OFFLOAD + SMALL + MIXED
+    args = [f"--out_dir={out}", "--steps=6", "--save_freq=100", "--save=false"] + REFERENCE
     with open(tmp_path / "term.log", "w") as log:
         proc = start(args, 2, log=log)
         wait_for_lines(out, 2, proc)

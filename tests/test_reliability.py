@@ -19,7 +19,7 @@ import options
 import rundir
 from dataclasses import asdict
 from conftest import launches, metrics, run, start
-from test_checkpoint import OFFLOAD, SMALL, in_process, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
+from test_checkpoint import OFFLOAD, REFERENCE, SMALL, in_process, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
 
 
 def _errors(text: str) -> list[str]:
@@ -574,7 +574,7 @@ def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterr
     out_dir lock when it died, the new rank 0 takes it) and the finished run's metrics equal an
     uninterrupted run's, each step once."""
     out = str(tmp_path / "run")
-    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + OFFLOAD + SMALL
+    args = [f"--out_dir={out}", "--steps=6", "--save_freq=2", "--save=false"] + REFERENCE
     with open(tmp_path / "restart.log", "w") as log:
         proc = start(args, 2, torchrun=("--standalone", "--max-restarts=2"), log=log)
         try:
