@@ -405,6 +405,7 @@ def grad(a):
     samples of 3-6 prompt and 4-12 response tokens (every third ending in EOS), random advantages, a reference
     0.02 away; a GRPOTrainer's `_compute_loss` (its defaults: the dapo loss, clip 0.2, k3 KL times its ratio)
     against actor.update_policy with SGD at lr 1, for each of --betas: the two gradients' cosine and norm ratio."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""   # both sides fp32 on the CPU, on a GPU machine too (before torch)
     import torch
     import actor
     import launch
