@@ -407,48 +407,70 @@ def grad(a):
     against actor.update_policy with SGD at lr 1, for each of --betas: the two gradients' cosine and norm ratio."""
     os.environ["CUDA_VISIBLE_DEVICES"] = ""   # both sides fp32 on the CPU, on a GPU machine too (before torch)
     import torch
+    import tiny
+    folder, tok = os.path.join(a.out + ".d", "tiny"), tiny.build_tokenizer()
+    tiny.build_tiny_model(0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    batch, results = grad_batch(16, 12), []
+    for beta in map(float, a.betas.split(",")):
+        mine, theirs = ours_grad(batch, beta).double(), trl_grad(a.out + ".d", folder, tok, batch, beta).double()
+        results.append({"beta": beta, "cosine": torch.nn.functional.cosine_similarity(mine, theirs, dim=0).item(),
+                        "norm_ours_over_trl": (mine.norm() / theirs.norm()).item()})   # fp64: fp32 sums drift past 1
+        print(json.dumps(results[-1]), flush=True)
+    with open(a.out, "w") as f:
+        json.dump({"versions": versions(), "results": results}, f, indent=1)
+
+
+def grad_batch(B: int, R: int) -> dict:
+    """The compared batch: rollout.make_batch's tensors, "advantages" (B,) and the reference's "ref_log_probs"."""
+    import torch
     import actor
     import launch
     import rollout
     import tiny
     from model import build_mesh, compute_log_probs, make_layout, shard
     device, g = launch.init_distributed()[2], torch.Generator().manual_seed(0)
-    folder, tok = os.path.join(a.out + ".d", "tiny"), tiny.build_tokenizer()
-    tiny.build_tiny_model(0).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    B, R = 16, 12
     prompts = [torch.randint(2, 16, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
     resps = [torch.randint(2, 16, (int(torch.randint(4, R + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
     resps = [r[:-1] + [1] if i % 3 == 0 else r for i, r in enumerate(resps)]     # EOS (id 1) inside the mask
-    adv, batch = torch.randn(B, generator=g), rollout.make_batch(prompts, resps, R, pad_id=0, eos_id=1, device=device)
+    batch = {**rollout.make_batch(prompts, resps, R, pad_id=0, eos_id=1, device=device), "advantages": torch.randn(B, generator=g)}
     ref = tiny.build_tiny_model(0)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
-    mesh = build_mesh(device, 1, -1)
-    ref_lp = compute_log_probs(shard(ref, mesh, device), batch, make_layout(actor.ActorConfig(), B, 32768), 1.0)
-    P, results = batch["input_ids"].shape[1] - R, []
-    for beta in map(float, a.betas.split(",")):
-        ours = shard(tiny.build_tiny_model(0), mesh, device)
-        before = [p.detach().full_tensor().clone() for p in ours.parameters()]
-        cfg = actor.ActorConfig(grad_clip=1e9, kl_loss_coef=beta, use_kl_loss=beta > 0, rollout_is="none")
-        actor.update_policy(ours, torch.optim.SGD(ours.parameters(), lr=1.0), {
-            **batch, "advantages": adv[:, None] * batch["response_mask"], "ref_log_probs": ref_lp}, cfg, B, 1.0)
-        mine = torch.cat([(b - p.detach().full_tensor()).flatten() for b, p in zip(before, ours.parameters())])
-        trainer = trl_trainer(a.out + ".d", folder, tok, B, R, beta)
-        trainer.model.train()
-        trainer.current_gradient_accumulation_steps = 1   # set by its training loop; one window of one batch
-        trainer._compute_loss(trainer.model, {
-            "prompt_ids": batch["input_ids"][:, :P], "prompt_mask": batch["attention_mask"][:, :P],
-            "completion_ids": batch["responses"], "completion_mask": batch["response_mask"], "advantages": adv,
-            "num_items_in_batch": batch["response_mask"].sum().float(), "ref_per_token_logps": ref_lp}).backward()
-        theirs = torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
-        mine, theirs = mine.double(), theirs.double()     # fp32 sums over 3M elements drift past 1
-        results.append({"beta": beta, "cosine": torch.nn.functional.cosine_similarity(mine, theirs, dim=0).item(),
-                        "norm_ours_over_trl": (mine.norm() / theirs.norm()).item()})
-        print(json.dumps(results[-1]), flush=True)
-    with open(a.out, "w") as f:
-        json.dump({"versions": versions(), "results": results}, f, indent=1)
+    layout = make_layout(actor.ActorConfig(), B, 32768)
+    return {**batch, "ref_log_probs": compute_log_probs(shard(ref, build_mesh(device, 1, -1), device), batch, layout, 1.0)}
+
+
+def ours_grad(batch: dict, beta: float):
+    """Our loss's gradient on `batch`, flat: actor.update_policy's one SGD step at lr 1 (the weights' change)."""
+    import torch
+    import actor
+    import tiny
+    from model import build_mesh, shard
+    device = batch["input_ids"].device
+    model = shard(tiny.build_tiny_model(0), build_mesh(device, 1, -1), device)
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    cfg = actor.ActorConfig(grad_clip=1e9, kl_loss_coef=beta, use_kl_loss=beta > 0, rollout_is="none")
+    mb = {**batch, "advantages": batch["advantages"][:, None] * batch["response_mask"]}
+    actor.update_policy(model, torch.optim.SGD(model.parameters(), lr=1.0), mb, cfg, len(mb["responses"]), 1.0)
+    return torch.cat([(b - p.detach().full_tensor()).flatten() for b, p in zip(before, model.parameters())])
+
+
+def trl_grad(where: str, folder: str, tok, batch: dict, beta: float):
+    """TRL's loss's gradient on `batch`, flat: a GRPOTrainer's `_compute_loss`, backward."""
+    import torch
+    B, R = batch["responses"].shape
+    trainer = trl_trainer(where, folder, tok, B, R, beta)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1   # set by its training loop; one window of one batch
+    P = batch["input_ids"].shape[1] - R
+    trainer._compute_loss(trainer.model, {
+        "prompt_ids": batch["input_ids"][:, :P], "prompt_mask": batch["attention_mask"][:, :P],
+        "completion_ids": batch["responses"], "completion_mask": batch["response_mask"],
+        "advantages": batch["advantages"], "num_items_in_batch": batch["response_mask"].sum().float(),
+        "ref_per_token_logps": batch["ref_log_probs"]}).backward()
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
 
 
 def trl_trainer(where: str, folder: str, tok, batch: int, response_len: int, beta: float):

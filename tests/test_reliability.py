@@ -19,7 +19,7 @@ import options
 import rundir
 from dataclasses import asdict
 from conftest import launches, metrics, run, start
-from test_checkpoint import OFFLOAD, REFERENCE, SMALL, in_process, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
+from test_checkpoint import REFERENCE, SMALL, in_process, numbers, uninterrupted, wait_for_lines, workers  # noqa: F401
 
 
 def _errors(text: str) -> list[str]:
