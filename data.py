@@ -194,11 +194,17 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
     return prompts, answers, chats
 
 
+def data_seed(cfg) -> int:
+    """The seed of the data a run trains on: the built-in task's items and the prompt order (a torch.randperm of
+    the prompts, as TRL's sampler makes its own). --data_seed, else the run's --seed."""
+    return cfg.seed if cfg.data_seed < 0 else cfg.data_seed
+
+
 def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     """The run's training data (--data) and its held-out data (--val_data, at most val_max_prompts of it;
     with neither, the built-in task's held-out items; None: no validation): each (prompt ids, answers,
     chats), the same instruction appended to both."""
-    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, cfg.seed)
+    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg))
     data = load_data(cfg.data, *args, instruction=cfg.instruction)
     if cfg.val_data is None and cfg.data is not None:
         return data, None

@@ -67,6 +67,9 @@ class Config:
     train_batch_size: int = 16             # prompts per step, over all ranks
     steps: int = 150                       # training steps (a resume continues up to this)
     seed: int = 0                          # model init, data order, sampling
+    data_seed: int = -1                    # the data's own seed (the prompt order, the built-in task's items); -1:
+                                           # --seed. Runs that differ in --seed alone then train the same prompts at
+                                           # each step on other samples: a run's spread on one task
     fsdp_size: int = -1                    # ranks per shard group; -1: all (HSDP when smaller)
     out_dir: str = "out"                   # metrics, checkpoints, final/ (an earlier run is never overwritten)
     save: bool = True                      # Hugging Face checkpoint to <out_dir>/final at the end
@@ -102,7 +105,7 @@ class Config:
 
 # checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
-          "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
+          "data_seed": ">= -1", "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
           "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
 CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"), "logger": tracker.KINDS,
            "kernels": kernel_choice.KERNELS, "head_kernel": kernel_choice.HEAD_KERNELS}

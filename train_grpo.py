@@ -175,7 +175,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
         engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
                                out_dir=cfg.out_dir, req=req, seed=cfg.seed + rank, pad_id=pad,
                                eos_id=tokenizer.eos_token_id, rank=rank)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(data_io.data_seed(cfg))).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format),
                 order=order, actor=a, engine=replace(engine, cfg=cfg.rollout), ref=r, critic=c, chats=chats,

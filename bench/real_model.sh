@@ -22,6 +22,9 @@ OUT=${OUT:-out/real}; mkdir -p "$OUT"
 MODEL=${MODEL:-/tmp/qwen-coder-0.5b}; TRAIN=${TRAIN:-/tmp/gsm8k_train.jsonl}; VAL=${VAL:-/tmp/gsm8k_val.jsonl}
 RUNS=${RUNS:-/tmp/real_runs}; mkdir -p "$RUNS"
 SEED=${SEED:-0}; S=$([ "$SEED" = 0 ] || echo "_s$SEED")   # SEED=1: a second run of grpo / trl_task beside the first
+# DATA_SEED=0 SEED=k: seed 0's prompts in seed 0's order, the k-th draw of samples (ours: --data_seed; TRL: its data
+# seed and its engine's seed): a run's spread on one task. Without it TRL's engine seed is its own (0) on every seed
+DATA_SEED=${DATA_SEED:-}; S=$S${DATA_SEED:+_d$DATA_SEED}
 export PYTHONUNBUFFERED=1
 # TRL's colocated vLLM wants a one-process group; torchrun would read the bench's --n=8 as its own --nnodes
 TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517)
@@ -30,7 +33,7 @@ INSTRUCTION='Let'"'"'s think step by step and output the final answer after "###
 # steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
 GRPO=(--model="$MODEL" --data="$TRAIN" --val_data="$VAL" --instruction="$INSTRUCTION" --train_batch_size=32
       --rollout.n=8 --actor.ppo_mini_batch_size=16 --rollout.response_length=512 --actor.lr=2e-6 --steps=300
-      --val_freq="${VAL_FREQ:-10}" --logger=none --seed="$SEED")
+      --val_freq="${VAL_FREQ:-10}" --logger=none --seed="$SEED" ${DATA_SEED:+--data_seed=$DATA_SEED})
 
 pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (replaced whole)
   local part=$1; shift
@@ -86,7 +89,8 @@ case "${1:-}" in
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
     timeout -s TERM "${2:-540}" "${TRL[@]}" python bench/vs_trl.py task \
       --model="$MODEL" --train="$TRAIN" --prompts=32 --mini=16 --n=8 --response_len=512 --micro=32 --kl=0.001 \
-      --lr=2e-6 --steps=50 --save_steps="${VAL_FREQ:-10}" --seed="$SEED" --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
+      --lr=2e-6 --steps=50 --save_steps="${VAL_FREQ:-10}" --seed="${DATA_SEED:-$SEED}" \
+      ${DATA_SEED:+--sample_seed=$SEED} --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
     echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json"
     [ -n "${NO_EVAL:-}" ] || evaluate ;;   # round 21 lost two runs' checkpoints to a machine that went back
   trl_eval) evaluate ;;

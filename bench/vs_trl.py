@@ -110,18 +110,11 @@ def timed(trainer):
 
 
 def versions() -> dict:
+    import importlib.util
+    from importlib.metadata import version
     import torch
-    import transformers
-    import trl
-    out = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
-    try:
-        import vllm
-        out["vllm"] = vllm.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name()
-    return out
+    out = {p: version(p) for p in ("trl", "transformers", "torch", "vllm") if importlib.util.find_spec(p)}
+    return {**out, "gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else out
 
 
 # --------------------------------------------------------------------------- speed: TRL's workload
@@ -209,6 +202,10 @@ def task(a):
     meta = {"part": "task", "args": vars(a), "versions": versions(),
             "optimizer_steps_per_step": a.prompts // a.mini}
     os.makedirs(a.out, exist_ok=True)
+    if a.sample_seed >= 0 and not DRY:     # TRL seeds its engine with the process index (0): another draw, same data
+        import trl.generation.vllm_generation as vg
+        llm = vg.LLM
+        vg.LLM = lambda *x, **k: llm(*x, **{**k, "seed": a.sample_seed})
     trainer = GRPOTrainer(model=a.model, reward_funcs=strict_reward, args=cfg, train_dataset=Dataset.from_list(rows),
                           processing_class=tok, callbacks=[Steps(os.path.join(a.out, "steps.json"), meta)])
     timed(trainer).train()
@@ -526,7 +523,8 @@ def main():
     ap.add_argument("--kl", type=float, default=0.04)
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0, help="task: the data order and sampling (a second run: another)")
+    ap.add_argument("--seed", type=int, default=0, help="task: the data order (our --data_seed's randperm)")
+    ap.add_argument("--sample_seed", type=int, default=-1, help="task: the engine's seed (-1: TRL's, the process index)")
     ap.add_argument("--save_steps", type=int, default=10, help="task: a checkpoint every this many steps")
     ap.add_argument("--limit", type=int, default=0, help="eval: the first this many held-out rows (0: all)")
     ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)

@@ -17,6 +17,7 @@ import tracker
 import offload
 from model import load_model
 from conftest import launches, metrics, run, start
+from test_checkpoint import in_process  # noqa: F401
 
 GRPO_STAGES = [s for s in ledger.STAGES if s not in ("values", "critic_update", "reward_model", "rollout_wait", "push")]
 
@@ -447,6 +448,21 @@ def test_a_dropped_run_leaves_nothing_alive(tmp_path, dist_env, extra):
     gc.collect()
     alive = [type(r()).__name__ for r in refs if r() is not None]
     assert not alive, alive
+
+
+def test_data_seed_keeps_the_prompts_and_draws_other_samples(tmp_path, in_process):
+    """--data_seed, the prompt order's own seed: `--seed=1 --data_seed=0` trains at every step the prompts
+    `--seed=0` trains (data/prompt_crc) on samples of its own; `--seed=1` alone trains other prompts. A run's
+    spread on one task is measured this way: one order, several sampling seeds."""
+    def crc_and_samples(name, *extra):
+        in_process([f"--out_dir={tmp_path / name}", "--steps=3", "--train_batch_size=4", "--rollout.n=4",
+                    "--actor.ppo_mini_batch_size=4", "--logger=none", "--save=false", "--save_freq=0",
+                    "--val_freq=0", "--val_before_train=false", *extra])
+        rows = metrics(tmp_path / name)
+        return [x["data/prompt_crc"] for x in rows], [(x["response_length"], x["pg_loss"]) for x in rows]
+    (crc0, samples0), (crc1, samples1) = crc_and_samples("a"), crc_and_samples("b", "--seed=1", "--data_seed=0")
+    assert crc1 == crc0 and len(set(crc0)) == 3 and samples1 != samples0
+    assert crc_and_samples("c", "--seed=1")[0] != crc0
 
 
 def test_temperature_zero_is_greedy_end_to_end(tmp_path, dist_env):
