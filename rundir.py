@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import data
 import ledger
 from launch import LOCK, check_writable, claimed, lock_out_dir  # noqa: F401 - one run per out_dir, launch.py's
 
@@ -160,8 +161,9 @@ def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
     if meta.get("roles", roles) != roles:
         raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
                          f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
-    if meta["data"] != data_fingerprint or meta["config"]["seed"] != cfg.seed:
-        raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length or --seed "
+    seed, data_seed = meta["config"]["seed"], meta["config"].get("data_seed", -1)   # -1 (or none): --seed's order
+    if meta["data"] != data_fingerprint or (seed, seed if data_seed < 0 else data_seed) != (cfg.seed, data.data_seed(cfg)):
+        raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length, --seed or --data_seed "
                          f"changed): its position would mean nothing; resume with the same ones, or "
                          f"start a new run in another --out_dir")
     if export:

@@ -252,8 +252,10 @@ def test_out_dir_policy(tmp_path):
         plan(run_dir, "--steps=4")
     with pytest.raises(ValueError, match="walked other data"):
         plan(run_dir, fp="xyz")
-    with pytest.raises(ValueError, match="walked other data"):
-        plan(run_dir, "--seed=1")
+    for other in ("--seed=1", "--data_seed=1"):
+        with pytest.raises(ValueError, match="walked other data"):
+            plan(run_dir, other)
+    assert plan(run_dir, "--data_seed=0") == ckpt      # seed 0's own order, named
     with pytest.raises(ValueError, match="holds actor but this run trains actor \\+ critic"):
         plan(run_dir, "--algorithm.adv_estimator=gae")
     with pytest.raises(ValueError, match="--resume=never starts only in an empty one"):
