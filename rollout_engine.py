@@ -139,10 +139,11 @@ def spawn(address, authkey: bytes, index: int, device: torch.device):
     sees that GPU as its only one, so vLLM's own executor takes it."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     # torchrun's variables would make the engine's own process group (vLLM's, on a free port) look
-    # for torchrun's agent store instead (TORCHELASTIC_USE_AGENT_STORE): the child starts without them
+    # for torchrun's agent store instead (TORCHELASTIC_USE_AGENT_STORE): the child starts without them;
+    # and without the trainer's allocator settings (expandable segments: the trainer's, which vLLM refuses)
     launcher = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TORCHELASTIC_") or k in (
         "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF")}
     if device.type == "cuda":
         visible = env.split(",") if env else [str(i) for i in range(torch.cuda.device_count())]
         os.environ["CUDA_VISIBLE_DEVICES"] = visible[device.index or 0]

@@ -169,3 +169,25 @@ def test_the_set_up_report_describes_no_in_process_engine_for_async_rollout():
     built = rollout.Engine("vllm", cfg, pad_id=0, eos_id=1, device=torch.device("cpu"), llm=object(), build_s=71.8,
                            kv_cache_bytes=2 * 2**30, asleep_device_gb=0.39)
     assert rollout.describe(built)[0].startswith("[rollout] vLLM engine built in 71.8 s; KV cache 2.00 GB")
+
+
+def test_the_engine_process_starts_without_the_launchers_or_the_trainers_allocator_settings(monkeypatch):
+    """The engine process is spawned without torchrun's variables (its own process group would look for
+    torchrun's store) and without PYTORCH_CUDA_ALLOC_CONF (the trainer's: expandable segments there would
+    stop vLLM, which refuses them); the trainer's environment is put back after the start."""
+    import os
+    seen = {}
+
+    class Process:
+        def __init__(self, **kw):
+            pass
+
+        def start(self):
+            seen.update(os.environ)
+    monkeypatch.setattr(rollout_engine.multiprocessing, "get_context", lambda kind: type("C", (), {"Process": Process}))
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "r"}
+    for k, v in mine.items():
+        monkeypatch.setenv(k, v)
+    rollout_engine.spawn(("localhost", 0), b"key", 0, torch.device("cpu"))
+    assert seen and not set(mine) & set(seen)
+    assert {k: os.environ.get(k) for k in mine} == mine
