@@ -66,7 +66,7 @@ class Config:
     val_response_length: int = 0           # max new tokens of a held-out answer (0: rollout.response_length, its cap)
     train_batch_size: int = 16             # prompts per step, over all ranks
     steps: int = 150                       # training steps (a resume continues up to this)
-    seed: int = 0                          # model init, data order, sampling
+    seed: int = 0                          # model init, sampling, and the data (unless --data_seed)
     data_seed: int = -1                    # the data's own seed (the prompt order, the built-in task's items); -1:
                                            # --seed. Runs that differ in --seed alone then train the same prompts at
                                            # each step on other samples: a run's spread on one task
