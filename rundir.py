@@ -27,6 +27,7 @@ import os
 import shlex
 import signal
 import sys
+import types
 
 import torch
 import torch.distributed as dist
@@ -161,8 +162,8 @@ def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
     if meta.get("roles", roles) != roles:
         raise ValueError(f"{path} holds {' + '.join(meta['roles'])} but this run trains {' + '.join(roles)} "
                          f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
-    seed, data_seed = meta["config"]["seed"], meta["config"].get("data_seed", -1)   # -1 (or none): --seed's order
-    if meta["data"] != data_fingerprint or (seed, seed if data_seed < 0 else data_seed) != (cfg.seed, data.data_seed(cfg)):
+    saved = types.SimpleNamespace(seed=meta["config"]["seed"], data_seed=meta["config"].get("data_seed", -1))
+    if meta["data"] != data_fingerprint or (saved.seed, data.data_seed(saved)) != (cfg.seed, data.data_seed(cfg)):
         raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length, --seed or --data_seed "
                          f"changed): its position would mean nothing; resume with the same ones, or "
                          f"start a new run in another --out_dir")

@@ -260,10 +260,7 @@ def report(a):
     left out; ours: the step times up to each validation, validation itself left out) as a table and a
     picture."""
     trl_steps = json.load(open(os.path.join(a.trl, "steps.json")))
-    per = trl_steps["optimizer_steps_per_step"]
-    saved = trl_steps.get("saves", [])         # checkpoint writes (for `eval`) are not training time
-    wall = {r["step"]: r["wall_s"] - sum(x["save_s"] for x in saved if x["step"] < r["step"])
-            for r in trl_steps["steps"] if "train_runtime" not in r}   # (not the summary)
+    per, wall = trl_steps["optimizer_steps_per_step"], trl_training_s(trl_steps)
     evals = json.load(open(a.eval))["results"]
     step_of = {e["folder"]: int(e["folder"].rstrip("/").rsplit("-", 1)[1]) for e in evals
                if os.path.basename(e["folder"].rstrip("/")).startswith("checkpoint-")}   # TRL's optimizer steps
@@ -376,13 +373,18 @@ def named(spec: str, default: str) -> list:
     return out
 
 
+def trl_training_s(d: dict) -> dict:
+    """{optimizer step: training seconds at its log} of a TRL steps.json, the checkpoint writes before it left out."""
+    saved = d.get("saves", [])
+    return {r["step"]: r["wall_s"] - sum(x["save_s"] for x in saved if x["step"] < r["step"])
+            for r in d["steps"] if "train_runtime" not in r}
+
+
 def trl_reward(folder: str) -> list:
-    """(generation step from 1, training minutes when it was logged, the batch's mean reward) of a TRL task run:
-    TRL logs the reward with the first optimizer step after each generation; checkpoint writes left out."""
+    """(generation step from 1, training minutes, the batch's mean reward), logged at each generation's first step."""
     d = json.load(open(os.path.join(folder, "steps.json")))
-    per, saved = d["optimizer_steps_per_step"], d.get("saves", [])
-    return [((r["step"] + per - 1) // per, (r["wall_s"] - sum(x["save_s"] for x in saved if x["step"] < r["step"])) / 60,
-             r["reward"]) for r in d["steps"] if "reward" in r and "train_runtime" not in r]
+    per, wall = d["optimizer_steps_per_step"], trl_training_s(d)
+    return [((r["step"] + per - 1) // per, wall[r["step"]] / 60, r["reward"]) for r in d["steps"] if "reward" in r and "train_runtime" not in r]
 
 
 def ours_reward(out_dir: str) -> list:
