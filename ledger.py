@@ -288,11 +288,12 @@ def throughput(m: dict, flops: dict, peak: float, decode: tuple | None = None) -
             out[f"perf/{stage}_tflops"] = f / seconds / 1e12
             if peak:
                 out[f"perf/{stage}_mfu"] = f / seconds / peak
-    if decode and m.get("rollout/generate_s"):
+    gen = m.get("rollout/generate_s") or m.get("rollout/engine_generate_s")   # colocated; the async engine's own
+    if decode and gen:
         tokens, steps, weight_bytes, name = decode
-        gen = m["rollout/generate_s"]
-        out.update({"perf/generate_tokens_per_s": tokens / gen, "perf/decode_step_ms": 1e3 * gen / max(steps, 1),
-                    "perf/bracket_frac": 1 - gen / m["time/generate"] if m.get("time/generate") else 0.0})
+        out.update({"perf/generate_tokens_per_s": tokens / gen, "perf/decode_step_ms": 1e3 * gen / max(steps, 1)})
+        if m.get("rollout/generate_s") and m.get("time/generate"):     # async rollout has no bracket
+            out["perf/bracket_frac"] = 1 - gen / m["time/generate"]
         bw = next((v for k, v in HBM.items() if k in name), 0)
         if bw:
             out["perf/decode_bound_ms"] = 1e3 * weight_bytes / bw
@@ -306,7 +307,8 @@ def perf_line(m: dict, peak: float) -> str | None:
     if "perf/generate_tokens_per_s" in m:
         bound = f", weight-read bound {m['perf/decode_bound_ms']:.2f} ms" if "perf/decode_bound_ms" in m else ""
         stages.append(f"generate {m['perf/generate_tokens_per_s'] / 1e3:.1f}k tokens/s, decode step "
-                      f"{m['perf/decode_step_ms']:.2f} ms{bound}, the bracket {100 * m['perf/bracket_frac']:.0f} % of the stage")
+                      f"{m['perf/decode_step_ms']:.2f} ms{bound}" + (f", the bracket {100 * m['perf/bracket_frac']:.0f} %"
+                      f" of the stage" if "perf/bracket_frac" in m else ""))
     return ("[perf] " + "; ".join(stages) + (f" (MFU against the measured bf16 matmul peak, {peak / 1e12:.0f} TFLOP/s; "
                                              f"model FLOPs: 6 x params a token trained, 2 forward)" if peak else "")) \
         if stages else None

@@ -317,13 +317,13 @@ def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dic
 def perf(t: Trainer, batch: dict, m: dict) -> dict:
     """Each compute stage's throughput on this GPU (ledger.throughput): the model FLOPs of the tokens it ran
     through the model (packed: the real ones; a Ulysses group's k ranks each run 1/k of its rows), and the
-    decode's against reading the engine's weights (the plan's) once a step."""
-    cfg, k = t.cfg, t.cfg.actor.ulysses_sequence_parallel_size
-    mask, resp = batch["attention_mask"], batch["response_mask"]
+    decode's against reading the engine's weights (the plan's) once a step, an async engine's too."""
+    cfg, k, mask, resp = t.cfg, t.cfg.actor.ulysses_sequence_parallel_size, batch["attention_mask"], batch["response_mask"]
     tokens = (int(mask.sum()) if cfg.actor.remove_padding else mask.numel()) // k
-    decode = (int(resp.sum()) * cfg.rollout.tensor_parallel_size // k, int(resp.sum(-1).max()),
-              t.plan.vllm_device.get("vLLM weights", 0), torch.cuda.get_device_name(t.device)) \
-        if t.engine.kind == "vllm" and t.stream is None else None
+    share, weights = (t.stream.dp / t.stream.engines, t.plan.engine_device.get("weights", 0)) if t.stream else \
+        (cfg.rollout.tensor_parallel_size, t.plan.vllm_device.get("vLLM weights", 0))   # one engine's tokens, weights
+    decode = (int(resp.sum() * share) // k, int(resp.sum(-1).max()), weights, torch.cuda.get_device_name(t.device)) \
+        if t.engine.kind == "vllm" else None
     return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
 
 

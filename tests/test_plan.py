@@ -833,3 +833,22 @@ def test_a_streamed_update_reserves_its_largest_window_beyond_the_slack():
     r = predict.run(_cfg(*ppo), 1, 512)
     assert predict.freed_windows(r, predict.states(r)).get("critic_update", 0) == 0
     assert streamed.stage("critic_update").total < plain.stage("critic_update").total
+
+
+def test_throughput_reads_the_decode_of_a_colocated_and_of_an_async_engine():
+    """The decode step is the engine's generate time over the batch's longest answer, against the weights
+    read once at the HBM's bandwidth; the bracket is the colocated stage's share outside vLLM's generate.
+    An async engine's generate time (rollout/engine_generate_s) gives the step too, with no bracket."""
+    flops = {"update": 6e12}
+    decode = (40_000, 500, 1_000_000_000, "NVIDIA H200")
+    colocated = ledger.throughput({"time/update": 1.0, "rollout/generate_s": 2.0, "time/generate": 2.5}, flops,
+                                  1e15, decode)
+    assert colocated["perf/update_tflops"] == pytest.approx(6.0) and colocated["perf/update_mfu"] == pytest.approx(6e-3)
+    assert colocated["perf/decode_step_ms"] == pytest.approx(4.0)
+    assert colocated["perf/generate_tokens_per_s"] == pytest.approx(20_000)
+    assert colocated["perf/bracket_frac"] == pytest.approx(0.2)
+    assert colocated["perf/decode_bound_ms"] == pytest.approx(1e3 * 1e9 / ledger.HBM["H200"])
+    asynchronous = ledger.throughput({"rollout/engine_generate_s": 1.5, "time/rollout_wait": 0.1}, flops, 1e15, decode)
+    assert asynchronous["perf/decode_step_ms"] == pytest.approx(3.0) and "perf/bracket_frac" not in asynchronous
+    assert "generate" in ledger.perf_line(asynchronous, 1e15) and "bracket" not in ledger.perf_line(asynchronous, 1e15)
+    assert ledger.throughput({"time/update": 1.0}, flops, 1e15, decode).keys() == {"perf/update_tflops", "perf/update_mfu"}
