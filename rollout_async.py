@@ -195,7 +195,8 @@ def describe(s: Stream) -> list[str]:
     return [f"[rollout] async: {s.engines} engine(s) {where}; a batch at most {c.max_staleness} update(s) older "
             f"than the policy it trains; the host buffer holds at most {s.limit} samples (ordered or waiting, "
             f"{s.limit * sample_bytes(s.prompt_len, c.response_length) / 2 ** 20:.1f} MB); weights pushed after each "
-            f"update in {len(s.layout)} bucket(s) of up to {c.sync_bucket_mb} MB; {built}"]
+            f"update in {len(s.layout)} bucket(s) of up to {c.sync_bucket_mb} MB; {built}; the trainer's allocator: "
+            f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'PyTorch default'} (rollout_engine.trainer_allocator)"]
 
 
 def _host() -> str:

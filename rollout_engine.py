@@ -133,6 +133,26 @@ def group(spec: Spec, rank: int, size: int, store=None):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+# --------------------------------------------------------------------------- the trainer's allocator
+# Async rollout, 0.5B on one H200 (bench/README, round 23): with PyTorch's default allocator the trainer reserved
+# 97-131 GB for an update whose allocated peak was 59-62 GB (six runs; the device at 103-137 GB of 140 with the
+# engine beside it, against a 113 GB plan). With expandable segments: 63 GB reserved, the device at 70 GB, the
+# weight push 0.10 s a step against 0.16-0.98, the engine-trainer log-prob gap the same (0.012; 0.011-0.015)
+TRAINER_ALLOC_CONF = "expandable_segments:True"
+
+
+def trainer_allocator(cfg: RolloutConfig) -> str | None:
+    """Async rollout puts no vLLM pool in the trainer's process, so its allocator may grow segments in place
+    instead of caching blocks that the update's changing shapes fragment (vLLM's sleep pool refuses this,
+    so colocated runs keep the default). Set before the first CUDA allocation, and only where the launcher
+    set no allocator settings (PYTORCH_CUDA_ALLOC_CONF, any value, keeps its own); the engine processes start
+    without it (`spawn`). The setting made, or None."""
+    if cfg.mode != "async" or "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+        return None
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = TRAINER_ALLOC_CONF
+    return TRAINER_ALLOC_CONF
+
+
 # --------------------------------------------------------------------------- engine processes
 def spawn(address, authkey: bytes, index: int, device: torch.device):
     """A fresh Python process (spawn: no CUDA state inherited) running `serve` on `device` alone: it

@@ -75,7 +75,6 @@ import tracker
 import ulysses
 import validate
 import vllm_engine
-from launch import init_distributed
 from checks import check_model
 from model import all_sum, build_mesh, hf_config
 from options import Config
@@ -144,7 +143,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     and sleeping as `cfg` says: a benchmark's variants). `data`: (prompt ids, answers, chats or None) instead of
     cfg.data (preflight's, or a benchmark's), `val` the held-out ones (None: no validation); else both from cfg."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
-    rank, world, device = init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
+    rank, world, device = launch.init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
     tokenizer = data_io.load_tokenizer(cfg.model)
     if data is None:
@@ -486,6 +485,7 @@ def main(argv=None):
         rollout_engine.check(cfg.rollout, int(os.environ.get("WORLD_SIZE", 1)), cfg.train_batch_size)  # before any rank leaves
         if rollout_engine.is_engine_rank(cfg.rollout):   # one of torchrun's last rollout.gpus ranks
             launch.leave(rollout_engine.engine_rank(cfg.rollout))
+        rollout_engine.trainer_allocator(cfg.rollout)    # async: before this process's first CUDA allocation
         run(cfg, rank)
     except rollout_engine.EngineDied as e:  # async rollout: an engine process failed or exited
         launch.fail(f"error: {e}", rank, 1)

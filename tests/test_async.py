@@ -4,6 +4,7 @@ test_faults.py).
 
     python -m pytest -q tests/test_async.py
 """
+import os
 import threading
 import time
 
@@ -127,6 +128,8 @@ def test_async_run_bounds_buffer_and_staleness_over_50_steps(tmp_path):
     rss = [x["host_rss_gb"] for x in m]
     assert max(rss[10:]) - min(rss[10:]) < 0.1, rss                # flat: nothing accumulates
     assert "[rollout] async: 1 engine(s)" in r.stdout
+    mine = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or rollout_engine.TRAINER_ALLOC_CONF   # the launcher's wins
+    assert f"the trainer's allocator: {mine} " in r.stdout
 
 
 @launches
@@ -191,3 +194,18 @@ def test_the_engine_process_starts_without_the_launchers_or_the_trainers_allocat
     rollout_engine.spawn(("localhost", 0), b"key", 0, torch.device("cpu"))
     assert seen and not set(mine) & set(seen)
     assert {k: os.environ.get(k) for k in mine} == mine
+
+
+def test_an_async_trainer_grows_its_allocator_segments_unless_the_launcher_chose(monkeypatch):
+    """Async rollout: the trainer's process (no vLLM pool in it) gets expandable segments before its first
+    CUDA allocation; a colocated run keeps PyTorch's default (vLLM's sleep pool refuses them), and any
+    PYTORCH_CUDA_ALLOC_CONF the launcher set is kept as it is."""
+    import os
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    assert rollout_engine.trainer_allocator(RolloutConfig(mode="colocated")) is None
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert rollout_engine.trainer_allocator(RolloutConfig(mode="async")) == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert rollout_engine.trainer_allocator(RolloutConfig(mode="async")) is None
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
