@@ -52,7 +52,8 @@ keep_packing() { (while sleep 30; do pack "$@"; done) > /dev/null 2>&1 & echo $!
 run() {  # run <dir> <seconds> <options...>: one training run, SIGTERM after <seconds> (it checkpoints; rerun resumes)
   local dir=$1 limit=$2; shift 2
   timeout -s TERM "$limit" python train_grpo.py --out_dir="$dir" "$@" >> "$dir.log" 2>&1
-  echo "[$(basename "$dir")] exit $? after $SECONDS s" | tee -a "$dir.log" "$OUT/summary.txt"
+  local rc=$?                 # before any other expansion: "$(basename ...)" in the line below would reset $?
+  echo "[${dir##*/}] exit $rc after $SECONDS s" | tee -a "$dir.log" "$OUT/summary.txt"
   mkdir -p "$dir"; cp "$dir.log" "$dir/log.txt"
 }
 

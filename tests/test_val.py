@@ -277,6 +277,21 @@ def test_the_reward_report_needs_no_evaluator(tmp_path):
     assert "| TRL | 0.70 | 1.00 | 4 |" in table and "| async | 0.20 | 0.29 | 4 |" in table
 
 
+def test_the_real_model_script_reports_a_failed_runs_exit_code(tmp_path):
+    """bench/real_model.sh's summary line carries the run's own exit code: a missing model folder is
+    train_grpo's exit 2 with its one-line error in the run's log (round 23's summary said 0 for a run that
+    never started: the line's "$(basename ...)" had reset $? before it was read)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"),
+           "MODEL": str(tmp_path / "no_model"), "TRAIN": str(tmp_path / "train.jsonl"), "VAL": str(tmp_path / "val.jsonl")}
+    r = subprocess.run(["bash", "bench/real_model.sh", "grpo", "120"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=240)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary.startswith("[grpo] exit 2 after "), (summary, r.stdout[-2000:], r.stderr[-2000:])
+    assert "error: --model " in (tmp_path / "runs" / "grpo" / "log.txt").read_text()
+
+
 def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
     """bench/vs_trl.py (no TRL needed): `timed` adds `_generate`'s time and the no-grad log-prob forwards'
     (not those under grad: the loss's) to each logged step, and speed_report gives TRL's medians after the
