@@ -200,7 +200,6 @@ def test_an_async_trainer_grows_its_allocator_segments_unless_the_launcher_chose
     """Async rollout: the trainer's process (no vLLM pool in it) gets expandable segments before its first
     CUDA allocation; a colocated run keeps PyTorch's default (vLLM's sleep pool refuses them), and any
     PYTORCH_CUDA_ALLOC_CONF the launcher set is kept as it is."""
-    import os
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
     assert rollout_engine.trainer_allocator(RolloutConfig(mode="colocated")) is None
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
