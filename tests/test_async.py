@@ -200,8 +200,9 @@ def test_an_async_trainer_grows_its_allocator_segments_unless_the_launcher_chose
     """Async rollout: the trainer's process (no vLLM pool in it) gets expandable segments before its first
     CUDA allocation; a colocated run keeps PyTorch's default (vLLM's sleep pool refuses them), and any
     PYTORCH_CUDA_ALLOC_CONF the launcher set is kept as it is."""
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    assert rollout_engine.trainer_allocator(RolloutConfig(mode="colocated")) is None
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")       # recorded first: the teardown puts back what was there
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")             # (trainer_allocator sets os.environ itself; later
+    assert rollout_engine.trainer_allocator(RolloutConfig(mode="colocated")) is None   # tests build vLLM in-process)
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
     assert rollout_engine.trainer_allocator(RolloutConfig(mode="async")) == "expandable_segments:True"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
