@@ -405,7 +405,7 @@ def push(s: Stream, model, stashes: list, version: int, metrics: dict):
     bucket. The actor's `stashes` are in for the gather (a no-op when the update left them there). An
     engine that died stops rank 0's sends, not the gathers (the other ranks are in them); then every
     rank stops with rank 0's line."""
-    t0, cuda, died = time.perf_counter(), s.device.type == "cuda", [None]
+    t0, cuda, died, wait = time.perf_counter(), s.device.type == "cuda", [None], 0.0
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
@@ -422,8 +422,10 @@ def push(s: Stream, model, stashes: list, version: int, metrics: dict):
                 if s.rank == 0:
                     buf[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
                 del t
-            if s.rank == 0 and died[0] is None:
+            if s.rank == 0 and died[0] is None:   # an engine takes a push between two generate calls: one
+                t1 = time.perf_counter()            # mid-generate holds the trainer here (push_wait_s)
                 died[0] = _each(s, lambda i: _send_bucket(s, b, buf[:entries[-1][2] + entries[-1][3]]), once=True)
+                wait += time.perf_counter() - t1
         assert next(it, None) is None
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(died, src=0)
@@ -431,6 +433,7 @@ def push(s: Stream, model, stashes: list, version: int, metrics: dict):
         raise rollout_engine.EngineDied(died[0])
     s.version = version
     metrics["rollout/push_s"] = time.perf_counter() - t0
+    metrics["rollout/push_wait_s"] = wait       # of it, handing buckets over (rank 0; 0 on the others)
     metrics["rollout/push_gb"] = sum(e[3] for bk in s.layout for e in bk) / offload.GB
     if cuda:
         metrics["rollout/push_transient_gb"] = (torch.cuda.max_memory_allocated() - base) / offload.GB

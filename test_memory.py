@@ -648,7 +648,7 @@ def test_a_streamed_checkpoint_and_its_resume_hold_the_params_and_a_window(env, 
         if act == "save":
             train_grpo.save(t, 1)
         else:
-            checkpoint.load(checkpoint.newest(out_dir), train_grpo.trained(t), asdict(t.cfg), world)
+            checkpoint.load(checkpoint.newest(out_dir), train_grpo.trained(t.actor, t.critic), asdict(t.cfg), world)
         grown.append(torch.cuda.max_memory_allocated() - base)
     print(f"\n[streamed checkpoint] save +{grown[0] / MB:.0f} MiB, load +{grown[1] / MB:.0f} MiB; params "
           f"{params / MB:.0f}, three windows {windows / MB:.0f}, Adam {adam / MB:.0f} MiB", flush=True)

@@ -11,8 +11,7 @@ One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every m
 inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py loads and frees the actor's
 params around the weight sync): this file orders the stages and keeps the ledger (ledger.stage).
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
-Every metric of every step also goes to TensorBoard (`tensorboard --logdir <out_dir>/tensorboard`; or
-wandb, or none: --logger, tracker.py); a GPU run ends with <out_dir>/memory.png (tracker.picture).
+Every metric also goes to TensorBoard (<out_dir>/tensorboard), wandb or nowhere (--logger); a GPU run ends with <out_dir>/memory.png.
     generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
                 (actor.defer_param_offload: they are still in from the last update; out after the sync)
     reward    : score each response on the CPU
@@ -167,6 +166,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
+    rundir.disk_report(cfg, trained(a, c), a)   # a disk too small stops the run here, before the engine's build
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
@@ -210,7 +210,7 @@ def report(t: Trainer) -> list[str]:
     lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM or Ctrl-C, to "
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
-    lines.append(rundir.disk_report(cfg, trained(t), t.actor))   # raises when the disk cannot hold the run
+    lines.append(rundir.disk_report(cfg, trained(t.actor, t.critic), t.actor))
     lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
     lines += validate.describe(cfg, t.val, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format))
     lines += rollout.describe(t.engine) + [t.kernels]
@@ -445,12 +445,12 @@ def start_stream(t: Trainer, step: int):
         print("\n".join(rollout_async.describe(t.stream)), flush=True)
 
 
-def trained(t: Trainer) -> list:   # (name, state, checkpoint bracket); the frozen roles are rebuilt from --model
-    return [("actor", t.actor, actor.state_in)] + ([("critic", t.critic, critic.state_in)] if t.critic else [])
+def trained(a: actor.Actor, c: critic.Critic | None) -> list:   # (name, state, checkpoint bracket); the frozen
+    return [("actor", a, actor.state_in)] + ([("critic", c, critic.state_in)] if c else [])   # roles: from --model
 
 
 def save(t: Trainer, step: int):          # a checkpoint after `step` steps, with the run's place in its data
-    checkpoint.save(t.cfg.out_dir, step, trained(t), t.cfg.keep_checkpoints, {
+    checkpoint.save(t.cfg.out_dir, step, trained(t.actor, t.critic), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
         "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
         "world_size": t.world, "config": asdict(t.cfg)})
@@ -464,7 +464,7 @@ def keep(t: Trainer) -> str:            # after a stop or an error: the weights 
 
 def resume(t: Trainer, path: str) -> int:
     """Load the checkpoint at `path` into the roles; returns the step to start at."""
-    meta = checkpoint.load(path, trained(t), asdict(t.cfg), t.world)
+    meta = checkpoint.load(path, trained(t.actor, t.critic), asdict(t.cfg), t.world)
     t.data_offset = meta["prompts_seen"] - meta["step"] * t.cfg.train_batch_size   # 0 unless the batch size changed
     t.updates = t.saved = meta["step"]
     return meta["step"]

@@ -107,7 +107,7 @@ def copy_bandwidth(nbytes: int = 2 ** 30) -> dict:
 def bench_cfg(name, args, extra):
     cfg = options.parse_args([f"--model={args.model}", f"--train_batch_size={args.prompts}",
                                  f"--actor.ppo_mini_batch_size={args.prompts}", f"--rollout.n={args.n}",
-                                 f"--rollout.response_length={args.response_len}", "--save=false",
+                                 f"--rollout.response_length={args.response_len}", "--save=false", "--save_freq=0",
                                  f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
                                  f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}",

@@ -72,7 +72,7 @@ def parse_args():
 def build_trainer(args, extra):
     """The trainer's roles (HF engine: no vLLM), one mini-batch of `samples` per step, both
     micro-batch layouts' sizes set so a configuration only flips the two flags."""
-    cfg = options.parse_args([f"--model={args.model}", "--rollout.engine=hf", "--save=false",
+    cfg = options.parse_args([f"--model={args.model}", "--rollout.engine=hf", "--save=false", "--save_freq=0",
                                  f"--train_batch_size={args.samples}", f"--actor.ppo_mini_batch_size={args.samples}",
                                  "--rollout.n=1", f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
                                  f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}",

@@ -52,7 +52,8 @@ def workload(args, extra: list) -> list:
     micro = [f"--actor.ppo_micro_batch_size_per_gpu={args.micro}", f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
              f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}"] if args.micro else []   # 0: the run's (plan.relax)
     return [f"--model={args.model}", f"--train_batch_size={args.prompts}", f"--actor.ppo_mini_batch_size={args.prompts}",
-            f"--rollout.n={args.n}", f"--rollout.response_length={args.response_len}", "--save=false", "--logger=none",
+            f"--rollout.n={args.n}", f"--rollout.response_length={args.response_len}", "--logger=none",
+            "--save=false", "--save_freq=0",       # timed steps only: no checkpoint, and no disk check refuses it
             *micro, "--actor.kl_loss_coef=0.04",
             f"--out_dir={tempfile.mkdtemp(prefix='bench_step_')}", "--reward=bench.bench_step:length_reward"] + extra
 

@@ -145,6 +145,7 @@ def test_async_learns_and_first_batch_matches_the_trainer(tmp_path):
     assert all(x["rollout/staleness_max"] == 1 for x in m[1:])
     assert all("rollout_is/weight_mean" in x for x in m)           # the correction is on (its use: below)
     assert all(x["rollout/push_gb"] > 0 and x["time/push"] > 0 for x in m)
+    assert all(0 < x["rollout/push_wait_s"] <= x["rollout/push_s"] for x in m)   # the hand-over, inside the push
     first = sum(x["reward_mean"] for x in m[:10]) / 10
     last = sum(x["reward_mean"] for x in m[-10:]) / 10
     assert last > first + 0.1, (first, last)

@@ -187,7 +187,7 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
         m.setattr(checkpoint, "free_bytes", lambda path: 10 * 2**20)
         with pytest.raises(OSError, match=rf"{out} has 0.010 GB free but this run writes ~0.0\d\d GB there "
                                           r"\(1 checkpoint\(s\) of ~0.03\d GB \+ final/ ~0.01\d GB\): free space"):
-            rundir.disk_report(t.cfg, train_grpo.trained(t), t.actor)
+            rundir.disk_report(t.cfg, train_grpo.trained(t.actor, t.critic), t.actor)
         with pytest.raises(OSError, match=r"writing the checkpoint .*/.tmp-step_000001 failed: no space left on "
                                           r"device \(it needs ~0.03\d GB, 0.010 GB free\); nothing was written"):
             train_grpo.save(t, 1)
@@ -296,6 +296,21 @@ def small_disk(tmp_path, monkeypatch):
     for (module, name), f in _limited(disk).items():
         monkeypatch.setattr(module, name, f)
     return disk
+
+
+def test_a_disk_too_small_stops_the_run_before_the_rollout_engine_is_built(tmp_path, dist_env, monkeypatch):
+    """The disk check runs once the trained roles exist and before the engine is built (on a GPU that build
+    is a minute or more): a run whose out_dir cannot hold its checkpoints stops with the one line at once."""
+    import rollout
+    import train_grpo
+    cfg = options.parse_args([f"--out_dir={tmp_path / 'run'}", "--steps=1", "--save_freq=1"] + SMALL)
+    (data, val), _ = train_grpo.preflight(cfg)
+    built = []
+    monkeypatch.setattr(rollout, "build", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 10 * 2**20)
+    with pytest.raises(OSError, match=r"has 0.010 GB free but this run writes ~0.0\d\d GB there .*: free space"):
+        train_grpo.setup(cfg, data=data, val=val)
+    assert built == []
 
 
 def _after(monkeypatch, module, name, calls, then):
