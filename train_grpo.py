@@ -138,9 +138,8 @@ def preflight(cfg: Config):
 
 
 def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None) -> Trainer:
-    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`, sampling
-    and sleeping as `cfg` says: a benchmark's variants). `data`: (prompt ids, answers, chats or None) instead of
-    cfg.data (preflight's, or a benchmark's), `val` the held-out ones (None: no validation); else both from cfg."""
+    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`, run as `cfg`
+    says). `data`, `val`: (prompt ids, answers, chats or None) to train on and hold out (None: no validation), or cfg's."""
     nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
     rank, world, device = launch.init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
     torch.manual_seed(cfg.seed)
