@@ -11,7 +11,8 @@
 #   bash bench/real_model.sh trl_speed [0.5b|1.5b]   # TRL's workload, ours (bench/bench_step.py) and TRL, per size
 #   bash bench/real_model.sh trl_task [seconds]   # TRL on this task with our GRPO's settings, a checkpoint every 10
 #                                                 # steps, then trl_eval in the same call (~90 s more): the checkpoints
-#                                                 # are in the machine's /tmp, lost if it goes back between calls
+#                                                 # are in the machine's /tmp, lost if it goes back between calls,
+#                                                 # and removed once scored (KEEP=1 keeps them)
 #   bash bench/real_model.sh trl_eval     # the base model and TRL's checkpoints through one greedy evaluator
 # TRL's parts want TRL's wheels installed first (no registry on the GPU machine):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .peers/*.whl
@@ -45,7 +46,10 @@ evaluate() {  # the base model first (its engine is reused), then each checkpoin
   timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
     "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
     > "$OUT/trl_eval$S.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
-  echo "[trl_eval$S] exit $?" | tee -a "$OUT/summary.txt"
+  local rc=$?
+  echo "[trl_eval$S] exit $rc" | tee -a "$OUT/summary.txt"
+  # scored, TRL's checkpoints go (2.5 GB each in fp32; they filled round 24's disk for a later run); KEEP=1 keeps them
+  [ "$rc" != 0 ] || [ -n "${KEEP:-}" ] || rm -rf "$RUNS"/trl$S/checkpoint-*
 }
 keep_packing() { (while sleep 30; do pack "$@"; done) > /dev/null 2>&1 & echo $!; }
 

@@ -292,6 +292,29 @@ def test_the_real_model_script_reports_a_failed_runs_exit_code(tmp_path):
     assert "error: --model " in (tmp_path / "runs" / "grpo" / "log.txt").read_text()
 
 
+@pytest.mark.parametrize("scored,keep", [(True, ""), (True, "1"), (False, "")])
+def test_the_real_model_script_drops_trls_checkpoints_once_scored_unless_kept(tmp_path, scored, keep):
+    """trl_eval removes TRL's checkpoints once the evaluator has scored them (they filled round 24's disk and
+    a later run's check refused it); KEEP=1 keeps them, and so does an evaluator that failed, for a second
+    try on the same machine. A `python` first on PATH stands in for the evaluator (no model, no vLLM here)."""
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ckpt = tmp_path / "runs" / "trl" / "checkpoint-10"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"0" * 16)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python").write_text(f"#!/bin/sh\nexit {0 if scored else 1}\n")
+    (bin_ / "python").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"), "KEEP": keep,
+           "PATH": f"{bin_}:{os.environ['PATH']}", "MODEL": str(tmp_path / "m"), "VAL": str(tmp_path / "v.jsonl")}
+    r = subprocess.run(["bash", "bench/real_model.sh", "trl_eval"], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=240)
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert summary == f"[trl_eval] exit {0 if scored else 1}\n", (summary, r.stdout, r.stderr)
+    assert ckpt.exists() == (not scored or bool(keep))
+
+
 def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
     """bench/vs_trl.py (no TRL needed): `timed` adds `_generate`'s time and the no-grad log-prob forwards'
     (not those under grad: the loss's) to each logged step, and speed_report gives TRL's medians after the
