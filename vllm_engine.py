@@ -15,15 +15,17 @@ import torch
 import weights
 
 
-def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, **engine_args):
+def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, core_process: bool = False, **engine_args):
     """A vllm.LLM in this process. `model_dir` needs only a config.json: the weights are random until
     the first sync (nothing is read from disk twice). `kv` > 0: vLLM's KV cache on each GPU is exactly
     that, and the share passed beside it is `need` (engine_bytes) over the GPU, checked here first
     against what is free (one line naming the numbers, not a failure inside vLLM); `kv` == 0:
     cfg.gpu_memory_utilization sizes weights + KV. FP8 (rollout.kv_cache_dtype, rollout.quantization):
     vLLM's own online FP8, from the random bf16 weights at build, again at each sync (`sync_weights`).
-    `engine_args`: the launcher and sleep mode (colocated), nothing for the async engine's process."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # engine core in this process: GPU tensors pass by reference
+    `engine_args`: the launcher and sleep mode (colocated), nothing for the async engine's process.
+    `core_process`: vLLM's engine core in a process of its own, its output processing beside the GPU's work
+    (bench_engine.py --engine_core=process measures it); the weight sync and `loading` reach into this one's."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if core_process else "0"   # "0": GPU tensors pass by reference
     os.environ.setdefault("RANK", "0")                   # plain `python`: external_launcher reads these
     os.environ.setdefault("LOCAL_RANK", "0")
     if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to

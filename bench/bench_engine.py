@@ -8,6 +8,8 @@ two: the first warms the graphs). What FP8 (rollout.kv_cache_dtype, rollout.quan
     python bench/bench_engine.py auto none out/sampler.json --model=qwen2.5-0.5b --sampler   # the sampler's costs
     python bench/bench_engine.py auto none out/decode.json --model=qwen2.5-0.5b --decode     # where a decode step goes
     ... --decode --async_scheduling=0                          # the same with vLLM's async scheduling off
+    ... --decode --engine_core=inline|process   # built as the async engine's process builds it (no sleep mode), its
+                                                # engine core in this process or in one of its own: the step only
 
 Workload: 32 prompts of 128 tokens x 8 samples, 512 tokens each (ignore_eos: every response at full
 length), temperature 1.
@@ -38,11 +40,20 @@ def main():
         vllm_engine.new_llm = lambda *a, **k: new_llm(*a, async_scheduling=False, **k)
     cfg = rollout.RolloutConfig(engine="vllm", n=8, response_length=512, kv_cache_dtype=kv, quantization=quant)
     req = rollout.request(cfg, prompts=32, prompt_len=128, param_dtype="bfloat16")
-    engine = rollout.build(cfg, device=device, model_path=None, config=M.size_config(size), out_dir="/tmp/bench_engine",
-                           req=req, seed=0, pad_id=0, eos_id=151935)
-    llm = engine.llm
-    llm.wake_up(tags=["weights"])
-    llm.wake_up(tags=["kv_cache"])
+    core = next((a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--engine_core=")), "")
+    if core:                                  # the async engine's build: awake, no launcher, no sleep pool
+        import rollout_engine
+        import vllm_engine
+        assert core in ("inline", "process"), f"--engine_core={core}: inline or process"
+        config, kv_bytes = M.size_config(size), rollout.kv_bytes(cfg, M.size_config(size), req)
+        llm = vllm_engine.new_llm(cfg, model_dir=rollout.model_dir(None, config, "/tmp/bench_engine"), req=req, seed=0,
+                                  kv=kv_bytes, need=rollout_engine.predicted(cfg, config, req), core_process=core == "process")
+    else:
+        engine = rollout.build(cfg, device=device, model_path=None, config=M.size_config(size), out_dir="/tmp/bench_engine",
+                               req=req, seed=0, pad_id=0, eos_id=151935)
+        llm, kv_bytes = engine.llm, engine.kv_cache_bytes
+        llm.wake_up(tags=["weights"])
+        llm.wake_up(tags=["kv_cache"])
     free, total = torch.cuda.mem_get_info()
     prompts = [torch.randint(2, 150000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(32)]
     from vllm import SamplingParams
@@ -55,12 +66,12 @@ def main():
         seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for r in outs for o in r.outputs)
     res = {"model": size, "kv": kv, "quant": quant, "device_gb_awake": (total - free) / 2 ** 30,
-           "kv_gb": engine.kv_cache_bytes / 2 ** 30, "generate_s": seconds, "tokens": tokens,
+           "kv_gb": kv_bytes / 2 ** 30, "engine_core": core or "colocated", "generate_s": seconds, "tokens": tokens,
            "tokens_per_s": tokens / seconds}
     if "--sampler" in sys.argv:
         res["sampler"] = sampler(llm, prompts, size)
     if "--decode" in sys.argv:
-        res["decode"] = decode(llm, prompts, size, os.path.dirname(os.path.abspath(out)))
+        res["decode"] = decode(llm, prompts, size, os.path.dirname(os.path.abspath(out)), profile=core != "process")
         res["decode"]["async_scheduling"] = "--async_scheduling=0" not in sys.argv
     with open(out, "w") as f:
         json.dump(res, f)
@@ -112,12 +123,13 @@ def sampler(llm, prompts: list, size: str) -> dict:
             "flat_log_probs_are_the_same": (samples[dicts], lps[dicts]) == (samples[flat], lps[flat])}
 
 
-def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
+def decode(llm, prompts: list, size: str, out_dir: str, profile: bool = True) -> dict:
     """Where the decode step's time goes: the step at 64 and at 256 sequences (what grows
     with the batch; 512 tokens each, no log-probs), then 256 sequences x 64 tokens under torch.profiler without
     and with the sampled tokens' flat log-probs: the GPU's busy time a step (the union of its kernels'
     intervals) against the wall time a step, the kernels that take it, and the host's launches a step. Bounds:
-    the weights read once a step, and the KV cache read at the mean context (prompt + half the response)."""
+    the weights read once a step, and the KV cache read at the mean context (prompt + half the response).
+    `profile` False (an engine core in another process, whose kernels this profiler cannot see): the steps only."""
     from vllm import SamplingParams
     shapes = M.shapes(M.size_config(size))
 
@@ -134,7 +146,7 @@ def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
     for k in (8, 32, 8, 32):                          # in alternation; the faster of two
         step_ms[k * 8] = min(step_ms.get(k * 8, 1e9), call(k, 512, False) / 512 * 1e3)
     res = {"model": size, "step_ms_by_sequences": step_ms, "profiled": {}}
-    for logprobs in (False, True):
+    for logprobs in (False, True) if profile else ():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             wall = call(32, 64, logprobs)
@@ -142,7 +154,8 @@ def decode(llm, prompts: list, size: str, out_dir: str) -> dict:
         prof.export_chrome_trace(path)                # gzipped by its suffix
         res["profiled"]["flat log-probs" if logprobs else "no log-probs"] = trace_summary(path, wall, steps=64)
     kv_token = 2 * shapes.layers * shapes.kv_dim * 2  # K and V, bf16, every layer
-    res["weight_read_bound_ms"] = weight_read_bound_ms(llm)
+    res["weight_read_bound_ms"] = weight_read_bound_ms(llm) if profile else \
+        rollout.weight_count(M.size_config(size)) * 2 / ledger.HBM["H200"] * 1e3   # the model's count: no reach inside
     res["kv_read_bound_ms_256"] = kv_token * 256 * (128 + 256) / ledger.HBM["H200"] * 1e3
     return res
 

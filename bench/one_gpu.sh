@@ -14,6 +14,7 @@
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
 #   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy against wall, kernels
+#   bash bench/one_gpu.sh decode_core                          # the async engine's decode, vLLM's engine core inline / a process
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
 #   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
@@ -54,6 +55,12 @@ case "${1:-}" in
     part decode_0p5b_sync 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b_sync.json" --model=qwen2.5-0.5b \
       --decode --async_scheduling=0
     (cd "$OUT" && tar czf decode_traces.tgz decode_trace_* && rm -f decode_trace_*) ;;   # a call brings back 8 files
+  decode_core)   # the async engine's build (awake, no sleep pool), vLLM's engine core in this process against in a
+                 # process of its own (its output processing beside the GPU's work): the decode step, in alternation
+    for size in 0.5b 1.5b; do for core in inline process; do
+      part "decode_${core}_${size/./p}" 180 python bench/bench_engine.py auto none "$OUT/decode_${core}_${size/./p}.json" \
+        --model=qwen2.5-$size --decode --engine_core=$core
+    done; done ;;
   logprobs)   # the loop's step with the sampled tokens' log-probs every step against none after step 0
     for size in ${2:-0.5b 1.5b}; do
       part "logprobs_$size" 280 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=1 --steps=4 \
@@ -127,5 +134,5 @@ case "${1:-}" in
     part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|decode|logprobs|gc|awake|head" >&2; exit 2 ;;
+  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|decode|decode_core|logprobs|gc|awake|head" >&2; exit 2 ;;
 esac
