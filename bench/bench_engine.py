@@ -41,19 +41,7 @@ def main():
     cfg = rollout.RolloutConfig(engine="vllm", n=8, response_length=512, kv_cache_dtype=kv, quantization=quant)
     req = rollout.request(cfg, prompts=32, prompt_len=128, param_dtype="bfloat16")
     core = next((a.split("=", 1)[1] for a in sys.argv[4:] if a.startswith("--engine_core=")), "")
-    if core:                                  # the async engine's build: awake, no launcher, no sleep pool
-        import rollout_engine
-        import vllm_engine
-        assert core in ("inline", "process"), f"--engine_core={core}: inline or process"
-        config, kv_bytes = M.size_config(size), rollout.kv_bytes(cfg, M.size_config(size), req)
-        llm = vllm_engine.new_llm(cfg, model_dir=rollout.model_dir(None, config, "/tmp/bench_engine"), req=req, seed=0,
-                                  kv=kv_bytes, need=rollout_engine.predicted(cfg, config, req), core_process=core == "process")
-    else:
-        engine = rollout.build(cfg, device=device, model_path=None, config=M.size_config(size), out_dir="/tmp/bench_engine",
-                               req=req, seed=0, pad_id=0, eos_id=151935)
-        llm, kv_bytes = engine.llm, engine.kv_cache_bytes
-        llm.wake_up(tags=["weights"])
-        llm.wake_up(tags=["kv_cache"])
+    llm, kv_bytes = build(cfg, req, M.size_config(size), core, device)
     free, total = torch.cuda.mem_get_info()
     prompts = [torch.randint(2, 150000, (128,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(32)]
     from vllm import SamplingParams
@@ -121,6 +109,23 @@ def sampler(llm, prompts: list, size: str) -> dict:
             "weight_read_bound_ms": weight_read_bound_ms(llm), "one_seed_reproducible": first == again, "model": size,
             "log_probs_change_no_sample": samples[dicts] == samples[none],
             "flat_log_probs_are_the_same": (samples[dicts], lps[dicts]) == (samples[flat], lps[flat])}
+
+
+def build(cfg, req, config, core: str, device) -> tuple:
+    """(the vllm.LLM awake, its KV cache bytes): the colocated build (core ""), or the async engine's process's
+    (no launcher, no sleep pool) with vLLM's engine core in this process ("inline") or its own ("process")."""
+    if not core:
+        engine = rollout.build(cfg, device=device, model_path=None, config=config, out_dir="/tmp/bench_engine",
+                               req=req, seed=0, pad_id=0, eos_id=151935)
+        engine.llm.wake_up(tags=["weights"])
+        engine.llm.wake_up(tags=["kv_cache"])
+        return engine.llm, engine.kv_cache_bytes
+    import rollout_engine
+    import vllm_engine
+    assert core in ("inline", "process"), f"--engine_core={core}: inline or process"
+    kv = rollout.kv_bytes(cfg, config, req)
+    return vllm_engine.new_llm(cfg, model_dir=rollout.model_dir(None, config, "/tmp/bench_engine"), req=req, seed=0, kv=kv,
+                               need=rollout_engine.predicted(cfg, config, req), core_process=core == "process"), kv
 
 
 def decode(llm, prompts: list, size: str, out_dir: str, profile: bool = True) -> dict:
