@@ -14,7 +14,7 @@
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
 #   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy against wall, kernels
-#   bash bench/one_gpu.sh decode_core                          # the async engine's decode, vLLM's engine core inline / a process
+#   bash bench/one_gpu.sh decode_core [0.5b|1.5b]              # the async engine's decode, vLLM's engine core inline / a process
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
 #   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
@@ -57,7 +57,7 @@ case "${1:-}" in
     (cd "$OUT" && tar czf decode_traces.tgz decode_trace_* && rm -f decode_trace_*) ;;   # a call brings back 8 files
   decode_core)   # the async engine's build (awake, no sleep pool), vLLM's engine core in this process against in a
                  # process of its own (its output processing beside the GPU's work): the decode step, in alternation
-    for size in 0.5b 1.5b; do for core in inline process; do
+    for size in ${2:-0.5b 1.5b}; do for core in inline process; do
       part "decode_${core}_${size/./p}" 180 python bench/bench_engine.py auto none "$OUT/decode_${core}_${size/./p}.json" \
         --model=qwen2.5-$size --decode --engine_core=$core
     done; done ;;
