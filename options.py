@@ -190,6 +190,7 @@ def check_sizes(cfg: Config, world: int) -> int:
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     actor.check(cfg.actor, world)          # the rules that combine a role's options
+    ref.check(cfg.ref)
     rollout.check(cfg.rollout, world)
     profile_steps(cfg.profile_steps)
     return mini

@@ -52,6 +52,13 @@ class Ref:
     layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
 
 
+def check(cfg: RefConfig):
+    """The combination of options that cannot run (each alone is checked at parse time)."""
+    if cfg.offload_policy and cfg.param_offload:
+        raise ValueError("ref.offload_policy (FSDP2 CPUOffloadPolicy) already keeps the ref's params on the CPU; "
+                         "turn ref.param_offload off")
+
+
 def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings(), seed: int = 0) -> Ref:
     """The actor's architecture and initial weights, frozen; its compute dtype and forward
     settings (packing, chunked head, token budgets) come from the actor's config (a script without

@@ -338,6 +338,7 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--actor.loss_agg_mode=sum"], "--actor.loss_agg_mode=sum: use one of"),
     (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
     (["--actor.offload_policy=true", "--actor.param_offload=true"], "already keeps params and Adam"),
+    (["--ref.offload_policy=true", "--ref.param_offload=true"], "already keeps the ref's params on the CPU"),
     (["--model=random:qwen9"], "known sizes are"),
     (["--model={d}/noweights"], "no weights there"),
     (["--model={d}/gpt2"], "GPT2LMHeadModel has no model.model.layers / model.model.norm; supported: decoder-only"),
