@@ -1,9 +1,9 @@
 """Checkpoints and resume: what a run keeps so that it survives a kill, a preemption or a dead
 rank (the out_dir around them, the lock, the disk and the stop signals: rundir.py).
 
-    python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
-    python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
-    torchrun --nproc_per_node=2 train_grpo.py --steps=40 --resume=out/checkpoints/step_000020 --out_dir=out2
+    python train_grpo.py --steps=20 --save_freq=5 --out_dir=out_ckpt   # out_ckpt/checkpoints/step_000005, ... 20
+    python train_grpo.py --steps=40 --out_dir=out_ckpt                 # the same out_dir: resumes at step 20
+    torchrun --nproc_per_node=2 train_grpo.py --steps=40 --resume=out_ckpt/checkpoints/step_000020 --out_dir=out2
     python -m pytest tests/test_checkpoint.py -q
 
 A checkpoint, checkpoints/step_000020/: meta.json (written last: its presence marks a complete

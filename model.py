@@ -1,6 +1,6 @@
 """What every role shares: the model behind --model, FSDP2, AdamW, layouts, the micro-batched forward,
-the collectives and the clipped optimizer step. A role file imports this one, offload.py and
-packing.py, never another role: copying ref.py brings these three along, not actor.py.
+the collectives and the clipped optimizer step. A role file imports this one, offload.py and packing.py
+(ulysses.py through both); copying ref.py brings them along, not actor.py (`python copy_set.py ref`).
 
     python -m pytest -q tests/test_dist.py tests/test_packing.py      # 2 ranks == 1; packed == padded
 

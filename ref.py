@@ -3,17 +3,15 @@
     torchrun --nproc_per_node=2 train_grpo.py --ref.param_offload=true
     python -m pytest test_memory.py -k ref          # on a GPU: ref offload frees its shard bytes
 
-What it holds on the GPU: its shards in the compute dtype (bf16: params x 2 / world bytes), no
-grads, no optimizer; a layer's gathered weights and one micro-batch's activations in its forward.
-What it moves: with param_offload its shards live in pinned host memory and come in for the ref
-stage only, inside `resident`, which the loop holds open (the actor's update params can come in
-on a side stream meanwhile); they never change, so they are freed after it without a copy back.
-verl always puts the reference behind FSDP's CPU offload; here both modes are offered
-(`offload_policy` is that one) and the manual one (pinned buffers, one copy in per step) is the
-default.
-It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never built, nor with
-LoRA (actor.lora_rank > 0): the frozen base is the step-0 policy, so the actor with its adapter off
-is the reference and the options here have no effect (`needed`, `ignored`).
+What it holds on the GPU: its shards in the compute dtype (bf16: params x 2 / world bytes), no grads, no
+optimizer; a layer's gathered weights and one micro-batch's activations in its forward. What it moves: with
+param_offload its shards live in pinned host memory and come in for the ref stage only, inside `resident`, which
+the loop holds open (the actor's update params can come in on a side stream meanwhile); they never change, so
+they are freed after it without a copy back. verl always puts the reference behind FSDP's CPU offload
+(`offload_policy` here); the manual mode (pinned buffers, one copy in per step) is the default, and the two do
+not combine (`check`). It exists only to anchor the KL loss (actor.use_kl_loss); with that off it is never
+built, nor with LoRA (actor.lora_rank > 0): the frozen base is the step-0 policy, so the actor with its adapter
+off is the reference and the options here have no effect (`needed`, `ignored`).
 """
 import contextlib
 from dataclasses import dataclass, fields
@@ -44,25 +42,22 @@ def needed(actor_cfg) -> bool:
 
 
 @dataclass
-class Ref:
-    """The reference's state (made by `build`)."""
+class Ref:                                  # the reference's state, made by `build`
     cfg: RefConfig
     model: torch.nn.Module
     params: offload.Stash                  # its local shards, in the compute dtype; on the host with param_offload
     layout: packing.Layout                 # micro-batches, packing and LM-head chunks (the actor's settings)
 
 
-def check(cfg: RefConfig):
-    """The combination of options that cannot run (each alone is checked at parse time)."""
+def check(cfg: RefConfig):                 # the combination that cannot run (each alone is checked at parse time)
     if cfg.offload_policy and cfg.param_offload:
         raise ValueError("ref.offload_policy (FSDP2 CPUOffloadPolicy) already keeps the ref's params on the CPU; "
                          "turn ref.param_offload off")
 
 
 def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings(), seed: int = 0) -> Ref:
-    """The actor's architecture and initial weights, frozen; its compute dtype and forward
-    settings (packing, chunked head, token budgets) come from the actor's config (a script without
-    the actor: model.ForwardSettings, the actor's defaults)."""
+    """The actor's architecture and initial weights, frozen; its compute dtype and forward settings (packing,
+    chunked head, token budgets) from the actor's config (without the actor: model.ForwardSettings, its defaults)."""
     model = load_model(model_path, seed=seed)
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     if device.type == "cuda":
@@ -77,10 +72,8 @@ def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings
 def describe(r: Ref) -> list[str]:
     """The set-up report's lines for the reference."""
     lines = [offload.describe("ref.param_offload", r.params.nbytes, r.cfg.param_offload, r.params.views[0].device)]
-    if r.cfg.offload_policy:
-        lines.append("[offload] ref.offload_policy: FSDP2 CPUOffloadPolicy, params on pinned host, copied per "
-                     "layer at all-gather")
-    return lines
+    return lines + (["[offload] ref.offload_policy: FSDP2 CPUOffloadPolicy, params on pinned host, copied per layer "
+                     "at all-gather"] if r.cfg.offload_policy else [])
 
 
 def ignored(cfg: RefConfig, actor_cfg) -> list[str]:

@@ -137,6 +137,8 @@ def resolve_engine(cfg: RolloutConfig, device: torch.device) -> str:
                          "(docs/rollout.md: vLLM on a GPU node); use --rollout.engine=hf")
     kind = ("vllm" if has_vllm and device.type == "cuda" else "hf") if cfg.engine == "auto" else cfg.engine
     check_fp8(cfg, kind)
+    if kind == "vllm" and cfg.mode == "colocated":
+        vllm_engine.check_allocator()       # now, not minutes later at the engine's build
     return kind
 
 

@@ -2,8 +2,8 @@
 policy, one run per out_dir, the disk it will need, metrics.jsonl with each step once, the end-of-run
 lines, and how a run stops on a preemption or Ctrl-C.
 
-    python train_grpo.py --steps=20 --save_freq=5        # out/checkpoints/step_000005, ... step_000020
-    python train_grpo.py --steps=40                      # the same out_dir: resumes at step 20
+    python train_grpo.py --steps=20 --save_freq=5 --out_dir=out_ckpt   # out_ckpt/checkpoints/step_000005, ... 20
+    python train_grpo.py --steps=40 --out_dir=out_ckpt                 # the same out_dir: resumes at step 20
     python -m pytest tests/test_reliability.py tests/test_checkpoint.py -q
 
 - The out_dir policy (`plan`, checked before any model is built): an out_dir with an unfinished

@@ -12,8 +12,9 @@ inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollo
 params around the weight sync): this file orders the stages and keeps the ledger (ledger.stage).
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
 Every metric also goes to TensorBoard (<out_dir>/tensorboard), wandb or nowhere (--logger); a GPU run ends with <out_dir>/memory.png.
-    generate  : actor params in (if offloaded) -> sample n responses per prompt -> params out
-                (actor.defer_param_offload: they are still in from the last update; out after the sync)
+    [val]     : when due (--val_freq), first: greedy answers to the held-out prompts in a bracket of their own
+    generate  : HF: params in -> sample n a prompt -> out; vLLM (rollout.awake): params in -> sync -> out -> KV
+                wakes -> sample -> sleep (defer_param_offload: in since the update). Async: rollout_wait, push last
     reward    : score each response on the CPU
     reward_model : reward-model params in -> micro-batched scores -> params out (with --reward_model.path);
                 mixed with the rule reward (reward_model.weight)

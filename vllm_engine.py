@@ -30,9 +30,7 @@ def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, core_pr
     os.environ.setdefault("LOCAL_RANK", "0")
     if importlib.util.find_spec("flashinfer") is None:  # vLLM 0.26's sampler imports it unless told not to
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with "
-                         "vLLM's sleep pool; unset it")
+    check_allocator()
     from vllm import LLM
     rng = torch.get_rng_state(), torch.cuda.get_rng_state()
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
@@ -49,6 +47,14 @@ def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, core_pr
     # its GPU params (round 11: the actor's 1,889 MiB at 0.5B, allocated by its last reload). Unfrozen here.
     gc.unfreeze()
     return llm
+
+
+def check_allocator():
+    """vLLM's sleep pool cannot share a process with expandable segments (vLLM refuses them at its build): said
+    before anything is built (`rollout.resolve_engine`, the pre-flight of a colocated run) and at the build."""
+    if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with vLLM's sleep pool in this "
+                         "process: unset it (--rollout.mode=async sets it for the trainer, whose process holds no engine)")
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ test_faults.py).
 
     python -m pytest -q tests/test_async.py
 """
+import importlib.util
 import os
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import actor
+import rollout
 import rollout_async
 import rollout_engine
 from conftest import launches, metrics, run
@@ -210,3 +212,19 @@ def test_an_async_trainer_grows_its_allocator_segments_unless_the_launcher_chose
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     assert rollout_engine.trainer_allocator(RolloutConfig(mode="async")) is None
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+
+
+def test_expandable_segments_stop_a_colocated_vllm_run_in_the_preflight(monkeypatch):
+    """vLLM's sleep pool refuses expandable segments in its process: a colocated run that would build vLLM says
+    so in the pre-flight (`rollout.resolve_engine`), not after its models load; the async trainer, whose process
+    holds no engine, and other allocator settings go on. (A GPU node with vLLM, as resolve_engine sees it.)"""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    gpu = torch.device("cuda")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable_segments:True conflicts with vLLM's sleep pool in this process"):
+        rollout.resolve_engine(RolloutConfig(), gpu)
+    assert rollout.resolve_engine(RolloutConfig(engine="hf"), gpu) == "hf"
+    assert rollout.resolve_engine(RolloutConfig(mode="async"), gpu) == "vllm"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert rollout.resolve_engine(RolloutConfig(), gpu) == "vllm"
