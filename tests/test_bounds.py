@@ -33,8 +33,9 @@ def test_what_the_host_cannot_hold_is_refused_before_any_model(tmp_path, in_proc
     and no model is built (the 7B would take a minute and 28 GB)."""
     monkeypatch.setattr(ledger, "host_available", lambda: 8 * GB)
     built = []
-    import model
-    monkeypatch.setattr(model, "load_model", lambda *a, **k: built.append(1))
+    import actor, critic, model, ref, reward_model   # noqa: E401 (each role imports load_model by name)
+    for m in (model, actor, critic, ref, reward_model):
+        monkeypatch.setattr(m, "load_model", lambda *a, **k: built.append(1))
     with pytest.raises(SystemExit) as stopped:
         in_process([f"--out_dir={tmp_path / 'run'}", "--logger=none", *args])
     err = capsys.readouterr().err.strip().splitlines()
@@ -78,17 +79,28 @@ def test_a_long_stage_says_it_is_running(monkeypatch, capsys):
 
 @launches
 def test_sigterm_is_answered_at_once(tmp_path):
-    """A SIGTERM in the middle of a long step is said when it comes, not only when the step ends."""
-    out = str(tmp_path / "run")
-    with open(tmp_path / "log", "w") as log:
-        proc = start([f"--out_dir={out}", "--steps=100", "--save=false", "--logger=none"], log=log)
+    """A SIGTERM in the middle of a long step (eight PPO epochs: seconds) is said when it comes, before that
+    step's line, not only when the step ends; the step then finishes and the run stops (143)."""
+    out, path = str(tmp_path / "run"), tmp_path / "log"
+    with open(path, "w") as log:
+        proc = start([f"--out_dir={out}", "--steps=100", "--save=false", "--logger=none", "--actor.ppo_epochs=8"],
+                     log=log)
         deadline = time.time() + 300
-        while not os.path.exists(os.path.join(out, "metrics.jsonl")) and time.time() < deadline:
+        while not _steps(path.read_text()) and time.time() < deadline:
             time.sleep(0.2)
+        done = _steps(path.read_text())
+        assert done, "no step ended in 300 s"
         os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-    text = open(tmp_path / "log").read()
-    assert "[preempt] SIGTERM: finishing this step, then a checkpoint" in text and proc.returncode == 143, text[-2000:]
+        proc.wait(timeout=300)
+    text = path.read_text()
+    said = text.find("[preempt] SIGTERM: finishing this step, then a checkpoint")
+    assert said > 0 and proc.returncode == 143, text[-2000:]
+    assert _steps(text[:said]) == done and _steps(text) == done + 1, text[-3000:]
+
+
+def _steps(log: str) -> int:
+    """The step lines a run has printed (one at the end of each step)."""
+    return sum(line.startswith("step ") for line in log.splitlines())
 
 
 @launches
@@ -106,6 +118,7 @@ def test_ctrl_c_during_the_async_engines_start_up_is_one_line(tmp_path):
             assert proc.poll() is None
             time.sleep(0.05)
         engines = _engines(proc.pid)
+        assert len(engines) == 1, engines      # else the checks below would have no engine to check
         time.sleep(0.5)                    # inside the engine's imports or its model's build
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)

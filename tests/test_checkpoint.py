@@ -360,10 +360,11 @@ def test_bad_model_folders_are_one_line_in_the_preflight(tmp_path):
         preflight()
 
 
-def test_an_unwritable_logger_folder_is_one_line_in_the_preflight(tmp_path):
+def test_an_unwritable_logger_folder_is_one_line_in_the_preflight(tmp_path, monkeypatch):
     """<out_dir>/tensorboard that cannot take the events (a file of that name; a folder without
-    write permission, when not root) stops the pre-flight with one line naming --logger=none,
-    not a writer thread's traceback after the models are built; --logger=none then runs."""
+    write permission: as root, whom the OS lets write anywhere, the probe is refused as it would be) stops the
+    pre-flight with one line naming --logger=none, not a writer thread's traceback after the models are
+    built; --logger=none then runs."""
     import train_grpo
     out = tmp_path / "run"
     out.mkdir()
@@ -373,11 +374,19 @@ def test_an_unwritable_logger_folder_is_one_line_in_the_preflight(tmp_path):
                                          rf"\(it is a file\); fix it, or pass --logger=none"):
         train_grpo.preflight(cfg())
     assert train_grpo.preflight(cfg("--logger=none"))[1] is None
-    if os.geteuid() != 0:                  # root writes anywhere
-        (out / "tensorboard").unlink()
-        (out / "tensorboard").mkdir(mode=0o500)
-        with pytest.raises(ValueError, match=r"is not a writable folder \(Permission denied\)"):
-            train_grpo.preflight(cfg())
+    (out / "tensorboard").unlink()
+    (out / "tensorboard").mkdir(mode=0o500)
+    if os.geteuid() == 0:                  # root writes anywhere: the folder answers as it would anyone else
+        import tracker
+        mkstemp = tracker.tempfile.mkstemp
+
+        def denied(dir, **kw):             # (the out_dir's own probe, in launch.py, still writes)
+            if dir.endswith("tensorboard"):
+                raise PermissionError(13, "Permission denied")
+            return mkstemp(dir=dir, **kw)
+        monkeypatch.setattr(tracker.tempfile, "mkstemp", denied)
+    with pytest.raises(ValueError, match=r"is not a writable folder \(Permission denied\); fix it, or pass --logger=none"):
+        train_grpo.preflight(cfg())
 
 
 @launches

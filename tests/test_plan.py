@@ -495,7 +495,7 @@ def test_async_step_time_is_the_longer_of_engine_and_trainer_plus_the_push(respo
     assert (generate > colocated - generate) == (response_length > 1024)
     big = [*base, "--train_batch_size=64", "--actor.ppo_mini_batch_size=64", *ASYNC]
     one, two = (predict.predict(_cfg(*big, f"--rollout.gpus={k}"), 2, 256) for k in (1, 2))
-    assert one.seconds > two.seconds or response_length < 1024
+    assert one.seconds > two.seconds if response_length >= 1024 else one.seconds >= two.seconds   # short: the trainer's
 
 
 def _suggestion(text):

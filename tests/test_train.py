@@ -161,6 +161,7 @@ def test_checkpoint_loads_and_real_model_path_runs(tmp_path):
     r = run([f"--out_dir={tmp_path / 'b'}", "--steps=2", "--save=false", f"--model={ckpt}", "--data",
              str(data), "--prompt_key=question", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"])
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "[data] 8 prompts" in r.stdout and len(metrics(str(tmp_path / "b"))) == 2, r.stdout[-3000:]   # the file's
 
 
 @launches
