@@ -409,10 +409,10 @@ def train(t: Trainer, start: int) -> bool:
                 print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
                       f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
                       f"in reward/equal_groups_frac and at the end", flush=True)
-        stop = rundir.stop_requested(t.device)   # a SIGTERM, Ctrl-C or failed write on any rank: all stop now
-        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or step + 1 == cfg.steps) and not stop:
-            save(t, step + 1)              # (a stop keeps the weights in run: a checkpoint, or final/)
-        if stop and step + 1 < cfg.steps:
+        stop, last = rundir.stop_requested(t.device), step + 1 == cfg.steps   # SIGTERM, Ctrl-C, a failed write
+        if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or last) and (last or not stop):
+            save(t, step + 1)              # (a stop before the last step keeps the weights in `run`)
+        if stop and not last:              # every rank stops after the same step
             break
     if t.val and step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
         last_validation(t, metrics_path, log)

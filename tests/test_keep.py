@@ -82,6 +82,33 @@ def test_a_finished_save_freq_0_run_is_called_finished(tmp_path, in_process, cap
     assert "no checkpoint to resume from" not in err
 
 
+@pytest.mark.parametrize("save", ["--save=false", "--save=true"])
+def test_a_stop_in_the_last_step_keeps_its_checkpoint(tmp_path, in_process, monkeypatch, capsys, save):
+    """SIGTERM while the last step runs: the step ends and writes the checkpoint every run's last step writes
+    (a stop used to skip it, and with --save=false the trained weights were lost), the run ends as finished and
+    says where the weights are; the same command then finds a finished run."""
+    import train_grpo
+    out, real = str(tmp_path / "run"), train_grpo.train_step
+
+    def step(t, k):                        # the signal arrives inside step 1, the last of 2
+        if k == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(t, k)
+    args = [f"--out_dir={out}", "--steps=2", save] + TINY
+    with monkeypatch.context() as m:
+        m.setattr(train_grpo, "train_step", step)
+        in_process(args)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "[preempt] SIGTERM: finishing this step, then a checkpoint" in lines, lines[-20:]
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002")) and len(metrics(out)) == 2
+    kept = f"its checkpoint in {out}/checkpoints/step_000002"
+    assert lines[-1] == "[done] finished: 2 steps; " + (f"the policy in {out}/final, " if save == "--save=true" else "") \
+        + kept, lines[-1]
+    with pytest.raises(SystemExit):
+        in_process(args)
+    assert f"{out} holds a finished run (2 steps done" in capsys.readouterr().err
+
+
 @launches
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_sigterm_and_ctrl_c_of_a_save_freq_0_run_keep_the_weights_in_final(tmp_path, sig, code):
