@@ -1,6 +1,7 @@
 """The pre-flight's checks of a model folder, before any process group or weight is loaded: a config, weights
-that are all there (every shard an index names, each safetensors file as long as its header says), and the
-layout this code shards. One line each, naming the file and what is wrong.
+that are all there (every shard an index names, each safetensors file as long as its header says, every tensor
+of the model in them with the config's shape), and the layout this code shards. One line each, naming the file
+and what is wrong.
 
     python -m pytest -q tests/test_checkpoint.py -k bad_model      # truncated weights, a missing shard, no tokenizer
 """
@@ -35,9 +36,9 @@ def check_model(path: str | None):
     try:
         with torch.device("meta"):
             built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
-    except (ValueError, KeyError, OSError) as e:
+    except Exception as e:                  # noqa: BLE001 (what transformers' config checks raise varies by version)
         raise ValueError(f"--model {path}: transformers builds no causal LM from its config.json "
-                         f"({str(e).splitlines()[0]}); supported: {SUPPORTED}") from None
+                         f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); supported: {SUPPORTED}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     inner = getattr(built, "model", None)
@@ -45,6 +46,36 @@ def check_model(path: str | None):
         raise ValueError(f"--model {path}: {type(built).__name__} has no model.model.layers / "
                          f"model.model.norm; supported: {SUPPORTED}")
     check_weight_files(path)               # after the layout: a GPT-2 folder is told it is one first
+    check_weight_names(path, built)
+
+
+def check_weight_names(path: str, built):
+    """Every parameter of the model the config builds (`built`, on the meta device; tied ones once) is in the
+    safetensors files with the config's shape: transformers starts a missing one at random and trains it with
+    only a load report to say so, and a shape the config does not have is a traceback after the pre-flight.
+    Headers only; pytorch_model.bin and quantized checkpoints are not read."""
+    shards, have = _shards(path), {}
+    if not shards or getattr(built.config, "quantization_config", None):
+        return
+    for name in shards:
+        have.update({k: t["shape"] for k, t in _header(os.path.join(path, name)).items() if k != "__metadata__"})
+    prefix, missing, wrong = built.base_model_prefix + ".", [], []
+    for name, p in built.named_parameters():
+        if ".experts." in name:            # MoE experts: transformers fuses the checkpoint's per-expert tensors
+            continue
+        key = name if name in have else name.removeprefix(prefix)
+        if key not in have:
+            missing.append(name)
+        elif list(have[key]) != list(p.shape):
+            wrong.append(f"{key} is {list(have[key])}, the config's {list(p.shape)}")
+    if missing:
+        named = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ValueError(f"--model {path}: its weights lack {len(missing)} of the model's tensors ({named}), which "
+                         f"transformers would start at random; copy the folder again, or use the config.json these "
+                         f"weights came with")
+    if wrong:
+        raise ValueError(f"--model {path}: config.json does not describe these weights ({len(wrong)} shapes differ: "
+                         f"{'; '.join(wrong[:2])}); use the config.json they came with")
 
 
 def check_weight_files(path: str):
@@ -53,15 +84,7 @@ def check_weight_files(path: str):
     traceback after the pre-flight). Reads the headers only. A pytorch_model.bin is a zip archive
     whose directory sits at its end: a truncated one has none."""
     import zipfile
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                shards = sorted(set(json.load(f)["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"--model {path}: {index} is damaged ({type(e).__name__}: {e})") from None
-    else:
-        shards = ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
+    shards = _shards(path)
     for name in shards:
         err = _safetensors_damage(os.path.join(path, name))
         if err:
@@ -72,6 +95,24 @@ def check_weight_files(path: str):
             zipped = f.read(2) == b"PK"        # torch.save's format since 1.6; older pickles are not checked
         if zipped:
             raise ValueError(f"--model {path}: {bin_} is truncated (its zip directory is missing); copy it again")
+
+
+def _shards(path: str) -> list:
+    """The safetensors files of a model folder: every shard its index names, or model.safetensors, or none."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return ["model.safetensors"] if os.path.isfile(os.path.join(path, "model.safetensors")) else []
+    try:
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"--model {path}: {index} is damaged ({type(e).__name__}: {e})") from None
+
+
+def _header(file: str) -> dict:
+    """A safetensors file's header (its tensors' names, dtypes, shapes and offsets), whole files only."""
+    with open(file, "rb") as f:
+        return json.loads(f.read(int.from_bytes(f.read(8), "little")))
 
 
 def _safetensors_damage(file: str) -> str | None:

@@ -327,7 +327,9 @@ def _model_dir(tmp_path, name):
 def test_bad_model_folders_are_one_line_in_the_preflight(tmp_path):
     """A truncated model.safetensors, a folder without tokenizer files (transformers made an empty
     tokenizer and the data got the blame) and a cut tokenizer.json are each one line of the
-    pre-flight that names the file or folder and what is wrong; an index naming a missing shard too."""
+    pre-flight that names the file or folder and what is wrong; an index naming a missing shard, a tensor
+    missing from the weights and a config.json that is another model's (other shapes, or one transformers
+    refuses) too."""
     import train_grpo
     d = _model_dir(tmp_path, "m")
     weights = d / "model.safetensors"
@@ -348,6 +350,24 @@ def test_bad_model_folders_are_one_line_in_the_preflight(tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
         "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
     with pytest.raises(ValueError, match=r"model-00002-of-00002.safetensors is missing \(model.safetensors.index"):
+        preflight()
+    d = _model_dir(tmp_path, "lacks")       # a tensor gone: transformers would start it at random and say so once
+    from safetensors.torch import load_file, save_file
+    kept = load_file(d / "model.safetensors")
+    del kept["model.layers.1.mlp.up_proj.weight"]
+    save_file(kept, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"^--model {d}: its weights lack 1 of the model's tensors \(model.layers.1."
+                                         rf"mlp.up_proj.weight\), which transformers would start at random; "):
+        preflight()
+    d = _model_dir(tmp_path, "other_config")   # another model's config.json: shapes differ, or it is not valid
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    with pytest.raises(ValueError, match=rf"^--model {d}: config.json does not describe these weights \(12 shapes "
+                                         rf"differ: model.layers.0.mlp.gate_proj.weight is \[768, 256\], the config's "):
+        preflight()
+    (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))   # (transformers 5: 4 layer_types)
+    with pytest.raises(ValueError, match=rf"^--model {d}: (transformers builds no causal LM from its config.json \(|"
+                                         rf"its weights lack 24 of the model's tensors)"):
         preflight()
     d = _model_dir(tmp_path, "notok")
     for f in d.glob("tokenizer*"):
