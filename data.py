@@ -206,12 +206,29 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     chats), the same instruction appended to both."""
     args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg))
     data = load_data(cfg.data, *args, instruction=cfg.instruction)
+    if cfg.reward is None and cfg.data is not None:   # the built-in GSM8K reward
+        numeric_answers(data[1], cfg.data, "--data")
     if cfg.val_data is None and cfg.data is not None:
         return data, None
     val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None,
                     option="--val_data")
+    if cfg.reward is None and cfg.val_data is not None:
+        numeric_answers(val[1], cfg.val_data, "--val_data")
     cap = cfg.val_max_prompts or len(val[0])
     return data, tuple(x[:cap] for x in val)
+
+
+def numeric_answers(answers: list, path: str, option: str):
+    """The built-in GSM8K reward compares the number a response gives with the number an answer ends with: data
+    whose answers hold none could never score (one line), and those that do not are said once."""
+    bad = [a for a in answers if gsm8k_truth(str(a)) is None]
+    if len(bad) == len(answers):
+        raise ValueError(f"{option} {path}: none of its {len(answers)} answers is a number (the first: "
+                         f"{str(answers[0])[:60]!r}), which the built-in GSM8K reward needs; pass "
+                         f"--reward=module:function, called as f(response, answer) -> float")
+    if bad and int(os.environ.get("RANK", 0)) == 0:
+        print(f"[data] warning: {len(bad)} of {len(answers)} answers of {path} hold no number (e.g. "
+              f"{str(bad[0])[:60]!r}): the built-in GSM8K reward scores their samples 0")
 
 
 # --------------------------------------------------------------------------- the built-in GSM8K reward

@@ -310,6 +310,8 @@ def bad_dir(tmp_path_factory):
             "nocontent": {"prompt": [{"role": "user", "text": "1="}], "answer": "1"}}
     for name, row in rows.items():
         (d / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+    (d / "words.jsonl").write_text("".join(json.dumps({"prompt": f"{c}=", "answer": f"City{c}"}) + "\n" for c in "12"))
+    (d / "numbers.jsonl").write_text("".join(json.dumps({"prompt": f"{c}=", "answer": c}) + "\n" for c in "12"))
     (d / "afile").write_text("x")
     return d
 
@@ -352,6 +354,9 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--data={d}/dictanswer.jsonl"], "row 1: the answer is a dict"),
     (["--data={d}/nullanswer.jsonl"], "row 1: the answer is null"),
     (["--data={d}/nocontent.jsonl"], "row 1: chat message 0 is not"),
+    (["--data={d}/words.jsonl"], "words.jsonl: none of its 2 answers is a number (the first: 'City1'), which the "
+                                 "built-in GSM8K reward needs; pass --reward=module:function"),
+    (["--data={d}/numbers.jsonl", "--val_data={d}/words.jsonl"], "--val_data"),
     (["--reward=os:sep"], "--reward os:sep: sep is a str, not a function"),
     (["--resume={d}/nothing"], "no complete checkpoint there"),
     (["--out_dir={d}/afile"], "is a file; pass a directory"),
