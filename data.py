@@ -51,6 +51,12 @@ def read_rows(path: str, option: str = "--data") -> list[dict]:
                          + (f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{option} {path}: no such file")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PAR1" and not path.endswith(".parquet") or path.endswith((".csv", ".tsv", ".arrow", ".xlsx")):
+        raise ValueError(f"{option} {path}: read as .jsonl or .parquet only; "
+                         + ("it is a parquet file: name it *.parquet" if head == b"PAR1" else
+                            "convert it to .jsonl (one JSON object a line) or .parquet"))
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
@@ -71,10 +77,14 @@ def read_rows(path: str, option: str = "--data") -> list[dict]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {i} is not valid JSON ({e.msg}); "
+                    whole = " (a JSON array or object over several lines? write one object a line: .jsonl)" \
+                        if i == 1 and line.strip() in ("[", "{") else ""
+                    raise ValueError(f"{path} line {i} is not valid JSON ({e.msg}){whole}; "
                                      f"fix or remove that line") from None
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path} line {i} is not a JSON object")
+                    raise ValueError(f"{path} line {i} is not a JSON object" + (
+                        " (the file is one JSON array? write one object a line: .jsonl)" if i == 1 and
+                        isinstance(row, list) else ""))
                 rows.append(row)
     if not rows:
         raise ValueError(f"{option} {path}: the file holds no rows")
@@ -167,8 +177,9 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
         key = prompt_key_of(row, prompt_key)
         for k in (key, answer_key):
             if k not in row:
-                raise ValueError(f"{path} row {i} has no {k!r} field (it has "
-                                 f"{sorted(row)}); set --prompt_key / --answer_key")
+                raise ValueError(f"{option} {path} row {i} has no {k!r} field (it has {sorted(row)}); set "
+                                 f"--prompt_key / --answer_key" + (", which name the fields of --data and "
+                                                                   "--val_data alike" if option != "--data" else ""))
         if i == 1 and key != prompt_key and int(os.environ.get("RANK", 0)) == 0:
             print(f"[data] {path}: no {prompt_key!r} field: the prompts are its {key!r} field "
                   f"(--prompt_key names another)", flush=True)

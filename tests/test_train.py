@@ -312,6 +312,12 @@ def bad_dir(tmp_path_factory):
         (d / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
     (d / "words.jsonl").write_text("".join(json.dumps({"prompt": f"{c}=", "answer": f"City{c}"}) + "\n" for c in "12"))
     (d / "numbers.jsonl").write_text("".join(json.dumps({"prompt": f"{c}=", "answer": c}) + "\n" for c in "12"))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"prompt": ["1="], "answer": ["1"]}), d / "table.pq")
+    (d / "table.csv").write_text("prompt,answer\n1=,1\n")
+    (d / "otherkeys.jsonl").write_text(json.dumps({"question": "1=", "final": "1"}) + "\n")
+    (d / "array.json").write_text(json.dumps([{"prompt": "1=", "answer": "1"}]))
     (d / "afile").write_text("x")
     return d
 
@@ -357,6 +363,11 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--data={d}/words.jsonl"], "words.jsonl: none of its 2 answers is a number (the first: 'City1'), which the "
                                  "built-in GSM8K reward needs; pass --reward=module:function"),
     (["--data={d}/numbers.jsonl", "--val_data={d}/words.jsonl"], "--val_data"),
+    (["--data={d}/numbers.jsonl", "--val_data={d}/otherkeys.jsonl"], "otherkeys.jsonl row 1 has no 'answer' field "
+     "(it has ['final', 'question']); set --prompt_key / --answer_key, which name the fields of --data and --val_data"),
+    (["--data={d}/table.pq"], "table.pq: read as .jsonl or .parquet only; it is a parquet file: name it *.parquet"),
+    (["--data={d}/table.csv"], "read as .jsonl or .parquet only; convert it to .jsonl (one JSON object a line)"),
+    (["--data={d}/array.json"], "line 1 is not a JSON object (the file is one JSON array? write one object a line"),
     (["--reward=os:sep"], "--reward os:sep: sep is a str, not a function"),
     (["--resume={d}/nothing"], "no complete checkpoint there"),
     (["--out_dir={d}/afile"], "is a file; pass a directory"),
