@@ -330,8 +330,9 @@ def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "st
         return gsm8k_flexible_reward if gsm8k_format == "flexible" else gsm8k_reward
     module, colon, name = spec.partition(":")
     if not colon or not module or not name:
-        raise ValueError(f"--reward {spec}: give module:function (e.g. --reward={module or 'mymod'}:"
-                         f"{name or 'reward'}), the function called as f(response, answer) -> float")
+        mod, fn = spec.rsplit(".", 1) if not colon and "." in spec.strip(".") else (module, name)   # a.fn: a:fn
+        raise ValueError(f"--reward {spec}: give module:function (e.g. --reward={mod or 'mymod'}:"
+                         f"{fn or 'reward'}), the function called as f(response, answer) -> float")
     try:
         mod = importlib.import_module(module)
     except Exception as e:                 # noqa: BLE001 - the module's own code runs here: NameError, SyntaxError, ...

@@ -23,6 +23,7 @@ import actor
 import critic
 import data
 import kernel_choice
+import lora
 import ref
 import reward_model
 import rollout
@@ -191,6 +192,8 @@ def check_sizes(cfg: Config, world: int) -> int:
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     actor.check(cfg.actor, world)          # the rules that combine a role's options
     ref.check(cfg.ref)
+    if cfg.actor.lora_rank:                # a target that is no decoder projection: now, not at the actor's build
+        lora.lora_targets(cfg.actor.lora_target_modules)
     rollout.check(cfg.rollout, world)
     profile_steps(cfg.profile_steps)
     return mini

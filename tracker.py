@@ -234,6 +234,8 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
 def rows_of(run_dir: str) -> list[dict]:
     """metrics.jsonl of a run folder; a missing folder, a folder without it or an empty one raise
     one line naming the path."""
+    if os.path.isfile(run_dir):
+        raise ValueError(f"{run_dir} is a file: pass the run's folder, {os.path.dirname(run_dir) or '.'}")
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir}: no such folder (pass a run's --out_dir)")
     path = os.path.join(run_dir, "metrics.jsonl")

@@ -481,6 +481,17 @@ def test_reward_without_a_colon_says_module_function():
     import data as data_io
     with pytest.raises(ValueError, match=r"--reward mymod: give module:function \(e.g. --reward=mymod:reward\)"):
         data_io.load_reward("mymod", None)
+    with pytest.raises(ValueError, match=r"--reward my.rewards.good: give module:function \(e.g. "
+                                         r"--reward=my.rewards:good\)"):    # the import path written with a dot
+        data_io.load_reward("my.rewards.good", None)
+
+
+def test_a_picture_of_a_runs_metrics_file_names_its_folder(tmp_path):
+    """plan.py --plot=<out_dir>/metrics.jsonl (the file, not the folder): one line naming the folder to pass."""
+    import tracker
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/metrics.jsonl is a file: pass the run's folder, {tmp_path}$"):
+        tracker.rows_of(str(tmp_path / "metrics.jsonl"))
 
 
 def test_a_reward_module_that_fails_at_import_is_one_line_naming_it(tmp_path, monkeypatch):

@@ -226,7 +226,6 @@ def test_config_overrides_are_typed():
     (["--actor.ppo_micro_batch_size_per_gpu=48"], "does not divide"),
     (["--data=/nonexistent.jsonl"], "no such file"),
     (["--reward=nosuchmodule:fn"], "cannot load it"),
-    (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
     (["--actor.lora_rank=-1"], "--actor.lora_rank=-1: must be >= 0"),
 ])
 def test_bad_input_gives_one_clear_line(tmp_path, args, expect):
@@ -348,6 +347,7 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
     (["--actor.offload_policy=true", "--actor.param_offload=true"], "already keeps params and Adam"),
     (["--ref.offload_policy=true", "--ref.param_offload=true"], "already keeps the ref's params on the CPU"),
+    (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
     (["--model=random:qwen9"], "known sizes are"),
     (["--model={d}/noweights"], "no weights there"),
     (["--model={d}/gpt2"], "GPT2LMHeadModel has no model.model.layers / model.model.norm; supported: decoder-only"),
