@@ -17,7 +17,7 @@ import textwrap
 import tokenize
 import types
 import typing
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
 import actor
 import critic
@@ -234,6 +234,29 @@ def profile_warning(cfg: Config) -> str | None:
         return (f"[profile] warning: --profile_steps={cfg.profile_steps}: step(s) {', '.join(map(str, late))} "
                 f"never run (--steps={cfg.steps}: steps 0 to {cfg.steps - 1}), so nothing is traced for them")
     return None
+
+
+def warnings(cfg: Config) -> list[str]:
+    """The set-up report's warnings about options this run reads nowhere: --profile_steps past --steps, and the
+    options of a part the run does not have (said, not refused: one config file may serve several runs).
+    ref.* under LoRA, reward_model.* without its path and actor.save_merged say so in their own roles."""
+    a, gae = cfg.actor, cfg.algorithm.adv_estimator == "gae"
+    budgets = _changed("actor", a, ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")) + _changed(
+        "ref", cfg.ref, ("log_prob_max_token_len_per_gpu",)) + (_changed("critic", cfg.critic, (
+            "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")) if gae else [])
+    idle = [(not gae, _changed("critic", cfg.critic), "under GRPO, which has no critic (--algorithm.adv_estimator=gae)"),
+            (not a.lora_rank, _changed("actor", a, ("lora_alpha", "lora_target_modules")), "without actor.lora_rank"),
+            (not a.use_kl_loss, _changed("actor", a, ("kl_loss_coef", "kl_loss_type")), "with actor.use_kl_loss=false"),
+            (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)")]
+    return [w for w in [profile_warning(cfg)] if w] + [
+        f"[options] warning: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect {why}"
+        for off, names, why in idle if off and names]
+
+
+def _changed(section: str, obj, names=None) -> list[str]:
+    """`section.name=value` for each of `obj`'s fields (of `names`, else all) that is not at its default."""
+    return [f"{section}.{f.name}={getattr(obj, f.name)}" for f in fields(obj) if (names is None or f.name in names)
+            and f.default is not MISSING and getattr(obj, f.name) != f.default]
 
 
 def check(sections: dict):

@@ -211,7 +211,7 @@ def report(t: Trainer) -> list[str]:
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
     lines.append(rundir.disk_report(cfg, trained(t.actor, t.critic), t.actor))
-    lines += [w for w in [options.profile_warning(cfg)] if w]    # --profile_steps past --steps
+    lines += options.warnings(cfg)     # --profile_steps past --steps; options this run reads nowhere
     lines += validate.describe(cfg, t.val, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format))
     lines += rollout.describe(t.engine) + [t.kernels]
     lines += [f"[perf] the GPU's bf16 matmul peak, measured (8192^3): {t.peak / 1e12:.0f} TFLOP/s (MFU's base)"] if t.peak else []

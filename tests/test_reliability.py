@@ -746,3 +746,26 @@ def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
     assert fake.is_cuda
     lines = bench_step.left_models(engine=None)
     assert "python-visible CUDA storages of 16 MiB or more: 0.00 GB" in lines, lines
+
+
+def test_options_a_run_reads_nowhere_are_said_at_set_up():
+    """A critic's options under GRPO, LoRA's without its rank, the KL's without the KL loss and token budgets
+    without dynamic batching: one warning line each in the set-up report, naming them; none at the defaults or
+    where the part exists."""
+    import options
+
+    def said(*argv):
+        return options.warnings(options.parse_args(list(argv)))
+    assert said() == [] and said("--algorithm.adv_estimator=gae", "--critic.lr=1e-5") == []
+    assert said("--actor.lora_rank=4", "--actor.lora_alpha=32") == []
+    assert said("--critic.lr=1e-5", "--critic.mode=shared") == [
+        "[options] warning: critic.mode=shared, critic.lr=1e-05 have no effect under GRPO, which has no critic "
+        "(--algorithm.adv_estimator=gae)"]
+    assert said("--actor.lora_alpha=32") == ["[options] warning: actor.lora_alpha=32 has no effect without "
+                                             "actor.lora_rank"]
+    assert said("--actor.use_kl_loss=false", "--actor.kl_loss_coef=0.1") == [
+        "[options] warning: actor.kl_loss_coef=0.1 has no effect with actor.use_kl_loss=false"]
+    assert said("--ref.log_prob_max_token_len_per_gpu=100") == [
+        "[options] warning: ref.log_prob_max_token_len_per_gpu=100 has no effect without actor.use_dynamic_bsz=true "
+        "(micro-batches count samples)"]
+    assert said("--actor.use_dynamic_bsz=true", "--ref.log_prob_max_token_len_per_gpu=100") == []
