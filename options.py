@@ -298,7 +298,10 @@ def apply(argv: list[str], cfg):
         hints = typing.get_type_hints(type(obj))
         if name not in hints or is_dataclass(hints[name]):
             known = ", ".join(f.name for f in fields(obj) if not is_dataclass(getattr(obj, f.name)))
-            raise ValueError(f"unknown option --{key}; known here: {known}")
+            inside = [f"--{f.name}.{name}" for f in fields(obj) if is_dataclass(getattr(obj, f.name))
+                      and name in typing.get_type_hints(type(getattr(obj, f.name)))]   # --lr: --actor.lr?
+            raise ValueError(f"unknown option --{key}" + (f" (did you mean {' or '.join(inside)}?)" if inside else "")
+                             + f"; known here: {known}")
         setattr(obj, name, _convert(value, hints[name], key))
     return cfg
 

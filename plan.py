@@ -431,7 +431,8 @@ def main(argv=None):
         assumed(cfg, engine)                   # what the run would refuse (FP8 on HF, liger off Qwen2): refused here
         prompt_len = own.prompt_len or _prompt_len(cfg)
     except (ValueError, OSError) as e:     # FileNotFoundError included
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}" + (" (plan.py's own: " + ", ".join(f.name for f in dataclasses.fields(PlanConfig)) + ")"
+                               if str(e).startswith("unknown option --") else ""), file=sys.stderr)
         sys.exit(2)
     t = Target(world, prompt_len, int(own.gpu_gb * GB), cfg.plan_margin, engine,
                int(own.host_gb * GB / (own.nproc_per_node or min(own.nproc, 8))))

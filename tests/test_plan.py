@@ -378,6 +378,8 @@ def _gpt2_dir(tmp_path):
     (["--prompt_len=-5"], "--prompt_len=-5: must be >= 0"),
     (["--plan_margin=1"], "--plan_margin=1.0: must be [0, 1)"),   # the run's margin: plan.py has none of its own
     (["--margin=0.05"], "unknown option --margin"),
+    (["--gpus=0"], "unknown option --gpus (did you mean --rollout.gpus?); known here: model, "),
+    (["--gpus=0"], "(plan.py's own: nproc, gpu_gb, prompt_len, host_gb, nproc_per_node)"),
     (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
     (["--rollout.engine=hf", "--rollout.quantization=fp8"], "--rollout.quantization=fp8 needs the vLLM engine"),
     (["--model=/nonexistent/model"], "no config.json there; pass a local Hugging Face model directory"),

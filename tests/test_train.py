@@ -220,6 +220,7 @@ def test_config_overrides_are_typed():
     (["--model=/nonexistent/model"], "no config.json"),
     (["--actor.no_such_key=1"], "unknown option --actor.no_such_key"),
     (["--nosection.lr=1"], "unknown option --nosection.lr"),
+    (["--lr=1e-6"], "unknown option --lr (did you mean --actor.lr or --critic.lr?); known here: model, "),
     (["--actor.lr=fast"], "expected float"),
     (["--actor.param_offload=maybe"], "expected true or false"),
     (["--train_batch_size=16", "--actor.ppo_mini_batch_size=5"], "not a multiple"),
