@@ -382,7 +382,7 @@ def _gpt2_dir(tmp_path):
     (["--gpus=0"], "(plan.py's own: nproc, gpu_gb, prompt_len, host_gb, nproc_per_node)"),
     (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
     (["--rollout.engine=hf", "--rollout.quantization=fp8"], "--rollout.quantization=fp8 needs the vLLM engine"),
-    (["--model=/nonexistent/model"], "no config.json there; pass a local Hugging Face model directory"),
+    (["--model=/nonexistent/model"], "/nonexistent/model: no such directory; pass a local Hugging Face model directory"),
     (["--nproc=3", "--train_batch_size=8"], "not divisible by the world size 3"),
     (["--actor.lr=fast"], "--actor.lr"),
     (["--nproc"], "--nproc needs a value"),

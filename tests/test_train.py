@@ -217,7 +217,7 @@ def test_config_overrides_are_typed():
 
 @launches
 @pytest.mark.parametrize("args,expect", [
-    (["--model=/nonexistent/model"], "no config.json"),
+    (["--model=/nonexistent/model"], "/nonexistent/model: no such directory"),
     (["--actor.no_such_key=1"], "unknown option --actor.no_such_key"),
     (["--nosection.lr=1"], "unknown option --nosection.lr"),
     (["--lr=1e-6"], "unknown option --lr (did you mean --actor.lr or --critic.lr?); known here: model, "),
@@ -318,6 +318,9 @@ def bad_dir(tmp_path_factory):
     (d / "table.csv").write_text("prompt,answer\n1=,1\n")
     (d / "otherkeys.jsonl").write_text(json.dumps({"question": "1=", "final": "1"}) + "\n")
     (d / "array.json").write_text(json.dumps([{"prompt": "1=", "answer": "1"}]))
+    for name, file in (("arun/final", "config.json"), ("anadapter", "adapter_config.json"), ("acheckpoint", "meta.json")):
+        (d / name).mkdir(parents=True)
+        (d / name / file).write_text("{}")
     (d / "afile").write_text("x")
     return d
 
@@ -351,6 +354,10 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
     (["--model=random:qwen9"], "known sizes are"),
     (["--model={d}/noweights"], "no weights there"),
+    (["--model={d}/arun"], "arun is a run's out_dir (no config.json); its policy is in "),
+    (["--model={d}/anadapter"], "anadapter is a LoRA adapter (no config.json); pass the folder actor.save_merged wrote"),
+    (["--model={d}/acheckpoint"], "acheckpoint is a training checkpoint (no config.json; --resume takes it); pass its "),
+    (["--model={d}/afile"], "afile is a file; pass the folder that holds it and its config.json"),
     (["--model={d}/gpt2"], "GPT2LMHeadModel has no model.model.layers / model.model.norm; supported: decoder-only"),
     (["--model={d}/bert"], "BertLMHeadModel has no model.model.layers"),
     (["--model={d}/unknown"], "transformers builds no causal LM from its config.json"),
