@@ -164,9 +164,13 @@ def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
                          f"(algorithm.adv_estimator changed?); resume with the checkpoint's settings")
     saved = types.SimpleNamespace(seed=meta["config"]["seed"], data_seed=meta["config"].get("data_seed", -1))
     if meta["data"] != data_fingerprint or (saved.seed, data.data_seed(saved)) != (cfg.seed, data.data_seed(cfg)):
-        raise ValueError(f"{path} walked other data (--data, the tokenizer, max_prompt_length, --seed or --data_seed "
-                         f"changed): its position would mean nothing; resume with the same ones, or "
-                         f"start a new run in another --out_dir")
+        was = [f"--{k}={meta['config'][k]} (now {getattr(cfg, k)})" for k in (
+            "data", "model", "max_prompt_length", "instruction", "seed") if meta["config"].get(k, getattr(cfg, k)) !=
+            getattr(cfg, k)] + [f"the prompt order's seed {data.data_seed(saved)} (now {data.data_seed(cfg)})"] * (
+            data.data_seed(saved) != data.data_seed(cfg))
+        raise ValueError(f"{path} walked other data (" + (", ".join(was) or "--data's file or the tokenizer "
+                         "changed") + "): its position would mean nothing; resume with the same ones, or start a "
+                         "new run in another --out_dir")
     if export:
         checkpoint.say_once(f"[resume] {path} is at --steps={cfg.steps} but {final} was never written (a final save that "
              f"failed): writing it from the checkpoint")

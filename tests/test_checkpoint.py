@@ -250,10 +250,11 @@ def test_out_dir_policy(tmp_path):
     assert plan(run_dir) == ckpt
     with pytest.raises(ValueError, match=r"holds a finished run \(4 steps done\); to train it further pass --steps=N"):
         plan(run_dir, "--steps=4")
-    with pytest.raises(ValueError, match="walked other data"):
+    with pytest.raises(ValueError, match=r"walked other data \(--data's file or the tokenizer changed\)"):
         plan(run_dir, fp="xyz")
-    for other in ("--seed=1", "--data_seed=1"):
-        with pytest.raises(ValueError, match="walked other data"):
+    for other, said in (("--seed=1", "--seed=0 \\(now 1\\), the prompt order's seed 0 \\(now 1\\)"),
+                        ("--data_seed=1", "the prompt order's seed 0 \\(now 1\\)")):
+        with pytest.raises(ValueError, match=rf"walked other data \({said}\): its position would mean nothing"):
             plan(run_dir, other)
     assert plan(run_dir, "--data_seed=0") == ckpt      # seed 0's own order, named
     with pytest.raises(ValueError, match="holds actor but this run trains actor \\+ critic"):
