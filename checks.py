@@ -18,13 +18,14 @@ SUPPORTED = ("decoder-only causal LMs laid out as model.model.layers + model.mod
              "(Qwen2/2.5/3, Llama, Mistral, Gemma and the like)")
 
 
-def check_model(path: str | None):
+def check_model(path: str | None, response_length: int = 0):
     """Before any process group or weight is loaded: a known random size, or a local directory with
     a config, weights, and the layout `shard` walks (`model.model.layers`, and `model.model.norm` for
     the shared critic head), read from a model built on the meta device (no memory), then each
-    weight file whole (`check_weight_files`: their headers only)."""
+    weight file whole (`check_weight_files`: their headers only); and room in its positions for
+    `response_length` new tokens after a prompt."""
     if not is_dir(path):
-        hf_config(path)                    # an unknown size is one line
+        check_positions(path, hf_config(path), response_length)   # an unknown size is one line
         return
     check_model_path(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
@@ -47,6 +48,17 @@ def check_model(path: str | None):
                          f"model.model.norm; supported: {SUPPORTED}")
     check_weight_files(path)               # after the layout: a GPT-2 folder is told it is one first
     check_weight_names(path, built)
+    check_positions(path, built.config, response_length)
+
+
+def check_positions(path: str | None, config, response_length: int):
+    """A response of `response_length` tokens and a prompt of one fit the model's positions (vLLM refuses a
+    longer max_model_len at its build; HF generate runs past them, with a warning)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions and response_length >= positions:
+        raise ValueError(f"--rollout.response_length={response_length} leaves no room for a prompt in the "
+                         f"{positions} positions of {path or 'the embedded model'} (max_position_embeddings); "
+                         f"use at most {positions - 1} less the longest prompt")
 
 
 def check_weight_names(path: str, built):

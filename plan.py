@@ -423,7 +423,7 @@ def main(argv=None):
     try:
         own, rest = _own(argv)
         cfg = options.parse_args(rest)
-        checks.check_model(cfg.model)          # a local directory: config, weights, a layout this code shards
+        checks.check_model(cfg.model, cfg.rollout.response_length)   # config, weights, layout, positions
         rollout_engine.check(cfg.rollout, own.nproc, cfg.train_batch_size)
         world = rollout_engine.trainer_world(cfg.rollout, own.nproc)   # async: less the engine ranks
         options.check_sizes(cfg, world)

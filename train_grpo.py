@@ -125,7 +125,7 @@ def preflight(cfg: Config):
     rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
     options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
     rollout.resolve_engine(cfg.rollout, torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # FP8 on HF: now
-    check_model(cfg.model)
+    check_model(cfg.model, cfg.rollout.response_length)
     reward_model.check_model(cfg.reward_model)
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
         critic.check_model(cfg.model)

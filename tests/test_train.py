@@ -353,6 +353,8 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
     (["--ref.offload_policy=true", "--ref.param_offload=true"], "already keeps the ref's params on the CPU"),
     (["--actor.lora_rank=4", "--actor.lora_target_modules=q_proj,lm_head"], "lm_head is not a decoder projection"),
     (["--model=random:qwen9"], "known sizes are"),
+    (["--rollout.response_length=64"], "--rollout.response_length=64 leaves no room for a prompt in the 64 positions "
+                                       "of the embedded model (max_position_embeddings); use at most 63"),
     (["--model={d}/noweights"], "no weights there"),
     (["--model={d}/arun"], "arun is a run's out_dir (no config.json); its policy is in "),
     (["--model={d}/anadapter"], "anadapter is a LoRA adapter (no config.json); pass the folder actor.save_merged wrote"),
