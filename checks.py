@@ -27,6 +27,7 @@ def check_model(path: str | None, response_length: int = 0):
     if not is_dir(path):
         check_positions(path, hf_config(path), response_length)   # an unknown size is one line
         return
+    what_it_is(path)
     check_model_path(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
         raise FileNotFoundError(f"--model {path}: no weights there (looked for {', '.join(WEIGHT_FILES)})")
@@ -88,6 +89,24 @@ def check_weight_names(path: str, built):
     if wrong:
         raise ValueError(f"--model {path}: config.json does not describe these weights ({len(wrong)} shapes differ: "
                          f"{'; '.join(wrong[:2])}); use the config.json they came with")
+
+
+def what_it_is(path: str, option: str = "--model"):
+    """A folder without a config.json, or no folder: one line saying what `path` is instead (a run's out_dir, a
+    LoRA adapter, a training checkpoint, a file, nothing) and what to pass."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return
+    look = {"is a file; pass the folder that holds it and its config.json": os.path.isfile(path),
+            f"is a run's out_dir (no config.json); its policy is in {os.path.join(path, 'final')}":
+                os.path.isfile(os.path.join(path, "final", "config.json")),
+            "is a LoRA adapter (no config.json); pass the folder actor.save_merged wrote, or the base model":
+                os.path.isfile(os.path.join(path, "adapter_config.json")),
+            "is a training checkpoint (no config.json; --resume takes it); pass its run's final/":
+                os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "meta.json"))}
+    what = next((w for w, found in look.items() if found), None)
+    if what or not os.path.exists(path):
+        raise FileNotFoundError(f"{option} {path} {what}" if what else f"{option} {path}: no such directory; pass "
+                                f"a local Hugging Face model directory (nothing is downloaded)")
 
 
 def check_weight_files(path: str):

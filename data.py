@@ -43,6 +43,17 @@ def load_tokenizer(path):
     return tokenizer
 
 
+def check_format(path: str, option: str):
+    """A file read as JSON lines that is another format (a parquet file under another name, a table) is one line
+    saying what to write, not a JSON error about its first line."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head == b"PAR1" and not path.endswith(".parquet") or path.endswith((".csv", ".tsv", ".arrow", ".xlsx")):
+        raise ValueError(f"{option} {path}: read as .jsonl or .parquet only; "
+                         + ("it is a parquet file: name it *.parquet" if head == b"PAR1" else
+                            "convert it to .jsonl (one JSON object a line) or .parquet"))
+
+
 def read_rows(path: str, option: str = "--data") -> list[dict]:
     """Every row of a .jsonl or .parquet file; `option`: how errors name it (--data, --val_data)."""
     if os.path.isdir(path):                # a dataset's folder: name the files a run can read in it
@@ -51,12 +62,7 @@ def read_rows(path: str, option: str = "--data") -> list[dict]:
                          + (f" (it holds {', '.join(found[:3])}{', ...' if len(found) > 3 else ''})" if found else ""))
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{option} {path}: no such file")
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head == b"PAR1" and not path.endswith(".parquet") or path.endswith((".csv", ".tsv", ".arrow", ".xlsx")):
-        raise ValueError(f"{option} {path}: read as .jsonl or .parquet only; "
-                         + ("it is a parquet file: name it *.parquet" if head == b"PAR1" else
-                            "convert it to .jsonl (one JSON object a line) or .parquet"))
+    check_format(path, option)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:

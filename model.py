@@ -82,21 +82,9 @@ def head_dim(config) -> int:
 
 
 def check_model_path(path: str | None, option: str = "--model"):
-    """A local model directory with a config.json, or one line saying what `path` is instead (a run's out_dir, a
-    LoRA adapter, a training checkpoint, a file) and what to pass."""
-    if not is_dir(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return
-    look = {"is a file; pass the folder that holds it and its config.json": os.path.isfile(path),
-            f"is a run's out_dir (no config.json); its policy is in {os.path.join(path, 'final')}":
-                os.path.isfile(os.path.join(path, "final", "config.json")),
-            "is a LoRA adapter (no config.json); pass the folder actor.save_merged wrote, or the base model":
-                os.path.isfile(os.path.join(path, "adapter_config.json")),
-            "is a training checkpoint (no config.json; --resume takes it); pass its run's final/":
-                os.path.isfile(os.path.join(path, ".metadata")) or os.path.isfile(os.path.join(path, "meta.json"))}
-    what = next((w for w, found in look.items() if found), None)
-    raise FileNotFoundError(f"{option} {path} {what}" if what else f"{option} {path}: " + (
-        "no config.json there" if os.path.isdir(path) else "no such directory") + "; pass a local Hugging Face "
-                            "model directory (nothing is downloaded)")
+    if is_dir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"{option} {path}: no config.json there; pass a local Hugging Face "
+                                f"model directory (nothing is downloaded)")
 
 
 def load_model(path: str | None, seed: int = 0, head: str = "causal") -> torch.nn.Module:
