@@ -13,7 +13,7 @@ OUT=${OUT:-out/two_gpus}; mkdir -p "$OUT"
 DRY=${DRY:-0}
 if [ "$DRY" = 1 ]; then
   export CUDA_VISIBLE_DEVICES="" OMP_NUM_THREADS=1
-  M15="" STEPS=2 LONG=64 P=4 REST="--rollout.n=4 --rollout.engine=hf"
+  M15="" STEPS=2 LONG=48 P=4 REST="--rollout.n=4 --rollout.engine=hf"   # LONG: within the tiny model's 64 positions
 else                                  # TRL's GRPO workload: 16 prompts x 8 samples, 256-token responses, KL 0.04
   M15="--model=random:qwen2.5-1.5b" STEPS=8 LONG=8192 P=16
   REST="--rollout.n=8 --rollout.response_length=256 --actor.ppo_micro_batch_size_per_gpu=32 \
