@@ -223,13 +223,14 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     chats), the same instruction appended to both."""
     args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg))
     data = load_data(cfg.data, *args, instruction=cfg.instruction)
-    if cfg.reward is None and cfg.data is not None:   # the built-in GSM8K reward
+    gsm8k = cfg.reward is None and cfg.data is not None   # load_reward's built-in GSM8K (no data: the copy task's)
+    if gsm8k:
         numeric_answers(data[1], cfg.data, "--data")
     if cfg.val_data is None and cfg.data is not None:
         return data, None
     val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None,
                     option="--val_data")
-    if cfg.reward is None and cfg.val_data is not None:
+    if gsm8k and cfg.val_data is not None:
         numeric_answers(val[1], cfg.val_data, "--val_data")
     cap = cfg.val_max_prompts or len(val[0])
     return data, tuple(x[:cap] for x in val)

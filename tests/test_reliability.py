@@ -769,3 +769,20 @@ def test_options_a_run_reads_nowhere_are_said_at_set_up():
         "[options] warning: ref.log_prob_max_token_len_per_gpu=100 has no effect without actor.use_dynamic_bsz=true "
         "(micro-batches count samples)"]
     assert said("--actor.use_dynamic_bsz=true", "--ref.log_prob_max_token_len_per_gpu=100") == []
+
+
+def test_held_out_words_are_refused_only_where_the_gsm8k_reward_reads_them(tmp_path):
+    """--val_data answers that hold no number: refused with the built-in GSM8K reward (--data given), not with
+    the embedded task's copy reward (no --data), which compares strings."""
+    import data as data_io
+    import options
+    import tiny
+    words = tmp_path / "words.jsonl"
+    words.write_text("".join(json.dumps({"prompt": f"{c}=", "answer": f"City{c}"}) + "\n" for c in "12"))
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text("".join(json.dumps({"prompt": f"{c}=", "answer": c}) + "\n" for c in "12"))
+    tok = tiny.build_tokenizer()
+    with pytest.raises(ValueError, match="--val_data .*words.jsonl: none of its 2 answers is a number"):
+        data_io.run_data(options.parse_args([f"--data={numbers}", f"--val_data={words}"]), tok)
+    _, val = data_io.run_data(options.parse_args([f"--val_data={words}"]), tok)
+    assert val[1] == ["City1", "City2"]
