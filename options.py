@@ -247,7 +247,9 @@ def warnings(cfg: Config) -> list[str]:
     idle = [(not gae, _changed("critic", cfg.critic), "under GRPO, which has no critic (--algorithm.adv_estimator=gae)"),
             (not a.lora_rank, _changed("actor", a, ("lora_alpha", "lora_target_modules")), "without actor.lora_rank"),
             (not a.use_kl_loss, _changed("actor", a, ("kl_loss_coef", "kl_loss_type")), "with actor.use_kl_loss=false"),
-            (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)")]
+            (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)"),
+            (cfg.rollout.mode != "async", _changed("rollout", cfg.rollout, ("max_staleness", "buffer_limit")),
+             "without rollout.mode=async")]
     return [w for w in [profile_warning(cfg)] if w] + [
         f"[options] warning: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect {why}"
         for off, names, why in idle if off and names]

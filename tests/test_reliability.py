@@ -749,8 +749,8 @@ def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
 
 
 def test_options_a_run_reads_nowhere_are_said_at_set_up():
-    """A critic's options under GRPO, LoRA's without its rank, the KL's without the KL loss and token budgets
-    without dynamic batching: one warning line each in the set-up report, naming them; none at the defaults or
+    """A critic's options under GRPO, LoRA's without its rank, the KL's without the KL loss, token budgets
+    without dynamic batching and the async engine's options with a colocated one: one warning line each in the set-up report, naming them; none at the defaults or
     where the part exists."""
     import options
 
@@ -769,6 +769,10 @@ def test_options_a_run_reads_nowhere_are_said_at_set_up():
         "[options] warning: ref.log_prob_max_token_len_per_gpu=100 has no effect without actor.use_dynamic_bsz=true "
         "(micro-batches count samples)"]
     assert said("--actor.use_dynamic_bsz=true", "--ref.log_prob_max_token_len_per_gpu=100") == []
+    assert said("--rollout.max_staleness=2", "--rollout.buffer_limit=512") == [
+        "[options] warning: rollout.max_staleness=2, rollout.buffer_limit=512 have no effect without "
+        "rollout.mode=async"]
+    assert said("--rollout.mode=async", "--rollout.max_staleness=2") == []
 
 
 def test_held_out_words_are_refused_only_where_the_gsm8k_reward_reads_them(tmp_path):
