@@ -35,6 +35,7 @@ import train_grpo
 import vllm_engine
 
 SHARED = {}                                    # the mode's engine once a variant has built it
+PSEUDO = ("gc_thawed", "empty_after_sync", "generate_pool")   # a variant's flags that are the bench's, not the run's
 MODES = {"bf16": [], "fp8kv": ["--rollout.kv_cache_dtype=fp8"],
          "fp8": ["--rollout.kv_cache_dtype=fp8", "--rollout.quantization=fp8"]}
 KINDS = [  # kernel name -> kind, first match wins
@@ -84,7 +85,48 @@ def profile_table(trace: str) -> dict:
                 end = b
         row.update({"wall ms": (t1 - t0) / 1e3, "host gap ms": (t1 - t0 - covered) / 1e3})
         out[name] = {k: round(v, 2) for k, v in row.items()}
+        calls = {}                               # the host's CUDA runtime and driver calls: ms and count by name
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and t0 <= e["ts"] < t1:
+                ms, n = calls.get(e["name"], (0.0, 0))
+                calls[e["name"]] = (ms + e["dur"] / 1e3, n + 1)
+        top = sorted(calls.items(), key=lambda kv: -kv[1][0])[:8]
+        out[name]["host calls (ms, n)"] = {k: [round(ms, 2), n] for k, (ms, n) in top}
     return out
+
+
+GEN = {}                                       # the last generation's allocator figures (bench/gen_*)
+
+
+@contextlib.contextmanager
+def generation_as(flags: list):
+    """Pseudo-flags (not train_grpo options) around the colocated engine's generation, to see why an awake
+    engine generates slower beside the trainer's cached blocks: `empty_after_sync` gives those blocks back after
+    the sync (inside the bracket), `generate_pool` allocates generation's tensors from a pool of their own. Every
+    variant: the allocator's device allocations, frees and retries during generation, and its reserve before."""
+    real_sample, real_sync = vllm_engine.sample_vllm, vllm_engine.sync_weights
+    pool = torch.cuda.MemPool() if "generate_pool" in flags else None
+
+    def sync(*a, **k):
+        sent = real_sync(*a, **k)
+        if "empty_after_sync" in flags:
+            torch.cuda.empty_cache()
+        return sent
+
+    def sample(*a, **k):
+        s0 = torch.cuda.memory_stats()
+        with torch.cuda.use_mem_pool(pool) if pool is not None else contextlib.nullcontext():
+            out = real_sample(*a, **k)
+        s1 = torch.cuda.memory_stats()
+        GEN.update({f"gen_{k}": s1.get(k, 0) - s0.get(k, 0) for k in
+                    ("num_device_alloc", "num_device_free", "num_alloc_retries", "allocation.all.allocated")})
+        GEN["gen_reserved_before_gb"] = s0.get("reserved_bytes.all.current", 0) / 2 ** 30
+        return out
+    vllm_engine.sample_vllm, vllm_engine.sync_weights = sample, sync
+    try:
+        yield
+    finally:
+        vllm_engine.sample_vllm, vllm_engine.sync_weights = real_sample, real_sync
 
 
 GC = {"s": 0.0, "full": 0, "t0": 0.0}         # the garbage collector's time and full (generation 2) passes
@@ -135,6 +177,7 @@ def one_step(t, s: int, last: bool, args, profile: bool, peak: dict) -> tuple:
     with prof or (recorded(args.peak_stage, peak) if last and args.peak_stage else contextlib.nullcontext()):
         m = train_grpo.train_step(t, s)
     m.update({"bench/gc_s": GC["s"], "bench/gc_full": GC["full"], "bench/gc_frozen": gc.get_freeze_count()})
+    m.update({f"bench/{k}": v for k, v in GEN.items()})
     if prof is None:
         return m, None
     path = os.path.join(tempfile.mkdtemp(), "step.json")
@@ -145,9 +188,9 @@ def one_step(t, s: int, last: bool, args, profile: bool, peak: dict) -> tuple:
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     """(medians of the measured steps' figures, the profile or None, the engine) for one variant. Its steps run
     with the set-up's objects frozen, as train_grpo.run's do (vllm_engine.frozen_heap); the flag `gc_thawed`
-    (not a train_grpo option): without, as before round 14."""
+    (not a train_grpo option): without, as before round 14; the others in PSEUDO: `generation_as`."""
     thawed = "gc_thawed" in flags
-    cfg = options.parse_args(workload(args, [f for f in flags if f != "gc_thawed"]))
+    cfg = options.parse_args(workload(args, [f for f in flags if f not in PSEUDO]))
     vocab = 151936 if cfg.model and cfg.model.startswith("random:qwen") else 16
     g = torch.Generator().manual_seed(0)       # the prompts: prompt_len random tokens each (the copy task's are 4)
     data = ([torch.randint(2, vocab - 1, (args.prompt_len,), generator=g).tolist() for _ in range(64)], ["0"] * 64,
@@ -155,7 +198,9 @@ def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     t = train_grpo.setup(cfg, engine=engine, data=data)
     SHARED["engine"] = t.engine                # a variant that fails later leaves the mode's engine to the next
     steps, table, peak = [], None, {}
-    with contextlib.nullcontext() if thawed else vllm_engine.frozen_heap():   # thawed before the variant is dropped
+    GEN.clear()
+    heap = contextlib.nullcontext() if thawed else vllm_engine.frozen_heap()   # thawed before the variant is dropped
+    with heap, generation_as(flags):
         for s in range(args.warmup + args.steps):
             m, tab = one_step(t, s, s == args.warmup + args.steps - 1, args, profile, peak)
             vllm_engine.refreeze(s)            # as train_grpo.train does (a no-op thawed)
@@ -266,7 +311,8 @@ def parse():
 KEEP = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu", "perf/ref_logp_mfu",
         "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
         "bench/left_allocated_gb", "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean",
-        "bench/gc_s", "bench/gc_full", "rollout/generate_s")      # what a variant's line prints
+        "bench/gc_s", "bench/gc_full", "rollout/generate_s", "perf/decode_step_ms", "perf/bracket_frac",
+        "bench/gen_num_device_alloc", "bench/gen_num_alloc_retries", "bench/gen_reserved_before_gb")   # a variant's line
 
 
 def say(name: str, run: dict, stage: str):
