@@ -166,7 +166,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
     kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    rundir.disk_report(cfg, trained(a, c), a)   # a disk too small stops the run here, before the engine's build
+    disk = rundir.disk_report(cfg, trained(a, c), a)   # a disk too small stops the run here, before the engine's build
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
@@ -181,7 +181,7 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
                 fingerprint=data_io.fingerprint(prompts, answers), reward_model=rm, plan=predicted, peak=peak,
                 kernels=kernel_line, val=val, prompt_len=prompt_len)
     if rank == 0:
-        print("\n".join(report(t) + [predict.table(t.plan, ledger.gpu_capacity(device))]), flush=True)
+        print("\n".join(report(t, disk) + [predict.table(t.plan, ledger.gpu_capacity(device))]), flush=True)
     return t
 
 
@@ -201,16 +201,16 @@ def roles(t: Trainer) -> list:           # the roles this run built
     return [x for x in (t.actor, t.reward_model, t.ref, t.critic) if x is not None]
 
 
-def report(t: Trainer) -> list[str]:
-    """The run's set-up in a few lines: the data, the engine and the checkpoints, then what each role
-    holds and moves, in its own words (each role's `describe`)."""
+def report(t: Trainer, disk: str) -> list[str]:
+    """The run's set-up in a few lines: the data, the engine, the checkpoints and the `disk` line
+    (rundir.disk_report's, measured once), then what each role holds and moves, in its own words."""
     cfg, auto = t.cfg, {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
     lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
              + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
     lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM or Ctrl-C, to "
                                     f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
                                     if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
-    lines.append(rundir.disk_report(cfg, trained(t.actor, t.critic), t.actor))
+    lines.append(disk)
     lines += options.warnings(cfg)     # --profile_steps past --steps; options this run reads nowhere
     lines += validate.describe(cfg, t.val, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format))
     lines += rollout.describe(t.engine) + [t.kernels]

@@ -166,7 +166,8 @@ def test_lost_latest_and_own_checkpoint_resume_in_place(tmp_path, three):
 
 # --------------------------------------------------------------------------- 2. a full disk
 @launches
-def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumable(tmp_path, dist_env, monkeypatch):
+def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumable(tmp_path, dist_env, monkeypatch,
+                                                                                  capsys):
     """In this process (1 rank): the start check refuses an out_dir with too little space in one
     line; a checkpoint write whose disk fills (torch's zip writer's 'unexpected pos', as in the
     issue) is one OSError naming the path, the bytes needed and free, and leaves no .tmp-* behind;
@@ -181,8 +182,9 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
     cfg = options.parse_args(args)
     (data, val), _ = train_grpo.preflight(cfg)
     t = train_grpo.setup(cfg, data=data, val=val)
+    disk = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[disk]")]
+    assert len(disk) == 1 and disk[0].startswith("[disk] writes up to ~0.0") and "GB free" in disk[0]
     step0 = train_grpo.train_step(t, 0)
-    assert any(line.startswith(f"[disk] writes up to ~0.0") and "GB free" in line for line in train_grpo.report(t))
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "free_bytes", lambda path: 10 * 2**20)
         with pytest.raises(OSError, match=rf"{out} has 0.010 GB free but this run writes ~0.0\d\d GB there "
