@@ -18,6 +18,7 @@
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
 #   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
 #   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
+#   bash bench/one_gpu.sh awake_why [1.5b|0.5b]                # ... and awake with the trainer's reserve given back, profiled
 #   bash bench/one_gpu.sh head [0.5b|1.5b]                     # the LM head compiled (the default) against eager: alone, then in the step
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
@@ -79,6 +80,12 @@ case "${1:-}" in
       part "awake_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
         --variants="--rollout.sleep_level=0;default;--rollout.sleep_level=0" --out="$OUT/awake_$size.json"
     done ;;
+  awake_why)  # why the awake engine generates slower at 1.5B (round 27): asleep, awake, awake with the trainer's
+              # reserve given back after the sync, awake with generation's tensors in a pool of their own, then the
+              # first two again (the drift); each variant's last step profiled (the host's CUDA calls by name)
+    part "awake_why_${2:-1.5b}" 560 python bench/bench_step.py --model=random:qwen2.5-${2:-1.5b} --micro=0 --steps=3 \
+      --warmup=2 --profile --out="$OUT/awake_why_${2:-1.5b}.json" --variants="default;--rollout.sleep_level=0;\
+--rollout.sleep_level=0 empty_after_sync;--rollout.sleep_level=0 generate_pool;default;--rollout.sleep_level=0" ;;
   head)       # the compiled head (--head_kernel=auto, the default on a GPU): alone (bench_head.py, no vLLM needed),
               # then the step beside --head_kernel=eager, the default again last (the process's drift); TRL's workload
     for size in ${2:-0.5b 1.5b}; do
