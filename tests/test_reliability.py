@@ -750,6 +750,45 @@ def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
     assert "python-visible CUDA storages of 16 MiB or more: 0.00 GB" in lines, lines
 
 
+def test_the_benchs_profile_splits_a_step_by_stage_and_its_pseudo_flags_wrap_generation_only(tmp_path, monkeypatch):
+    """bench_step's profile table (round 27 read the awake engine's generation from it): a kernel counts in
+    the stage it starts in, by kind; the host gap is the wall time no kernel covers (overlapping kernels
+    once); the host's CUDA calls are summed by name per stage. The pseudo-flags wrap the sync and the sampling
+    call only while a variant runs, `empty_after_sync` empties the cache after the sync, and are not options."""
+    import sys
+
+    import torch
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import bench_step
+    import vllm_engine
+    x = lambda name, ts, dur, **k: {"ph": "X", "name": name, "ts": ts, "dur": dur, **k}   # noqa: E731
+    events = [x("stage:generate", 0, 1000), x("stage:update", 1000, 2000),
+              x("sm90_gemm", 100, 200, cat="kernel"), x("flash_fwd", 200, 200, cat="kernel"),
+              x("ncclAllGather", 1500, 500, cat="kernel"),
+              x("cudaGraphLaunch", 50, 20, cat="cuda_runtime"), x("cudaGraphLaunch", 500, 30, cat="cuda_runtime"),
+              x("cudaLaunchKernel", 1200, 10, cat="cuda_runtime")]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    table = bench_step.profile_table(str(path))
+    gen, upd = table["generate"], table["update"]
+    assert (gen["matmuls"], gen["attention"], gen["wall ms"], gen["host gap ms"]) == (0.2, 0.2, 1.0, 0.7)
+    assert gen["host calls (ms, n)"] == {"cudaGraphLaunch": [0.05, 2]}
+    assert upd["FSDP copies and collectives"] == 0.5 and upd["host gap ms"] == 1.5
+    assert upd["host calls (ms, n)"] == {"cudaLaunchKernel": [0.01, 1]}
+    sync, sample, emptied = (lambda *a: 7), (lambda *a: ["out"]), []
+    monkeypatch.setattr(vllm_engine, "sync_weights", sync)
+    monkeypatch.setattr(vllm_engine, "sample_vllm", sample)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    with bench_step.generation_as(["--rollout.sleep_level=0", "empty_after_sync"]):
+        assert vllm_engine.sync_weights() == 7 and emptied == [1]
+        assert vllm_engine.sample_vllm() == ["out"] and bench_step.GEN["gen_num_device_alloc"] == 0
+    assert vllm_engine.sync_weights is sync and vllm_engine.sample_vllm is sample
+    with bench_step.generation_as([]):
+        vllm_engine.sync_weights()
+    assert emptied == [1]
+    assert set(bench_step.PSEUDO) >= {"gc_thawed", "empty_after_sync", "generate_pool"}
+
+
 def test_options_a_run_reads_nowhere_are_said_at_set_up():
     """A critic's options under GRPO, LoRA's without its rank, the KL's without the KL loss, token budgets
     without dynamic batching and the async engine's options with a colocated one: one warning line each in the set-up report, naming them; none at the defaults or
