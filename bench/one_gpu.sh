@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # This round's one-H200 runs, in parts that each fit one device call (at most 10 minutes); every part writes
 # its raw output under $OUT (the device tool brings it back) and never stops the next one.
-#   source .vllm/env.sh && bash bench/one_gpu.sh tests       # GPU tests: test_memory.py (one call)
+#   source .vllm/env.sh && bash bench/one_gpu.sh tests       # GPU tests: a third of test_memory.py (one call);
+#   bash bench/one_gpu.sh tests_b; bash bench/one_gpu.sh tests_c  # its other two thirds, a call each
 #   bash bench/one_gpu.sh tests2                               # tests/test_vllm.py, tests/test_packing.py's GPU tests
 #   bash bench/one_gpu.sh fp8tests; bash bench/one_gpu.sh fp8long   # test_defaults' KV bytes, tests/test_fp8.py
 #   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B and 1.5B, checkpointing on / off
@@ -99,9 +100,12 @@ case "${1:-}" in
     part leak_0p5b 300 python bench/bench_step.py --model=random:qwen2.5-0.5b \
       --variants="--memory_history=true;--memory_history=true;--memory_history=true" \
       --steps=2 --warmup=1 --out="$OUT/leak_0p5b.json" ;;
-  tests)
+  tests|tests_b|tests_c)   # test_memory.py's collected tests, every third from the first, second or third: the
+                           # whole file (26 tests) outgrew one call's 560 s in round 26
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
-    part test_memory 560 python -m pytest -q -rf test_memory.py ;;    # 22 tests, about 6 min (240 s + 124 s, rounds 7-8)
+    k=$(case $1 in tests) echo 1;; tests_b) echo 2;; *) echo 0;; esac)
+    ids=$(python -m pytest -q --collect-only test_memory.py | grep '::' | awk -v k="$k" 'NR % 3 == k')
+    part "${1/tests/test_memory}" 560 python -m pytest -q -rf $ids ;;
   tests2)
     part test_vllm 380 python -m pytest -q -rf -s tests/test_vllm.py
     part test_packing_gpu 180 python -m pytest -q -rf -m gpu tests/test_packing.py ;;
