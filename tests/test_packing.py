@@ -321,6 +321,9 @@ def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "b
     head = "compile" if kind == "head" else "eager"
     kind = "torch" if kind == "head" else kind
     used, _ = kernel_choice.use(kind, device, "qwen2", head)
+    assert ("chunk" in packing.HEAD) == (head == "compile")   # the head the run asked for is the one installed
+    torch._dynamo.reset()                  # what an earlier run compiled would be reused, not compiled here
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     model = mid_model()
     model.load_state_dict(weights)
     model = shard(model, build_mesh(device, world, -1), device, param_dtype=dtype, gradient_checkpointing=True)
@@ -330,6 +333,8 @@ def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "b
         model.zero_grad(set_to_none=True)
         lp, ent = packing.response_logprobs(model, batch, 1.0, layout(8), entropy="grad")
         (lp.sum() + 0.01 * ent.sum()).backward()
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
+    assert compiled == (head == "compile" or kind == "compile")   # it really compiled, and only then
     return lp.detach(), ent.detach(), _grads(model)
 
 
@@ -338,7 +343,7 @@ def _kernel_run(kind: str, weights: dict, batch: dict, dist_env, dtype: str = "b
 @pytest.mark.parametrize("kind", ["liger", "compile", "head"])
 def test_kernels_are_as_accurate_as_torch_in_bf16(dist_env, kind):
     """--kernels=liger and =compile (which really ran: Liger's modules in the model, 8 layers compiled), and
-    --head_kernel=compile ("head", with transformers' modules), are
+    --head_kernel=compile ("head", with transformers' modules; its chunk installed and compiled), are
     no further from the fp32 computation than transformers' own bf16 modules: log-probs' and entropies'
     mean |error| at most 10 % more (+0.001), max |error| < 0.1 nats, the gradient's cosine to fp32's
     within 1e-4 of torch's, on the packed path with checkpointing (~430M model). Their distance to
