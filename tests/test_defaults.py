@@ -88,9 +88,10 @@ def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
               f"device {dev or 0:7.2f} plan {pdev:7.2f}")
     assert rows and any(st == "update" for st, *_ in rows)
     for st, peak, pred, dev, pdev in rows:
+        assert dev is not None, f"{st}: the plan's stage has no device level measured beside it"
         if peak > 1:
             assert abs(pred / peak - 1) <= 0.10, f"{st}: allocator peak {peak:.2f} GB, plan {pred:.2f}"
-        if dev is not None and dev > 1 and dev < 0.97 * gpu:   # at the GPU's size the allocator retries instead
+        if dev > 1 and dev < 0.97 * gpu:   # at the GPU's size the allocator retries instead
             assert abs(pdev / dev - 1) <= 0.10, f"{st}: device level {dev:.2f} GB, plan {pdev:.2f}"
     if offload == "auto" and not m["tight"]:   # the plan kept plan_margin free: no retry may happen
         retries = {k: v for k, v in m.items() if k.endswith("/alloc_retries") and v}
