@@ -24,7 +24,7 @@ only figure that sees vLLM's pool) go to the metrics as `rollout/<phase>_s` / `_
     generate        sample n responses per prompt, with the sampled tokens' log-probs
     sleep           level 1: weights to host, KV dropped; level 2: both dropped (re-sent anyway)
 sleep_level=0: asleep after its build only; from the first bracket on its weights and KV cache stay beside the
-trainer and the bracket is the sync alone. Not the default: its generation measured slower (bench/README.md).
+trainer and the bracket is the sync alone. Not the default: no faster end to end, for vLLM's memory (bench/README.md).
 Checked on vLLM 0.26.0 with torch 2.11 (H200).
 """
 import contextlib
@@ -447,8 +447,8 @@ def awake(engine: Engine, model, stashes: list, metrics: dict):
     once, the bracket is then the sync). Phases' seconds, device use and their highest to `metrics`."""
     llm = engine.llm
     if wake := llm.llm_engine.is_sleeping():
-        with _phase("empty_cache", metrics):
-            torch.cuda.empty_cache()
+        with _phase("empty_cache", metrics):   # even where vLLM fits beside the reserve: its sleep would empty
+            torch.cuda.empty_cache()           # the cache anyway (vLLM 0.26's CuMemAllocator.sleep)
         with _phase("wake_weights", metrics):
             llm.wake_up(tags=["weights"])
     with _phase("load_params", metrics):

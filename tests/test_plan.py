@@ -728,7 +728,7 @@ def test_an_engine_that_never_sleeps_is_planned_beside_every_stage_and_saves_the
     """rollout.sleep_level=0 (the engine awake all run): its weights, KV budget and graphs sit beside every stage
     (Plan.beside; each stage's device level grows by that less a sleeping engine's residue), and the step drops
     the sleeping bracket's cost (predict.bracket_seconds: empty_cache of the update's reserve, sleep, two
-    wakes). relax never picks it (its generation measured slower), HF generate and async have no bracket."""
+    wakes). relax never picks it (no faster end to end, bench/README.md), HF generate and async have no bracket."""
     args = ["--model=random:qwen2.5-1.5b", "--train_batch_size=16", "--actor.ppo_mini_batch_size=16",
             "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04"]
     cfg = _cfg(*args)
