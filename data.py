@@ -223,7 +223,7 @@ def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
     chats), the same instruction appended to both."""
     args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg))
     data = load_data(cfg.data, *args, instruction=cfg.instruction)
-    gsm8k = cfg.reward is None and cfg.data is not None   # load_reward's built-in GSM8K (no data: the copy task's)
+    gsm8k = builtin_gsm8k(cfg.reward, cfg.data)
     if gsm8k:
         numeric_answers(data[1], cfg.data, "--data")
     if cfg.val_data is None and cfg.data is not None:
@@ -330,11 +330,11 @@ def builtin_gsm8k(spec: str | None, data_path: str | None) -> bool:
 def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "strict"):
     """`module:function`, or the default: the copy-task reward for the tiny task, GSM8K (in
     `gsm8k_format`'s form) for data."""
-    if spec is None:
-        if data_path is None:
-            import tiny
-            return tiny.copy_reward
+    if builtin_gsm8k(spec, data_path):
         return gsm8k_flexible_reward if gsm8k_format == "flexible" else gsm8k_reward
+    if spec is None:                       # no data either: the built-in copy task's
+        import tiny
+        return tiny.copy_reward
     module, colon, name = spec.partition(":")
     if not colon or not module or not name:
         mod, fn = spec.rsplit(".", 1) if not colon and "." in spec.strip(".") else (module, name)   # a.fn: a:fn
