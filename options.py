@@ -180,14 +180,16 @@ def check_sizes(cfg: Config, world: int) -> int:
                          f"world size {world} (each rank generates its share); make it a multiple of {world}")
     if cfg.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
-                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}")
+                         f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; pass a divisor of it, such as "
+                         f"--actor.ppo_mini_batch_size={_divisor(cfg.train_batch_size, a.ppo_mini_batch_size)}")
     if (a.ppo_mini_batch_size * n) % dp:
         raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
                          f"samples do not split over the {per}; change either")
     mini = a.ppo_mini_batch_size * n // dp
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
         raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
-                         f"does not divide the {mini} samples per rank of a mini-batch ({per})")
+                         f"does not divide the {mini} samples per rank of a mini-batch ({per}); pass "
+                         f"--actor.ppo_micro_batch_size_per_gpu={_divisor(mini, a.ppo_micro_batch_size_per_gpu)}")
     if cfg.fsdp_size not in (-1, world) and (cfg.fsdp_size < 1 or world % cfg.fsdp_size):
         raise ValueError(f"fsdp_size={cfg.fsdp_size} does not divide the world size {world}")
     actor.check(cfg.actor, world)          # the rules that combine a role's options
@@ -197,6 +199,11 @@ def check_sizes(cfg: Config, world: int) -> int:
     rollout.check(cfg.rollout, world)
     profile_steps(cfg.profile_steps)
     return mini
+
+
+def _divisor(total: int, below: int) -> int:
+    """The largest divisor of `total` not above `below`: the size a bad-batch line suggests."""
+    return max(d for d in range(1, min(total, below) + 1) if total % d == 0)
 
 
 def profile_steps(spec: str) -> set[int]:

@@ -223,8 +223,11 @@ def test_config_overrides_are_typed():
     (["--lr=1e-6"], "unknown option --lr (did you mean --actor.lr or --critic.lr?); known here: model, "),
     (["--actor.lr=fast"], "expected float"),
     (["--actor.param_offload=maybe"], "expected true or false"),
-    (["--train_batch_size=16", "--actor.ppo_mini_batch_size=5"], "not a multiple"),
+    (["--train_batch_size=16", "--actor.ppo_mini_batch_size=5"], "not a multiple of actor.ppo_mini_batch_size=5; "
+     "pass a divisor of it, such as --actor.ppo_mini_batch_size=4"),
     (["--actor.ppo_micro_batch_size_per_gpu=48"], "does not divide"),
+    (["--train_batch_size=3", "--actor.ppo_mini_batch_size=3"], "does not divide the 24 samples per rank of a "
+     "mini-batch (world size 1); pass --actor.ppo_micro_batch_size_per_gpu=12"),
     (["--data=/nonexistent.jsonl"], "no such file"),
     (["--reward=nosuchmodule:fn"], "cannot load it"),
     (["--actor.lora_rank=-1"], "--actor.lora_rank=-1: must be >= 0"),
