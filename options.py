@@ -181,7 +181,8 @@ def check_sizes(cfg: Config, world: int) -> int:
     if cfg.train_batch_size % a.ppo_mini_batch_size:
         raise ValueError(f"train_batch_size={cfg.train_batch_size} is not a multiple of "
                          f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}; pass a divisor of it, such as "
-                         f"--actor.ppo_mini_batch_size={_divisor(cfg.train_batch_size, a.ppo_mini_batch_size)}")
+                         f"--actor.ppo_mini_batch_size="
+                         f"{_divisor(cfg.train_batch_size, a.ppo_mini_batch_size, lambda d: d * n % dp == 0)}")
     if (a.ppo_mini_batch_size * n) % dp:
         raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
                          f"samples do not split over the {per}; change either")
@@ -201,9 +202,11 @@ def check_sizes(cfg: Config, world: int) -> int:
     return mini
 
 
-def _divisor(total: int, below: int) -> int:
-    """The largest divisor of `total` not above `below`: the size a bad-batch line suggests."""
-    return max(d for d in range(1, min(total, below) + 1) if total % d == 0)
+def _divisor(total: int, below: int, fits=lambda d: True) -> int:
+    """The size a bad-batch line suggests: the largest divisor of `total` not above `below` that `fits`,
+    else the smallest one above it that does (`total` itself fits every caller's rule)."""
+    ok = [d for d in range(1, total + 1) if total % d == 0 and fits(d)]
+    return max((d for d in ok if d <= below), default=min(ok))
 
 
 def profile_steps(spec: str) -> set[int]:

@@ -177,6 +177,12 @@ def test_batch_size_checks():
         options.check_sizes(options.parse_args(["--train_batch_size=12", "--actor.ppo_mini_batch_size=12",
                                                       "--rollout.tensor_parallel_size=2"]), 3)
     assert options.check_sizes(options.parse_args(["--rollout.tensor_parallel_size=2"]), 4) > 0
+    # the suggested mini-batch divides the batch and its samples split over the ranks (6 x 3 would not over
+    # 4), the largest below the one given, else the smallest above it
+    for batch, mini, n, world, want in [(24, 7, 3, 4, 4), (8, 3, 1, 8, 8)]:
+        with pytest.raises(ValueError, match=rf"such as --actor.ppo_mini_batch_size={want}$"):
+            args = [f"--train_batch_size={batch}", f"--actor.ppo_mini_batch_size={mini}", f"--rollout.n={n}"]
+            options.check_sizes(options.parse_args(args), world)
 
 
 def test_chat_template_is_applied():
