@@ -26,6 +26,7 @@ SEED=${SEED:-0}; S=$([ "$SEED" = 0 ] || echo "_s$SEED")   # SEED=1: a second run
 # DATA_SEED=0 SEED=k: seed 0's prompts in seed 0's order, the k-th draw of samples (ours: --data_seed; TRL: its data
 # seed and its engine's seed): a run's spread on one task. Without it TRL's engine seed is its own (0) on every seed
 DATA_SEED=${DATA_SEED:-}; S=$S${DATA_SEED:+_d$DATA_SEED}
+S=$S${NAME:+_$NAME}   # NAME=lr1e5 EXTRA="--actor.lr=1e-5": a variant of grpo beside the recipe, in its own folder
 export PYTHONUNBUFFERED=1
 # TRL's colocated vLLM wants a one-process group; torchrun would read the bench's --n=8 as its own --nnodes
 TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517)
