@@ -186,6 +186,7 @@ def check_sizes(cfg: Config, world: int) -> int:
     if (a.ppo_mini_batch_size * n) % dp:
         raise ValueError(f"actor.ppo_mini_batch_size x rollout.n = {a.ppo_mini_batch_size * n} "
                          f"samples do not split over the {per}; change either")
+    check_step_size(cfg, world)
     mini = a.ppo_mini_batch_size * n // dp
     if mini % a.ppo_micro_batch_size_per_gpu and a.ppo_micro_batch_size_per_gpu < mini:
         raise ValueError(f"actor.ppo_micro_batch_size_per_gpu={a.ppo_micro_batch_size_per_gpu} "
@@ -200,6 +201,29 @@ def check_sizes(cfg: Config, world: int) -> int:
     rollout.check(cfg.rollout, world)
     profile_steps(cfg.profile_steps)
     return mini
+
+
+# The most one rank samples and trains in a step, on the CPU as on a GPU. Large GRPO runs sample a few thousand
+# responses per GPU a step; 65,536 is 16x that, and 2^26 response tokens are hours of one 7B step on an H100 at
+# 6 x 7e9 FLOPs a token. Past either the step never ends (rollout.n=100000 on the embedded model: 1.6M rows
+# in HF generate) and nothing else would say why.
+MAX_SAMPLES_PER_RANK = 65_536
+MAX_TOKENS_PER_RANK = 2 ** 26
+
+
+def check_step_size(cfg: Config, world: int):
+    """A step one rank can finish: train_batch_size x rollout.n samples over `world` ranks, each of up to
+    rollout.response_length tokens, within the bounds above; else one line with the largest rollout.n that fits."""
+    r, b = cfg.rollout, cfg.train_batch_size
+    per = b * r.n // world
+    cap = min(MAX_SAMPLES_PER_RANK, MAX_TOKENS_PER_RANK // r.response_length)
+    if per <= cap:
+        return
+    raise ValueError(f"--rollout.n={r.n} x train_batch_size={b} is {b * r.n:,} samples a step, {per:,} on each of "
+                     f"{world} rank(s) (x rollout.response_length={r.response_length}: {per * r.response_length:,} "
+                     f"response tokens): over the {MAX_SAMPLES_PER_RANK:,} samples or {MAX_TOKENS_PER_RANK:,} "
+                     f"tokens one rank can sample and train in a step (it would not end); use at most --rollout.n="
+                     f"{max(1, cap * world // b)} here, or a smaller train_batch_size or rollout.response_length")
 
 
 def _divisor(total: int, below: int, fits=lambda d: True) -> int:
@@ -248,7 +272,8 @@ def profile_warning(cfg: Config) -> str | None:
 
 def warnings(cfg: Config) -> list[str]:
     """The set-up report's warnings about options this run reads nowhere: --profile_steps past --steps, and the
-    options of a part the run does not have (said, not refused: one config file may serve several runs).
+    options of a part the run does not have (said, not refused: one config file may serve several runs), a
+    window size without the streamed Adam it sizes.
     ref.* under LoRA, reward_model.* without its path and actor.save_merged say so in their own roles."""
     a, gae = cfg.actor, cfg.algorithm.adv_estimator == "gae"
     budgets = _changed("actor", a, ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")) + _changed(
@@ -259,7 +284,11 @@ def warnings(cfg: Config) -> list[str]:
             (not a.use_kl_loss, _changed("actor", a, ("kl_loss_coef", "kl_loss_type")), "with actor.use_kl_loss=false"),
             (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)"),
             (cfg.rollout.mode != "async", _changed("rollout", cfg.rollout, ("max_staleness", "buffer_limit")),
-             "without rollout.mode=async")]
+             "without rollout.mode=async"),
+            (not a.optimizer_stream, _changed("actor", a, ("optimizer_window_layers",)),
+             "without actor.optimizer_stream=true (Adam steps whole)"),
+            (gae and not cfg.critic.optimizer_stream, _changed("critic", cfg.critic, ("optimizer_window_layers",)),
+             "without critic.optimizer_stream=true (Adam steps whole)")]
     return [w for w in [profile_warning(cfg)] if w] + [
         f"[options] warning: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect {why}"
         for off, names, why in idle if off and names]

@@ -23,15 +23,15 @@ GB = 2 ** 30
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["--rollout.n=100000"], "the step's largest stage (on the CPU, host memory)"),
+    (["--rollout.n=4096", "--rollout.response_length=32"], "the step's largest stage (on the CPU, host memory)"),
     (["--model=random:qwen2.5-7b"], "the model read in fp32 28."),
 ], ids=["a huge group", "7B on a small host"])
 def test_what_the_host_cannot_hold_is_refused_before_any_model(tmp_path, in_process, monkeypatch, capsys, args,
                                                                 expect):
-    """A node with 8 GB of RAM free: 100,000 samples a prompt (the HF engine's KV cache for 1.6M rows) or
-    a 7B model (read in fp32 on the host) is one line naming the RAM, what needs it and what to change,
+    """A node with 4 GB of RAM free: 4,096 samples a prompt of 32 tokens (the HF engine's KV cache for 65,536
+    rows) or a 7B model (read in fp32 on the host) is one line naming the RAM, what needs it and what to change,
     and no model is built (the 7B would take a minute and 28 GB)."""
-    monkeypatch.setattr(ledger, "host_available", lambda: 8 * GB)
+    monkeypatch.setattr(ledger, "host_available", lambda: 4 * GB)
     built = []
     import actor, critic, model, ref, reward_model   # noqa: E401 (each role imports load_model by name)
     for m in (model, actor, critic, ref, reward_model):
@@ -40,7 +40,7 @@ def test_what_the_host_cannot_hold_is_refused_before_any_model(tmp_path, in_proc
         in_process([f"--out_dir={tmp_path / 'run'}", "--logger=none", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1 and not built, err
-    assert err[0].startswith("error: this node has 8.0 GB of RAM free but the run needs ~") and expect in err[0], err
+    assert err[0].startswith("error: this node has 4.0 GB of RAM free but the run needs ~") and expect in err[0], err
 
 
 def test_a_huge_data_line_is_dropped_without_tokenizing_it_whole(tmp_path):
