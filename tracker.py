@@ -216,11 +216,13 @@ def profiled(out_dir: str, steps: set, step: int, rank: int, device):
 
 # --------------------------------------------------------------------------- the progress line
 def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> str:
-    """The step's one line; `first`: the step this process started at (a resume), for the eta."""
+    """The step's one line; `first`: the step this process started at (a resume), for the eta. It starts with the
+    step's number as metrics.jsonl, --val_freq and --profile_steps count (from 0), then how many of --steps are
+    done: `step 0 (1/150)`."""
     done = (step + 1) / steps
     eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
-    head = f"step {step + 1}/{steps} [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
+    head = f"step {step} ({step + 1}/{steps}) [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
     keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
             "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
             "rollout/logp_diff_max", "critic/vf_loss"]
