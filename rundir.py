@@ -35,7 +35,7 @@ import torch.distributed as dist
 import checkpoint
 import data
 import ledger
-from launch import LOCK, check_writable, claimed, lock_out_dir  # noqa: F401 - one run per out_dir, launch.py's
+from launch import LOCK, check_writable, lock_out_dir  # noqa: F401 - one run per out_dir, launch.py's
 
 GB = 2**30
 

@@ -11,7 +11,8 @@ One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every m
 inside that role's own file (actor.py, ref.py, critic.py, reward_model.py; rollout.py loads and frees the actor's
 params around the weight sync): this file orders the stages and keeps the ledger (ledger.stage).
 --profile_steps=1,3 writes a torch.profiler trace of those steps to <out_dir>/profile/.
-Every metric also goes to TensorBoard (<out_dir>/tensorboard), wandb or nowhere (--logger); a GPU run ends with <out_dir>/memory.png.
+Every metric also goes to TensorBoard (<out_dir>/tensorboard), wandb or nowhere (--logger); a GPU run ends with
+<out_dir>/memory.png.
     [val]     : when due (--val_freq), first: greedy answers to the held-out prompts in a bracket of their own
     generate  : HF: params in -> sample n a prompt -> out; vLLM (rollout.awake): params in -> sync -> out -> KV
                 wakes -> sample -> sleep (defer_param_offload: in since the update). Async: rollout_wait, push last
@@ -40,15 +41,13 @@ every --save_freq steps, after the last step and on SIGTERM or Ctrl-C; the same 
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
 """
-from __future__ import annotations   # the Trainer's fields share their names with the role modules
-
 import contextlib
 import json
 import os
 import sys
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -58,12 +57,10 @@ import actor
 import checkpoint
 import critic
 import data as data_io
-import kernel_choice
 import launch
 import ledger
 import offload
 import options
-import plan
 import predict
 import ref
 import reward_model
@@ -75,187 +72,27 @@ import tracker
 import ulysses
 import validate
 import vllm_engine
-from checks import check_model
-from model import all_sum, build_mesh, hf_config
+from model import all_sum
 from options import Config
-
-
-# --------------------------------------------------------------------------- setup
-@dataclass
-class Trainer:
-    """Everything one run holds (state only; the step is a free function). Each role holds its own
-    offload groups and moves them itself; the loop only orders the stages."""
-    cfg: Config
-    rank: int
-    world: int
-    device: torch.device
-    mini_size: int                         # samples per rank in one mini-batch
-    tokenizer: object
-    prompts: list                          # prompt token ids
-    answers: list
-    reward_fn: object
-    order: list                            # prompt order, the same on every rank
-    actor: actor.Actor
-    engine: rollout.Engine
-    fingerprint: str                       # of the prompts and answers: a resume checks it walks the same data
-    ref: ref.Ref | None = None             # only for the KL loss, and not with LoRA (ref.needed)
-    critic: critic.Critic | None = None    # only for PPO (adv_estimator=gae)
-    chats: list | None = None              # each prompt's chat messages (the reward model re-renders them)
-    reward_model: reward_model.RewardModel | None = None   # only with --reward_model.path
-    plan: predict.Plan | None = None          # the planner's prediction per stage, logged beside the measurement
-    stream: rollout_async.Stream | None = None   # --rollout.mode=async: the engines' side of the run (rank 0's buffer)
-    data_offset: int = 0                   # prompts walked before step 0 (a resume that changed the batch size)
-    peak: float = 0.0                      # the GPU's bf16 matmul FLOP/s, measured at set-up (MFU's denominator)
-    warned: set = field(default_factory=set)   # warnings already printed (each once per run)
-    kernels: str = ""                      # the set-up line of the models' kernels (kernel_choice.use)
-    val: tuple | None = None               # held-out (prompt ids, answers, chats), or None: no validation (validate.py)
-    prompt_len: int = 0                    # the longest prompt, training or held-out: what the engine is built for
-    updates: int = 0                       # steps whose update is done: the weights a stop or an error keeps
-    saved: int = -1                        # the step of the newest checkpoint written or resumed from
-    updating: bool = False                 # inside the update stage: the weights are between two steps
-
-
-def preflight(cfg: Config):
-    """Every check that needs no process group and no model, run on every rank before either
-    exists, so that a mistake costs seconds: the batch arithmetic and each role's combinations, the
-    model directory (config, weights, a decoder layout this code shards), the data and the reward,
-    then the out_dir policy (`rundir.plan`). Returns (((prompt ids, answers, chats), the held-out ones or
-    None), the checkpoint to resume or None)."""
-    nproc = int(os.environ.get("WORLD_SIZE", 1))
-    rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # (main checked it first: before a rank leaves)
-    options.check_sizes(cfg, rollout_engine.trainer_world(cfg.rollout, nproc))
-    rollout.resolve_engine(cfg.rollout, torch.device("cuda" if torch.cuda.is_available() else "cpu"))   # FP8 on HF: now
-    check_model(cfg.model, cfg.rollout.response_length)
-    reward_model.check_model(cfg.reward_model)
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.mode == "separate":
-        critic.check_model(cfg.model)
-    tokenizer = data_io.load_tokenizer(cfg.model)
-    data = data_io.run_data(cfg, tokenizer)   # (training, held-out or None)
-    data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format)
-    tracker.resolve(cfg.logger)            # a logger asked for but not installed: one line, now
-    start = rundir.plan(cfg, data_io.fingerprint(*data[0][:2]))
-    tracker.check_dir(cfg.logger, cfg.out_dir)   # after the policy made out_dir: its folder is writable
-    return data, start
-
-
-def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None) -> Trainer:
-    """Build every role (each offloads what its flags say), then the rollout engine (or reuse `engine`, run as `cfg`
-    says). `data`, `val`: (prompt ids, answers, chats or None) to train on and hold out (None: no validation), or cfg's."""
-    nproc = int(os.environ.get("WORLD_SIZE", 1))          # async rollout: the engine ranks are not the trainer's
-    rank, world, device = launch.init_distributed(cfg.dist_timeout_s, rollout_engine.trainer_world(cfg.rollout, nproc))
-    torch.manual_seed(cfg.seed)
-    tokenizer = data_io.load_tokenizer(cfg.model)
-    if data is None:
-        data, val = data_io.run_data(cfg, tokenizer)
-    prompts, answers, chats = data
-    prompt_len = max(map(len, prompts + (val[0] if val else [])))   # the engine answers held-out prompts too
-    kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
-    if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
-        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
-    cfg = plan.relax(cfg, world, prompt_len, kind, (gpu := ledger.gpu_capacity(device) if device.type == "cuda" else 0), rank)
-    mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
-    predicted = predict.predict(cfg, world, prompt_len, kind)
-    predict.host_fits(cfg, predicted, device, ledger.host_available(), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    predict.checkpoint_fits(cfg, predicted, gpu)
-    if rank == 0 and (line := plan.verdict(cfg, predicted, world, prompt_len, kind, device)):
-        print(line, flush=True)            # near or over the GPU by the plan: said before anything is built
-    ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
-    peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
-    used, kernel_line = kernel_choice.use(cfg.kernels, device, hf_config(cfg.model).model_type,   # before any model
-                                          cfg.head_kernel, cfg.actor.logits_chunk_tokens)
-    a, r, c, rm = build_roles(cfg, build_mesh(device, world, cfg.fsdp_size), device, tokenizer)
-    kernel_choice.compile_layers([x.model for x in (a, r, c, rm) if x is not None], used)
-    os.makedirs(cfg.out_dir, exist_ok=True)
-    disk = rundir.disk_report(cfg, trained(a, c), a)   # a disk too small stops the run here, before the engine's build
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if engine is None:                     # after the offloads: vLLM sizes itself from free memory
-        req = rollout.request(cfg.rollout, prompts=rollout.prompts_per_rank(cfg.train_batch_size, world), prompt_len=prompt_len,
-                              param_dtype=cfg.actor.param_dtype)
-        engine = rollout.build(cfg.rollout, device=device, model_path=cfg.model, config=a.model.config,
-                               out_dir=cfg.out_dir, req=req, seed=cfg.seed + rank, pad_id=pad,
-                               eos_id=tokenizer.eos_token_id, rank=rank)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(data_io.data_seed(cfg))).tolist()
-    t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
-                prompts=prompts, answers=answers, reward_fn=data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format),
-                order=order, actor=a, engine=replace(engine, cfg=cfg.rollout), ref=r, critic=c, chats=chats,
-                fingerprint=data_io.fingerprint(prompts, answers), reward_model=rm, plan=predicted, peak=peak,
-                kernels=kernel_line, val=val, prompt_len=prompt_len)
-    if rank == 0:
-        print("\n".join(report(t, disk) + [predict.table(t.plan, ledger.gpu_capacity(device))]), flush=True)
-    return t
-
-
-def build_roles(cfg: Config, mesh, device, tokenizer) -> tuple:
-    """(actor, ref or None, critic or None, reward model or None), each built by its own file."""
-    where = dict(model_path=cfg.model, mesh=mesh, device=device, seed=cfg.seed)
-    a = actor.build(cfg.actor, **where)
-    r = ref.build(cfg.ref, actor_cfg=cfg.actor, **where) if ref.needed(cfg.actor) else None
-    c = critic.build(cfg.critic, actor_cfg=cfg.actor, actor_model=a.model, **where) \
-        if cfg.algorithm.adv_estimator == "gae" else None
-    rm = reward_model.build(cfg.reward_model, param_dtype=cfg.actor.param_dtype, policy_tokenizer=tokenizer, mesh=mesh,
-                            device=device, seed=cfg.seed) if cfg.reward_model.path else None
-    return a, r, c, rm
-
-
-def roles(t: Trainer) -> list:           # the roles this run built
-    return [x for x in (t.actor, t.reward_model, t.ref, t.critic) if x is not None]
-
-
-def report(t: Trainer, disk: str) -> list[str]:
-    """The run's set-up in a few lines: the data, the engine, the checkpoints and the `disk` line
-    (rundir.disk_report's, measured once), then what each role holds and moves, in its own words."""
-    cfg, auto = t.cfg, {"vllm": " (auto: vLLM imports and CUDA is there)", "hf": " (auto: no vLLM or no CUDA)"}
-    lines = [f"[data] {len(t.prompts)} prompts; rollout engine: {t.engine.kind}"
-             + (auto[t.engine.kind] if cfg.rollout.engine == "auto" else "")]
-    lines.append("[checkpoint] " + (f"every {cfg.save_freq} steps, after the last one and on SIGTERM or Ctrl-C, to "
-                                    f"{cfg.out_dir}/checkpoints (the newest {cfg.keep_checkpoints} kept)"
-                                    if cfg.save_freq else "off (--save_freq=0): a stopped run cannot resume"))
-    lines.append(disk)
-    lines += options.warnings(cfg)     # --profile_steps past --steps; options this run reads nowhere
-    lines += validate.describe(cfg, t.val, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format))
-    lines += rollout.describe(t.engine) + [t.kernels]
-    lines += [f"[perf] the GPU's bf16 matmul peak, measured (8192^3): {t.peak / 1e12:.0f} TFLOP/s (MFU's base)"] if t.peak else []
-    if t.device.type == "cpu" and any(s.enabled for r in roles(t) for s in vars(r).values()
-                                      if isinstance(s, offload.Stash)):
-        lines.append("[offload] warning: running on CPU: offload flags exercise the copies but save no device memory")
-    lines += actor.describe(t.actor, ppo=t.critic is not None)
-    lines += ref.describe(t.ref) if t.ref is not None else ref.ignored(cfg.ref, cfg.actor)
-    lines += reward_model.describe(t.reward_model) if t.reward_model else reward_model.ignored(cfg.reward_model)
-    return lines + (critic.describe(t.critic) if t.critic is not None else [])
+from trainer import Trainer, preflight, roles, setup, trained   # the run's set-up
 
 
 # --------------------------------------------------------------------------- one step
-class StageOutOfMemory(RuntimeError):
-    """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
-
-
-@contextlib.contextmanager
-def in_ledger(t: Trainer, m: dict, name: str):
-    """One stage in the ledger: its time and memory (vLLM's pool taken out) and the plan's prediction
-    beside them; an OOM inside it is said with where, what was resident, the plan and the change."""
-    assert name in ledger.STAGES, name
-    try:
-        with ledger.stage(name, m, t.device, t.engine.pool_bytes):
-            yield
-    except torch.OutOfMemoryError as e:
-        raise StageOutOfMemory(predict.explain_oom(name, t.plan, m, ledger.gpu_capacity(t.device) / predict.GB)) from e
-    predict.record(t.plan, name, m)
-
-
 def train_step(t: Trainer, step: int) -> dict:
     """One GRPO (or PPO) step, stage by stage (module docstring); returns its metrics, reduced over
     ranks. Each role moves its own bytes inside its call; this function only orders the stages (the
     planner walks the same order: predict.walk)."""
     cfg, m, t0, ppo = t.cfg, {"step": step}, time.perf_counter(), t.critic is not None
+    streamed = cfg.rollout.mode == "async"   # t.engine: async rollout's stream, else this rank's engine
     stage = lambda name: in_ledger(t, m, name)  # noqa: E731
     temperature = rollout.logprob_temperature(cfg.rollout)   # 1 for greedy (temperature 0)
     idx, sp = batch_indices(t, step), ulysses.group(cfg.actor.ulysses_sequence_parallel_size)
     if t.val and validate.due(cfg, step):  # the policy after `step` updates answers the held-out prompts
         with stage("val"):
             held_out(t, step, m)
-    with stage("rollout_wait" if t.stream is not None else "generate"):
+    with stage("rollout_wait" if streamed else "generate"):
         batch = sampled(t, step, idx, sp, m)
-    if t.stream is None:                   # what the trainer kept on the GPU while the engine generated (counted
+    if not streamed:                       # what the trainer kept on the GPU while the engine generated (counted
         m["rollout/trainer_gpu_gb"] = held_gb(t)   # here, unchanged since: 1,400 tensors' walk is not the bracket's)
     with stage("reward"):                  # CPU: decode and score each response
         scores = rule_scores(t, batch, idx, sp.size, m)
@@ -278,27 +115,98 @@ def train_step(t: Trainer, step: int) -> dict:
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
     with stage("update"):
         t.updating = True
-        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m, seed=rollout.sample_seed(cfg.seed, step, 0, 1)))
+        seed = rollout.sample_seed(cfg.seed, step, 0, 1)
+        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m, seed=seed))
     t.updates, t.updating = step + 1, False
-    if t.stream is not None:
+    if streamed:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
-            rollout_async.push(t.stream, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
+            rollout_async.push(t.engine, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
     m.update(step_figures(t, scores, batch), **{"time/step": time.perf_counter() - t0})
     m = ledger.reduce(m, t.device)
     m.update(perf(t, batch, m))            # throughput from the reduced (slowest rank's) times
     return m
 
 
+class StageOutOfMemory(RuntimeError):
+    """torch.OutOfMemoryError, explained: the stage, the ledger, the plan, the change to make."""
+
+
+@contextlib.contextmanager
+def in_ledger(t: Trainer, m: dict, name: str):
+    """One stage in the ledger: its time and memory (vLLM's pool taken out) and the plan's prediction
+    beside them; an OOM inside it is said with where, what was resident, the plan and the change."""
+    assert name in ledger.STAGES, name
+    try:
+        with ledger.stage(name, m, t.device, pool_bytes(t)):
+            yield
+    except torch.OutOfMemoryError as e:
+        gpu_gb = ledger.gpu_capacity(t.device) / predict.GB
+        raise StageOutOfMemory(predict.explain_oom(name, t.plan, m, gpu_gb)) from e
+    predict.record(t.plan, name, m)
+
+
+def pool_bytes(t: Trainer) -> int:
+    """vLLM's sleep pool: PyTorch counts it as allocated, so the ledger takes it out (async: no engine here)."""
+    return 0 if t.cfg.rollout.mode == "async" else t.engine.pool_bytes
+
+
+def batch_indices(t: Trainer, step: int) -> list[int]:
+    """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
+    earlier steps (and a resume's data_offset) walked; one slice per data-parallel group (Ulysses)."""
+    g = ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
+    local_bs = t.cfg.train_batch_size // g.dp_size
+    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    return [t.order[(start + g.dp_rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
+
+
+def held_out(t: Trainer, step: int, m: dict):
+    """The val stage: the policy after `step` updates answers the held-out prompts (validate.py), through this
+    rank's engine or async rollout's stream."""
+    engine, stream = (None, t.engine) if t.cfg.rollout.mode == "async" else (t.engine, None)
+    m.update(validate.validate(engine, stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=t.cfg,
+                               step=step, reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned,
+                               device=t.device, rank=t.rank, world=t.world))
+
+
 def sampled(t: Trainer, step: int, idx: list, sp, m: dict) -> dict:
     """The step's batch. Colocated (the generate stage): this rank's share of the prompts through its engine,
     the actor's offloaded params in for the weight sync only; Ulysses: the group's k shares on each of its
     ranks. Async (rollout_wait): sampled while the last step trained, and the next batch is ordered."""
-    if t.stream is not None:
-        return rollout_async.batch(t.stream, rollout_async.take(t.stream, step, lambda j: step_prompts(t, j), m))
+    if t.cfg.rollout.mode == "async":
+        return rollout_async.batch(t.engine, rollout_async.take(t.engine, step, lambda j: step_prompts(t, j), m))
     batch = rollout.generate(t.engine, t.actor.model, [t.prompts[i] for i in ulysses.share(idx, sp)],
                              rollout.sample_seed(t.cfg.seed, step, t.rank, t.world), actor.policy_stashes(t.actor), m,
                              logprobs=step % t.cfg.rollout.logprobs_every == 0)
     return ulysses.gather_batch(batch, sp)
+
+
+def step_prompts(t: Trainer, step: int) -> list:
+    """Every data-parallel group's prompts of `step`, in group order (what async rollout orders)."""
+    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    return [t.prompts[t.order[(start + i) % len(t.order)]] for i in range(t.cfg.train_batch_size)]
+
+
+def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimizer state on the GPU now
+    return ledger.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(r, "optimizer", None))
+                               if x is not None]) / offload.GB
+
+
+def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
+    """The reward stage: each response decoded and scored on the CPU; a reward that fails stops the run
+    or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks)."""
+    cfg = t.cfg
+    name = data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)
+    scores, errors = data_io.score_rollout(t.reward_fn, name, t.tokenizer, batch,
+                                           [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+    m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
+    return torch.tensor(scores, dtype=torch.float32, device=t.device)
+
+
+def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
+    """The reward_model stage: its shards in for its forward (`resident`), its scores mixed with the rule's."""
+    with reward_model.resident(t.reward_model, m):
+        scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
+    return reward_model.mix(rule, scores, t.cfg.reward_model.weight, m)
 
 
 def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dict) -> torch.Tensor:
@@ -313,64 +221,10 @@ def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dic
         return ref.compute_log_probs(t.ref, batch, temperature)
 
 
-def perf(t: Trainer, batch: dict, m: dict) -> dict:
-    """Each compute stage's throughput on this GPU (ledger.throughput): the model FLOPs of the tokens it ran
-    through the model (packed: the real ones; a Ulysses group's k ranks each run 1/k of its rows), and the
-    decode's against reading the engine's weights (the plan's) once a step, an async engine's too."""
-    cfg, k, mask, resp = t.cfg, t.cfg.actor.ulysses_sequence_parallel_size, batch["attention_mask"], batch["response_mask"]
-    tokens = (int(mask.sum()) if cfg.actor.remove_padding else mask.numel()) // k
-    share, weights = (t.stream.dp / t.stream.engines, t.plan.engine_device.get("weights", 0)) if t.stream else \
-        (cfg.rollout.tensor_parallel_size, t.plan.vllm_device.get("vLLM weights", 0))   # one engine's tokens, weights
-    decode = (int(resp.sum() * share) // k, int(resp.sum(-1).max()), weights, torch.cuda.get_device_name(t.device)) \
-        if t.engine.kind == "vllm" else None
-    return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
-
-
-def held_out(t: Trainer, step: int, m: dict):   # the val stage: the policy after `step` updates (validate.py)
-    m.update(validate.validate(t.engine, t.stream, t.actor.model, actor.policy_stashes(t.actor), t.val, cfg=t.cfg, step=step,
-                               reward_fn=t.reward_fn, tokenizer=t.tokenizer, warned=t.warned, device=t.device, rank=t.rank, world=t.world))
-
-
-def model_scores(t: Trainer, batch: dict, idx: list, rule: torch.Tensor, m: dict) -> torch.Tensor:
-    """The reward_model stage: its shards in for its forward (`resident`), its scores mixed with the rule's."""
-    with reward_model.resident(t.reward_model, m):
-        scores = reward_model.compute_scores(t.reward_model, batch, t.chats and [t.chats[i] for i in idx])
-    return reward_model.mix(rule, scores, t.cfg.reward_model.weight, m)
-
-
-def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
-    """The reward stage: each response decoded and scored on the CPU; a reward that fails stops the run
-    or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks)."""
-    cfg = t.cfg
-    scores, errors = data_io.score_rollout(t.reward_fn, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format), t.tokenizer,
-                                           batch, [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
-    m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
-    return torch.tensor(scores, dtype=torch.float32, device=t.device)
-
-
-def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimizer state on the GPU now
-    return ledger.gpu_bytes(*[x for r in roles(t) for x in (r.model, getattr(r, "optimizer", None))
-                               if x is not None]) / offload.GB
-
-
-def batch_indices(t: Trainer, step: int) -> list[int]:
-    """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
-    earlier steps (and a resume's data_offset) walked; one slice per data-parallel group (Ulysses)."""
-    g = ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
-    local_bs = t.cfg.train_batch_size // g.dp_size
-    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
-    return [t.order[(start + g.dp_rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
-
-
-def step_prompts(t: Trainer, step: int) -> list:
-    """Every data-parallel group's prompts of `step`, in group order (what async rollout orders)."""
-    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
-    return [t.prompts[t.order[(start + i) % len(t.order)]] for i in range(t.cfg.train_batch_size)]
-
-
 def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
     """The step's reward mean, response length, share of groups with equal rewards, and a checksum of the
-    prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same prompts), over all ranks."""
+    prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same prompts), over all
+    ranks."""
     groups, mask = scores.view(-1, t.cfg.rollout.n), batch["response_mask"]
     flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
     prompts = batch["input_ids"][:, :-mask.shape[1]] * batch["attention_mask"][:, :-mask.shape[1]]   # left pads as 0
@@ -381,7 +235,23 @@ def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
             "reward/equal_groups_frac": sums[3] / sums[4], "data/prompt_crc": sums[5]}
 
 
-# --------------------------------------------------------------------------- main
+def perf(t: Trainer, batch: dict, m: dict) -> dict:
+    """Each compute stage's throughput on this GPU (ledger.throughput): the model FLOPs of the tokens it ran
+    through the model (packed: the real ones; a Ulysses group's k ranks each run 1/k of its rows), and the
+    decode's against reading the engine's weights (the plan's) once a step, an async engine's too."""
+    cfg, k = t.cfg, t.cfg.actor.ulysses_sequence_parallel_size
+    mask, resp = batch["attention_mask"], batch["response_mask"]
+    tokens = (int(mask.sum()) if cfg.actor.remove_padding else mask.numel()) // k
+    if cfg.rollout.mode == "async":        # one engine's share of the tokens, and its weights
+        share, weights = t.engine.dp / t.engine.engines, t.plan.engine_device.get("weights", 0)
+    else:
+        share, weights = cfg.rollout.tensor_parallel_size, t.plan.vllm_device.get("vLLM weights", 0)
+    decode = (int(resp.sum() * share) // k, int(resp.sum(-1).max()), weights, torch.cuda.get_device_name(t.device)) \
+        if t.engine_kind == "vllm" else None
+    return ledger.throughput(m, predict.stage_flops(cfg, tokens), t.peak, decode)
+
+
+# --------------------------------------------------------------------------- the loop
 def train(t: Trainer, start: int) -> bool:
     """Steps start .. cfg.steps - 1, one metrics line each, a checkpoint every save_freq steps and
     after the last. Returns False when a SIGTERM or Ctrl-C stopped it (after the step and its checkpoint)."""
@@ -392,12 +262,13 @@ def train(t: Trainer, start: int) -> bool:
     rundir.stop_on_sigterm(cfg)
     log = tracker.open(cfg.logger, cfg.out_dir, json.dumps(asdict(cfg), indent=1), t.rank, start)
     t_start, seen, step = time.time(), {}, start - 1
+    profiled = options.profile_steps(cfg.profile_steps)
     for step in range(start, cfg.steps):
-        with tracker.profiled(cfg.out_dir, options.profile_steps(cfg.profile_steps), step, t.rank, t.device):    # a no-op unless --profile_steps names this step
+        with tracker.profiled(cfg.out_dir, profiled, step, t.rank, t.device):   # a no-op unless it names this step
             m = train_step(t, step)        # an OOM raises StageOutOfMemory: the step's line is not written
         vllm_engine.refreeze(step - start)   # the first steps' compiled graphs out of each sleep's collection
         if t.rank == 0:
-            rundir.on_rank0(rundir.write_step, metrics_path, log, m, step)   # a failure stops every rank after the step
+            rundir.on_rank0(rundir.write_step, metrics_path, log, m, step)   # a failure: every rank stops after it
             print(tracker.log_line(m, step, cfg.steps, t_start, start), flush=True)
             for line in predict.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
@@ -417,9 +288,20 @@ def train(t: Trainer, start: int) -> bool:
     if t.val and step + 1 == cfg.steps and validate.due(cfg, cfg.steps) and not rundir.stop_requested(t.device):
         last_validation(t, metrics_path, log)
     log.close()
-    if t.stream is not None:               # the engines stop once told (Ctrl-C and SIGTERM are the trainer's)
-        rollout_async.close(t.stream)
+    if cfg.rollout.mode == "async":        # the engines stop once told (Ctrl-C and SIGTERM are the trainer's)
+        rollout_async.close(t.engine)
     return step + 1 == cfg.steps
+
+
+def start_stream(t: Trainer, step: int):
+    """Async rollout: start (or reach) the engines and push them the policy of `step` (its version:
+    one update per step). Nothing was buffered before: a resumed run samples its batches again. The stream
+    takes the unbuilt engine's place in t.engine (its device, pad and eos ids went into it)."""
+    cfg, g = t.cfg, ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
+    t.engine = rollout_async.start(cfg, t.engine, model=t.actor.model, prompt_len=t.prompt_len, dp=g.dp_size,
+                                   dp_rank=g.dp_rank, version=step, stashes=actor.policy_stashes(t.actor))
+    if t.rank == 0:
+        print("\n".join(rollout_async.describe(t.engine)), flush=True)
 
 
 def last_validation(t: Trainer, metrics_path: str, log):
@@ -435,20 +317,7 @@ def last_validation(t: Trainer, metrics_path: str, log):
                                                          "val/response_length", "time/val")), flush=True)
 
 
-def start_stream(t: Trainer, step: int):
-    """Async rollout: start (or reach) the engines and push them the policy of `step` (its version:
-    one update per step). Nothing was buffered before: a resumed run samples its batches again."""
-    cfg, g = t.cfg, ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
-    t.stream = rollout_async.start(cfg, t.engine, model=t.actor.model, prompt_len=t.prompt_len, dp=g.dp_size,
-                                   dp_rank=g.dp_rank, version=step, stashes=actor.policy_stashes(t.actor))
-    if t.rank == 0:
-        print("\n".join(rollout_async.describe(t.stream)), flush=True)
-
-
-def trained(a: actor.Actor, c: critic.Critic | None) -> list:   # (name, state, checkpoint bracket); the frozen
-    return [("actor", a, actor.state_in)] + ([("critic", c, critic.state_in)] if c else [])   # roles: from --model
-
-
+# --------------------------------------------------------------------------- saving
 def save(t: Trainer, step: int):          # a checkpoint after `step` steps, with the run's place in its data
     checkpoint.save(t.cfg.out_dir, step, trained(t.actor, t.critic), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
@@ -458,8 +327,9 @@ def save(t: Trainer, step: int):          # a checkpoint after `step` steps, wit
 
 
 def keep(t: Trainer) -> str:            # after a stop or an error: the weights trained so far, kept (rundir.keep)
-    return rundir.keep(t.cfg, t.updates, t.saved, t.updating, checkpoint_at=lambda n: save(t, n), final_at=lambda n:
-                       checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n))
+    def final_at(n):
+        checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n)
+    return rundir.keep(t.cfg, t.updates, t.saved, t.updating, checkpoint_at=lambda n: save(t, n), final_at=final_at)
 
 
 def resume(t: Trainer, path: str) -> int:
@@ -470,6 +340,7 @@ def resume(t: Trainer, path: str) -> int:
     return meta["step"]
 
 
+# --------------------------------------------------------------------------- main
 @record           # a crash's traceback reaches torchrun's summary (its "Root Cause")
 def main(argv=None):
     """The command line: --help, the options, the engine ranks' exit (async rollout), the run, and every
@@ -482,7 +353,8 @@ def main(argv=None):
     rank, cfg = int(os.environ.get("RANK", 0)), None
     try:
         cfg = options.parse_args(argv)
-        rollout_engine.check(cfg.rollout, int(os.environ.get("WORLD_SIZE", 1)), cfg.train_batch_size)  # before any rank leaves
+        nproc = int(os.environ.get("WORLD_SIZE", 1))
+        rollout_engine.check(cfg.rollout, nproc, cfg.train_batch_size)   # before any rank leaves
         if rollout_engine.is_engine_rank(cfg.rollout):   # one of torchrun's last rollout.gpus ranks
             launch.leave(rollout_engine.engine_rank(cfg.rollout))
         rollout_engine.trainer_allocator(cfg.rollout)    # async: before this process's first CUDA allocation
@@ -490,21 +362,22 @@ def main(argv=None):
     except rollout_engine.EngineDied as e:  # async rollout: an engine process failed or exited
         launch.fail(f"error: {e}", rank, 1)
     except StageOutOfMemory as e:          # the stage, the ledger, the plan, the change; a snapshot beside it
-        launch.fail(f"error: {e} (memory snapshot: {os.path.join(cfg.out_dir, f'oom_snapshot.rank{rank}.pickle')})", rank, 1)
+        snapshot = os.path.join(cfg.out_dir, f"oom_snapshot.rank{rank}.pickle")
+        launch.fail(f"error: {e} (memory snapshot: {snapshot})", rank, 1)
     except (ValueError, OSError) as e:     # bad input, an unwritable or full disk: what to change
         launch.fail(f"error: {e}", rank)
     except RuntimeError as e:              # a timed-out collective (gloo raises; NCCL's watchdog aborts)
         if not any(w in str(e).lower() for w in ("timed out", "timeout")):
             raise
-        launch.fail(f"error: a collective waited more than --dist_timeout_s={cfg.dist_timeout_s:g} s for the other ranks "
-             f"(one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
+        launch.fail(f"error: a collective waited more than --dist_timeout_s={cfg.dist_timeout_s:g} s for the other "
+                    f"ranks (one is stalled or dead): {str(e).strip().splitlines()[0][:200]}", rank)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run(cfg: Config, rank: int):
     """One run once its options are read: out_dir's lock, the pre-flight, the set-up, the steps, the end."""
-    with rundir.claimed(cfg.out_dir, rank):  # one run per out_dir (rank 0's lock) before any write; gone if refused
+    with launch.claimed(cfg.out_dir, rank):  # one run per out_dir (rank 0's lock) before any write; gone if refused
         rundir.exit_on_sigint()              # Ctrl-C before the first step: one line, no traceback
         (data, val), start = preflight(cfg)
     t = setup(cfg, data=data, val=val)

@@ -78,9 +78,9 @@ def test_the_run_walks_the_plan(kind, dist_env, tmp_path, monkeypatch):
         seen = _observe(t, monkeypatch)
         m = train_grpo.train_step(t, 1)
     finally:
-        if t.stream is not None:
-            rollout_async.close(t.stream)
-    p = predict.predict(t.cfg, t.world, max(map(len, t.prompts)), t.engine.kind)
+        if isinstance(t.engine, rollout_async.Stream):   # async: the stream took the engine's place
+            rollout_async.close(t.engine)
+    p = predict.predict(t.cfg, t.world, max(map(len, t.prompts)), t.engine_kind)
     assert [k[5:] for k in m if k.startswith("time/") and k != "time/step"] == [s.name for s in p.stages]
     groups = set(seen[p.stages[0].name])      # the run's stashes (an empty one holds 0: actor_base without LoRA)
     assert set(predict.states(predict.run(t.cfg, t.world, 8, "hf"))) - {"push bucket"} <= groups
