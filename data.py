@@ -223,22 +223,44 @@ def data_seed(cfg) -> int:
 
 
 def run_data(cfg, tokenizer) -> tuple[tuple, tuple | None]:
-    """The run's training data (--data) and its held-out data (--val_data, at most val_max_prompts of it;
-    with neither, the built-in task's held-out items; None: no validation): each (prompt ids, answers,
-    chats), the same instruction appended to both."""
-    args = (tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg))
-    data = load_data(cfg.data, *args, instruction=cfg.instruction)
-    gsm8k = builtin_gsm8k(cfg.reward, cfg.data)
-    if gsm8k:
+    """The run's training data (--data) and its held-out data (`held_out_data`; None: no validation): each
+    (prompt ids, answers, chats), the same instruction appended to both. A held-out file that the built-in
+    GSM8K rule would score (`held_out_reward_data`) while the run trains on the built-in task, scored by its
+    copy reward, is refused: one run has one reward."""
+    data = load_data(cfg.data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg),
+                     instruction=cfg.instruction)
+    if builtin_gsm8k(cfg.reward, cfg.data):
         numeric_answers(data[1], cfg.data, "--data")
+    val = held_out_data(cfg, tokenizer)
+    if val is not None and cfg.data is None and builtin_gsm8k(cfg.reward, held_out_reward_data(cfg, val[1])):
+        raise ValueError(f"--val_data {cfg.val_data}: its answers are numbers, which the built-in GSM8K rule scores, "
+                         f"but without --data the run trains on the built-in copy task, scored by its copy reward; "
+                         f"give the training file with --data (or one reward for both: --reward=module:function)")
+    return data, val
+
+
+def held_out_data(cfg, tokenizer) -> tuple | None:
+    """The held-out (prompt ids, answers, chats) that validation (and evaluate.py) answers: --val_data, at most
+    --val_max_prompts of it, with --instruction appended and the chat template applied as for --data; with
+    neither --data nor --val_data the built-in task's held-out items; None: --data without --val_data."""
     if cfg.val_data is None and cfg.data is not None:
-        return data, None
-    val = load_data(cfg.val_data, *args, instruction=cfg.instruction, held_out=cfg.val_data is None,
-                    option="--val_data")
-    if gsm8k and cfg.val_data is not None:
+        return None
+    val = load_data(cfg.val_data, tokenizer, cfg.prompt_key, cfg.answer_key, cfg.max_prompt_length, data_seed(cfg),
+                    instruction=cfg.instruction, held_out=cfg.val_data is None, option="--val_data")
+    if cfg.val_data is not None and builtin_gsm8k(cfg.reward, held_out_reward_data(cfg, val[1])):
         numeric_answers(val[1], cfg.val_data, "--val_data")
     cap = cfg.val_max_prompts or len(val[0])
-    return data, tuple(x[:cap] for x in val)
+    return tuple(x[:cap] for x in val)
+
+
+def held_out_reward_data(cfg, answers: list) -> str | None:
+    """The data whose form picks the held-out answers' built-in reward (what builtin_gsm8k, load_reward and
+    reward_name take as `data_path`): --data, as for training; without it a --val_data whose answers are numbers
+    (GSM8K's `... #### 18`, or bare: `18`) is scored as --data would be, by the built-in GSM8K rule; one whose
+    answers hold no number, and the built-in task's items, by the copy task's reward (a string compare)."""
+    if cfg.data is not None or cfg.val_data is None:
+        return cfg.data
+    return cfg.val_data if any(gsm8k_truth(str(a)) is not None for a in answers) else None
 
 
 def numeric_answers(answers: list, path: str, option: str):
