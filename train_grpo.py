@@ -72,6 +72,7 @@ import tracker
 import ulysses
 import validate
 import vllm_engine
+import watch
 from model import all_sum
 from options import Config
 from trainer import Trainer, preflight, roles, setup, trained   # the run's set-up
@@ -141,8 +142,8 @@ def in_ledger(t: Trainer, m: dict, name: str):
             yield
     except torch.OutOfMemoryError as e:
         gpu_gb = ledger.gpu_capacity(t.device) / predict.GB
-        raise StageOutOfMemory(predict.explain_oom(name, t.plan, m, gpu_gb)) from e
-    predict.record(t.plan, name, m)
+        raise StageOutOfMemory(watch.explain_oom(name, t.plan, m, gpu_gb)) from e
+    watch.record(t.plan, name, m)
 
 
 def pool_bytes(t: Trainer) -> int:
@@ -270,7 +271,7 @@ def train(t: Trainer, start: int) -> bool:
         if t.rank == 0:
             rundir.on_rank0(rundir.write_step, metrics_path, log, m, step)   # a failure: every rank stops after it
             print(tracker.log_line(m, step, cfg.steps, t_start, start), flush=True)
-            for line in predict.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
+            for line in watch.step_warnings(m, seen, t.plan, t.device):   # near the limit, off the plan, creep
                 print(line, flush=True)
             if step == start and (line := ledger.perf_line(m, t.peak)):    # each compute stage's throughput
                 print(line, flush=True)

@@ -16,6 +16,7 @@ import model
 import options
 import plan
 import predict
+import watch
 from conftest import HERE, launches, run
 
 GB = predict.GB
@@ -197,25 +198,25 @@ def test_watch_warns_once_per_kind_and_names_the_change():
     m = {"step": 5, "mem/update/peak_gb": off, "mem/update/alloc_retries": 3.0,
          "mem/update/allocated_gb": 1.0, "mem/update/reserved_gb": 2.0, "host_rss_gb": 10.0}
     seen = {}
-    lines = predict.watch(m, seen, p, gpu, 0)
+    lines = watch.watch(m, seen, p, gpu, 0)
     assert any(f"update peaked at {off:.1f} GB, over 90 %" in x and "--" in x for x in lines), lines
     assert any("retried 3 times" in x and "--" in x for x in lines), lines
     assert any(f"update peaked at {off:.2f} GB, the plan predicted {pred:.2f} GB (+30%)" in x for x in lines), lines
     assert len(lines) == 3
-    assert predict.watch({**m, "step": 6}, seen, p, gpu, 0) == []
-    close = predict.watch({**m, "step": 5, "mem/update/peak_gb": 1.05 * pred, "mem/update/alloc_retries": 0.0},
+    assert watch.watch({**m, "step": 6}, seen, p, gpu, 0) == []
+    close = watch.watch({**m, "step": 5, "mem/update/peak_gb": 1.05 * pred, "mem/update/alloc_retries": 0.0},
                            {}, p, 100 * GB, 0)
     assert not any("the plan predicted" in x for x in close), close
     # 40 % under the plan: news when the responses ran their full length, the plan's case; not when a real
     # model's answers ended early (the plan is the bound for the longest batch)
     under = {**m, "mem/update/peak_gb": 0.6 * pred, "mem/update/alloc_retries": 0.0}
-    full = predict.watch({**under, "response_length": p.response_length}, {}, p, 100 * GB, 0)
+    full = watch.watch({**under, "response_length": p.response_length}, {}, p, 100 * GB, 0)
     assert any("the plan predicted" in x and "(-40%)" in x for x in full), full
-    short = predict.watch({**under, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
+    short = watch.watch({**under, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
     assert not any("the plan predicted" in x for x in short), short
-    over = predict.watch({**m, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
+    over = watch.watch({**m, "response_length": 0.55 * p.response_length}, {}, p, 100 * GB, 0)
     assert any("(+30%)" in x for x in over), over
-    grown = predict.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
+    grown = watch.watch({**m, "step": 60, "host_rss_gb": 12.0, "mem/update/alloc_retries": 0.0,
                             "mem/update/peak_gb": pred}, seen, p, gpu, 0)
     assert [x for x in grown if "host RSS grew 10.0 -> 12.0" in x]
 
@@ -224,7 +225,7 @@ def test_oom_message_names_stage_ledger_plan_and_change():
     """explain_oom says the stage, what the ledger held after the last finished stage, the plan's
     prediction for the stage and its biggest term's remedy, in one line."""
     p = predict.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"), 1, 128)
-    msg = predict.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
+    msg = watch.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
     assert "stage update" in msg and "71.5 GB allocated after ref_logp" in msg and "--" in msg
     assert f"{p.stage('update').total / GB:.1f} GB" in msg and "\n" not in msg
 
@@ -573,13 +574,13 @@ def test_async_stage_names_in_the_run_glue():
     p = predict.predict(_cfg(*SMALL, *ASYNC, "--rollout.gpus=0"), 2, 256)
     m = {"step": 5}
     for name in ("rollout_wait", "push"):
-        predict.record(p, name, m)
+        watch.record(p, name, m)
         assert m[f"plan/{name}/predicted_gb"] == p.stage(name).total / GB
         assert m[f"plan/{name}/device_gb"] == p.device[name] / GB
     push = p.stage("push").total / GB
-    lines = predict.watch({"step": 5, "mem/push/peak_gb": push}, {}, p, 1.05 * push * GB, 0)
+    lines = watch.watch({"step": 5, "mem/push/peak_gb": push}, {}, p, 1.05 * push * GB, 0)
     assert len(lines) == 1 and "push peaked at" in lines[0] and "--" in lines[0]
-    msg = predict.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
+    msg = watch.explain_oom("push", p, {"mem/update/allocated_gb": 9.0}, 80)
     assert "stage push" in msg and "after update" in msg and f"{push:.1f} GB" in msg
 
 
