@@ -2,12 +2,12 @@
 time, before anything is built. Each role predicts its own state groups and stages (the `predicted` section of
 actor.py, ref.py, critic.py, reward_model.py, rollout.py, rollout_async.py, rollout_engine.py); this file walks
 them in train_grpo.train_step's order, adds what every other group holds between its uses, and calibrates the
-device level and the time on bench/results/plan_truth.json's H200 runs. It names no role's flags, moves nothing
+device level and the time on bench/results/corpus.json's H200 runs. It names no role's flags, moves nothing
 and builds no model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command line), and
 watch.py reads it beside each step's measurement.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80    # the table, and what fits (plan.py)
-    python -m pytest -q tests/test_plan.py                             # the terms against the model and the H200
+    python -m pytest -q tests/test_plan.py tests/test_corpus.py        # the terms against the model and the GPU runs
 
 The terms (per rank, bytes; each named in the table): a role's state group is (bytes on the GPU in use, between
 uses, in pinned host memory) under its flags; a stage is its owner's moments, each {term: bytes}, beside every
@@ -36,7 +36,7 @@ TFLOPS = 742e12 * 0.51       # bf16 matmul peak measured there x the share a tra
 CUDA_CONTEXT = int(0.55 * GB)  # the CUDA context and NCCL's buffers: outside PyTorch's count
 CUBLAS = 32 * 2 ** 20        # cuBLAS's workspace, allocated through PyTorch's allocator at the first matmul
 VLLM_RESIDENT = rollout.VLLM_GRAPHS   # what a sleeping vLLM engine keeps (CUDA graphs, buffers)
-# Device level (what mem_get_info shows), calibrated on the H200 runs of bench/results/plan_truth.json:
+# Device level (what mem_get_info shows), calibrated on the H200 runs of bench/results/corpus.json:
 OUTSIDE = int(0.83 * GB)     # device use outside PyTorch's reserve: CUDA context, NCCL and cuBLAS handles
 VLLM_OUTSIDE = int(0.27 * GB)  # ... and what an asleep vLLM engine adds to it
 FORWARD_SLACK = int(0.8 * GB)  # reserved beyond a no-grad stage's allocated peak (cached blocks of its transients)
@@ -46,7 +46,7 @@ SECOND_UPDATE_SLACK = 0.18   # ... the actor's update right after the critic's (
 SLEEP_RESIDUE = int(0.6 * GB)  # after vLLM sleeps and the cache is emptied: segments that still hold a live block
 ALLOC_SLACK = 1.01           # 512 B rounding, uncounted buffers: peaks run 1-2 % above the terms' sum
 DECODE_STEP = 2.5e-3         # vLLM: seconds per decoding step beyond reading the weights (CUDA graphs, sampling,
-                             # scheduling; 64-128 sequences), fitted on the H200 rows of plan_truth.json
+                             # scheduling; 64-128 sequences), fitted on the H200 rows of corpus.json
 HBM = 4.0e12                 # bytes/s a decoding step reads the weights at (H200: 4.8 TB/s peak)
 STAGE_FIXED = 0.2            # seconds each stage pays whatever its size (launches, syncs, the ledger)
 MICRO_LAYER = 4.5e-3         # seconds per micro-batch and layer of an update (launches, FSDP2's gathers)
@@ -366,7 +366,7 @@ def host_fits(cfg, p: Plan, device, available: int, local: int):
 def _seconds(r: Run, st: dict) -> float:
     """A step's time, for ranking configurations: generation, the stages' compute, the copies that
     cannot hide, and a fixed cost per micro-batch and layer. Within 20 % of the measured step on the
-    H200 rows of bench/results/plan_truth.json (test_plan.py)."""
+    H200 rows of bench/results/corpus.json (test_plan.py)."""
     return sum((_generate_seconds(r), *_trainer_seconds(r, st)))
 
 
