@@ -2,7 +2,7 @@
 depth (function-level imports included), with their lines. Reads the code; runs nothing.
 
     python copy_set.py                 # every role
-    python copy_set.py ref critic      # the files to copy for those roles, and their lines
+    python copy_set.py ref critic      # the files to copy for those roles, and their lines (ref.py works too)
     python -m pytest -q tests/test_shape.py  # each set builds its role and calls it from a folder of its files alone
 """
 import ast
@@ -58,5 +58,29 @@ def report(names) -> str:
     return "\n".join(out)
 
 
+def names(argv: list) -> list:
+    """The roles asked for, as README's table writes them (`ref.py`) or bare (`ref`); an unknown one raises
+    one line listing the roles."""
+    out = [a.removesuffix(".py") for a in argv]
+    unknown = [a for a, n in zip(argv, out) if n not in modules()]
+    if unknown:
+        raise ValueError(f"copy_set.py: no project file {', '.join(unknown)}; roles: {', '.join(ROLES)} "
+                         f"(or any other file here, e.g. model)")
+    return out or list(ROLES)
+
+
+def main(argv: list) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(f"usage: python copy_set.py [ROLE ...]   roles: {', '.join(ROLES)} (ref or ref.py; none: every role)\n"
+              + __doc__.split("\n\n")[1].rstrip())
+        return 0
+    try:
+        print(report(names(argv)))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    print(report(sys.argv[1:] or ROLES))
+    sys.exit(main(sys.argv[1:]))

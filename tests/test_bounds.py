@@ -137,3 +137,50 @@ def _alive(pid: int) -> bool:
             return "zombie" not in f.read().lower()
     except OSError:
         return False
+
+
+def test_a_step_no_rank_can_finish_is_refused_with_the_n_that_fits(tmp_path, in_process, monkeypatch, capsys):
+    """--rollout.n=100000 (1.6M samples a step: a host with the RAM for them samples for days) is one line before
+    any model, naming the largest rollout.n that fits; that one is accepted, on 2 ranks twice as many."""
+    import options
+    monkeypatch.setattr(ledger, "host_available", lambda: 2 ** 50)    # the RAM check passes: the bound stops it
+    import actor, critic, model, ref, reward_model   # noqa: E401 (without the bound: no model, a quick failure)
+    for m in (model, actor, critic, ref, reward_model):
+        monkeypatch.setattr(m, "load_model", lambda *a, **k: 1 / 0)
+    with pytest.raises(SystemExit) as stopped:
+        in_process([f"--out_dir={tmp_path / 'run'}", "--logger=none", "--rollout.n=100000"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --rollout.n=100000 x train_batch_size=16 is 1,600,000 samples a step") and \
+        "use at most --rollout.n=4096 here" in err[0], err
+    assert options.check_sizes(options.parse_args(["--rollout.n=4096"]), 1) == 65536   # a mini-batch: all of it
+    options.check_sizes(options.parse_args(["--rollout.n=8192"]), 2)
+    with pytest.raises(ValueError, match="use at most --rollout.n=512 here"):   # 2^26 tokens a rank: 8,192 samples of 8,192
+        options.check_sizes(options.parse_args(["--rollout.n=1024", "--rollout.response_length=8192"]), 1)
+
+
+def test_an_instruction_longer_than_any_prompt_may_be_blames_itself():
+    """A 5,000-character --instruction: the line names the instruction and the limit, not the data file."""
+    import options
+    with pytest.raises(ValueError, match=r"^--instruction \(5,000 characters\) is longer than max_prompt_length=1024 "
+                                         r"tokens by itself"):
+        data.run_data(options.parse_args(["--instruction=" + "x" * 5000]), tiny.build_tokenizer())
+    with pytest.raises(ValueError, match=r"fits max_prompt_length=6 with --instruction \(3 characters\) appended"):
+        data.run_data(options.parse_args(["--instruction=123", "--max_prompt_length=6"]), tiny.build_tokenizer())
+
+
+def test_the_step_line_counts_steps_from_0_like_metrics_jsonl():
+    import tracker
+    assert tracker.log_line({"reward_mean": 0.5}, 0, 150, time.time()).startswith("step 0 (1/150) [")
+    assert tracker.log_line({}, 149, 150, time.time() - 1, 140).startswith("step 149 (150/150) [####")
+
+
+def test_copy_set_takes_roles_as_readme_writes_them_and_says_what_it_knows(capsys):
+    """`ref.py` as README's table writes it, a misspelt role (one line listing the roles) and --help (usage)."""
+    import copy_set
+    assert copy_set.main(["ref.py"]) == 0 and capsys.readouterr().out.startswith("ref.py: 5 files")
+    assert copy_set.main(["reff"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: copy_set.py: no project file reff; roles: {', '.join(copy_set.ROLES)} (or any other "
+                   f"file here, e.g. model)"]
+    assert copy_set.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python copy_set.py [ROLE")

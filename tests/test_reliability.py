@@ -791,7 +791,8 @@ def test_the_benchs_profile_splits_a_step_by_stage_and_its_pseudo_flags_wrap_gen
 
 def test_options_a_run_reads_nowhere_are_said_at_set_up():
     """A critic's options under GRPO, LoRA's without its rank, the KL's without the KL loss, token budgets
-    without dynamic batching and the async engine's options with a colocated one: one warning line each in the set-up report, naming them; none at the defaults or
+    without dynamic batching, the async engine's options with a colocated one and a window of the streamed Adam
+    without the stream: one warning line each in the set-up report, naming them; none at the defaults or
     where the part exists."""
     import options
 
@@ -814,6 +815,11 @@ def test_options_a_run_reads_nowhere_are_said_at_set_up():
         "[options] warning: rollout.max_staleness=2, rollout.buffer_limit=512 have no effect without "
         "rollout.mode=async"]
     assert said("--rollout.mode=async", "--rollout.max_staleness=2") == []
+    assert said("--actor.optimizer_window_layers=2") == [   # as the stream's other options: said, not dropped
+        "[options] warning: actor.optimizer_window_layers=2 has no effect without actor.optimizer_stream=true (Adam "
+        "steps whole)"]
+    assert said("--actor.optimizer_offload=true", "--actor.optimizer_stream=true",
+                "--actor.optimizer_window_layers=2") == []
 
 
 def test_held_out_words_are_refused_only_where_the_gsm8k_reward_reads_them(tmp_path):
