@@ -1,8 +1,10 @@
 """Validation: greedy answers to held-out prompts through the run's own engine, scored by the run's reward.
 
-    python train_grpo.py                           # the built-in task: its 100 held-out items, before step 0 and every 10
+    python train_grpo.py                  # the built-in task: its 100 held-out items, before step 0 and every 10
     torchrun --nproc_per_node=8 train_grpo.py --model=/models/Qwen2.5-0.5B-Instruct --data=gsm8k_train.jsonl \
-        --val_data=gsm8k_val.jsonl --instruction='Let'"'"'s think step by step and output the final answer after "####".'
+        --val_data=gsm8k_val.jsonl \
+        --instruction='Let'"'"'s think step by step and output the final answer after "####".'
+    python evaluate.py --model=out/final --val_data=gsm8k_val.jsonl --instruction='...'   # any folder, the same way
     python -m pytest -q tests/test_val.py
 
 What verl's `trainer.test_freq` and `val_before_train` do: the policy answers each held-out prompt once,
@@ -22,9 +24,12 @@ validation says what share of the answers each form found: a run scored 0 learns
 `<out_dir>/val_samples.jsonl`: the first VAL_SAMPLES held-out prompts, their answers and scores, at each
 validation.
 """
+import os
+
 import torch
 
 import data as data_io
+import hf_engine
 import rollout
 import rollout_async
 import rundir
@@ -59,14 +64,30 @@ def describe(cfg, val: tuple | None, reward: str) -> list[str]:
                 "prompts it did not train on; give held-out prompts with --val_data"] if cfg.data else []
     when = ", ".join(w for w in ["before the first step" if cfg.val_before_train else "",
                                  f"every {cfg.val_freq} steps and after the last" if cfg.val_freq else ""] if w)
-    both = " (val/strict and val/flexible: both GSM8K forms)" if data_io.builtin_gsm8k(cfg.reward, cfg.data) else ""
-    lines = [f"[val] {len(val[0])} held-out prompts of {cfg.val_data or 'the built-in task'}, greedy, at most "
+    gsm8k = data_io.builtin_gsm8k(cfg.reward, data_io.held_out_reward_data(cfg, val[1]))
+    both = " (val/strict and val/flexible: both GSM8K forms)" if gsm8k else ""
+    what = "prompts (the training file's: not held out)" if training_file(cfg) else "held-out prompts"
+    lines = [f"[val] {len(val[0])} {what} of {cfg.val_data or 'the built-in task'}, greedy, at most "
              f"{response_length(cfg)} tokens, {when or 'never (--val_freq=0, --val_before_train=false)'}; scored by "
              f"{reward}{both}; the first {VAL_SAMPLES} to val_samples.jsonl"]
-    if "gsm8k_format" in getattr(cfg, "_given", ()) and not data_io.builtin_gsm8k(cfg.reward, cfg.data):
+    if "gsm8k_format" in getattr(cfg, "_given", ()) and not gsm8k:
         lines.append(f"[val] warning: --gsm8k_format={cfg.gsm8k_format} does nothing: the run's reward is "
                      f"{reward}, not the built-in GSM8K rule")
-    return lines
+    return lines + not_held_out(cfg)
+
+
+def training_file(cfg) -> bool:
+    """--val_data names the file --data trains on (the same path, or a link to it)."""
+    return cfg.data is not None and cfg.val_data is not None and os.path.exists(cfg.val_data) and \
+        os.path.exists(cfg.data) and os.path.samefile(cfg.data, cfg.val_data)
+
+
+def not_held_out(cfg) -> list[str]:
+    """The warning for a --val_data that is the training file: its score is how well the run fits the prompts it
+    trains on, not how it does on prompts it has not seen."""
+    return [f"[val] warning: --val_data {cfg.val_data} is the training file (--data): not held out; its score says "
+            f"how well the policy fits its training prompts; give prompts it does not train on"] \
+        if training_file(cfg) else []
 
 
 def share(n: int, rank: int, world: int) -> list:
@@ -83,49 +104,64 @@ def answer(engine, stream, model, stashes: list, prompts: list, idx: list, *, cf
     `chunk`: prompts an HF generate call (a training step's rows on a rank: what its memory is planned for)."""
     L = response_length(cfg)
     if stream is not None:
-        every = rollout.cut(rollout_async.greedy(stream, prompts, L), stream.eos_id)
+        every = hf_engine.cut(rollout_async.greedy(stream, prompts, L), stream.eos_id)
         return [every[0 if i is None else i] for i in idx]
     return rollout.greedy(engine, model, [prompts[0 if i is None else i] for i in idx], L, stashes, bracket, chunk)
 
 
-def validate(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn, tokenizer, warned: set, device,
-             rank: int, world: int, step: int) -> dict:
-    """One validation of the policy `model` after `step` updates (its offloaded groups `stashes` in for the
-    weight sync only; `stream`: async rollout's, else None): its metrics, summed over ranks. Rank 0 writes the
-    first VAL_SAMPLES samples to val_samples.jsonl and, after the first validation with the built-in GSM8K
-    reward, says what share of the answers each of its forms found (`warned` remembers)."""
+def held_out(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn, tokenizer, warned: set, device,
+             rank: int, world: int) -> tuple[dict, list]:
+    """The greedy answers of the policy `model` to this rank's share of the held-out prompts, scored by
+    `reward_fn`: the metrics summed over ranks (each val/* a share of the prompts), and this rank's samples
+    (prompt, response, answer, score) in the held-out order. What validation and evaluate.py both run."""
     prompts, answers = val[0], val[1]
     idx, bracket = share(len(prompts), rank, world), {}
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):   # the run's RNG untouched
         out = answer(engine, stream, model, stashes, prompts, idx, cfg=cfg, bracket=bracket,
-                     chunk=rollout.prompts_per_rank(cfg.train_batch_size, world) * cfg.rollout.n)
+                     chunk=max(1, rollout.prompts_per_rank(cfg.train_batch_size, world)) * cfg.rollout.n)
     mine = [(i, r) for i, r in zip(idx, out) if i is not None]
     texts = tokenizer.batch_decode([r for _, r in mine], skip_special_tokens=True)
     truth = [answers[i] for i, _ in mine]
-    scores, errors = data_io.score(reward_fn, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format), texts, truth)
+    scored_as = data_io.held_out_reward_data(cfg, answers)   # the data whose form picks the built-in reward
+    name = data_io.reward_name(cfg.reward, scored_as, cfg.gsm8k_format)
+    scores, errors = data_io.score(reward_fn, name, texts, truth)
     failed = data_io.reward_errors(errors, cfg.reward_error, warned, device)
-    forms = data_io.answer_forms(texts, truth) if data_io.builtin_gsm8k(cfg.reward, cfg.data) else {}
+    forms = data_io.answer_forms(texts, truth) if data_io.builtin_gsm8k(cfg.reward, scored_as) else {}
     sums = all_sum(torch.tensor([sum(scores), len(scores), sum(len(r) for _, r in mine), *forms.values()],
                                 dtype=torch.float64, device=device)).tolist()
     m = {"val/reward_mean": sums[0] / sums[1], "val/response_length": sums[2] / sums[1], "val/prompts": sums[1],
          "val/reward_errors": failed, **{f"val/{k}": v / sums[1] for k, v in zip(forms, sums[3:])}}
     if "rollout/generate_s" in bracket:   # a colocated vLLM engine's bracket
-        m.update({"val/generate_s": bracket["rollout/generate_s"], "val/device_peak_gb": bracket["rollout/device_peak_gb"]})
-    if rank == 0:
-        samples = [{"prompt": tokenizer.decode(prompts[i], skip_special_tokens=True), "response": text, "answer": a,
-                    "score": s} for (i, _), text, a, s in zip(mine[:VAL_SAMPLES], texts, truth, scores)]
-        rundir.on_rank0(rundir.write_val_samples, cfg.out_dir, samples, step)   # a full disk: stop after the step
-        if forms and "val" not in warned:
-            print(first_line(m, data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)), flush=True)
+        m.update({"val/generate_s": bracket["rollout/generate_s"],
+                  "val/device_peak_gb": bracket["rollout/device_peak_gb"]})
+    samples = [{"prompt": tokenizer.decode(prompts[i], skip_special_tokens=True), "response": text, "answer": a,
+                "score": s} for (i, _), text, a, s in zip(mine, texts, truth, scores)]
+    return m, samples
+
+
+def validate(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn, tokenizer, warned: set, device,
+             rank: int, world: int, step: int) -> dict:
+    """One validation of the policy `model` after `step` updates (its offloaded groups `stashes` in for the
+    weight sync only; `stream`: async rollout's, else None): its metrics, summed over ranks (`held_out`). Rank 0
+    writes the first VAL_SAMPLES samples to val_samples.jsonl and, after the first validation with the built-in
+    GSM8K reward, says what share of the answers each of its forms found (`warned` remembers)."""
+    m, samples = held_out(engine, stream, model, stashes, val, cfg=cfg, reward_fn=reward_fn, tokenizer=tokenizer,
+                          warned=warned, device=device, rank=rank, world=world)
+    if rank == 0:                          # rank 0's share holds the first prompts
+        # a full disk: the run stops after the step
+        rundir.on_rank0(rundir.write_val_samples, cfg.out_dir, samples[:VAL_SAMPLES], step)
+        if "val/strict" in m and "val" not in warned:
+            reward = data_io.reward_name(cfg.reward, data_io.held_out_reward_data(cfg, val[1]), cfg.gsm8k_format)
+            print(first_line(m, reward), flush=True)
     warned.add("val")
     return m
 
 
-def first_line(m: dict, reward: str) -> str:
+def first_line(m: dict, reward: str, lead: str = "the run trains on") -> str:
     """After the first validation with the built-in GSM8K reward: what the answers looked like, and what
     each form scored, so that a run scored 0 says why (an instruct model answers in \\boxed{})."""
     pct = lambda k: f"{100 * m[f'val/{k}']:.1f} %"  # noqa: E731
     return (f"[val] the held-out answers end with `#### N` in {pct('found_strict')}, hold a \\boxed{{}} in "
             f"{pct('found_boxed')} and a number in {pct('found_number')}; right by the strict form (the last #### N) "
             f"{pct('strict')}, by the flexible one (the last \\boxed{{}}, else the last number) {pct('flexible')}; "
-            f"the run trains on {reward} (--gsm8k_format)")
+            f"{lead} {reward} (--gsm8k_format)")
