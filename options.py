@@ -53,8 +53,9 @@ class Config:
     prompt_key: str = "prompt"             # the data's prompt field (a string or chat messages)
     answer_key: str = "answer"             # the data's answer field, passed to the reward
     max_prompt_length: int = 1024          # longer prompts are dropped at load time (counted)
-    instruction: str = ""                  # appended to every prompt (training and held-out) after a space, e.g. verl's
-                                           # GSM8K one: Let's think step by step and output the final answer after "####".
+    instruction: str = ""                  # appended to every prompt (training and held-out) after a space, e.g.
+                                           # verl's GSM8K one: Let's think step by step and output the final
+                                           # answer after "####".
     gsm8k_format: str = "strict"           # what the built-in GSM8K reward reads: strict (the last `#### N`, the form
                                            # GSM8K's own answers end with) | flexible (the number in the last \boxed{},
                                            # else the last number: what instruct models write)
@@ -78,7 +79,8 @@ class Config:
                                            # <out_dir>/profile/; "": off (no profiler is created)
     offload: str = "manual"                # manual: the flags as given; auto: plan.py picks the offload flags,
                                            # checkpointing and micro-batch sizes that fit this GPU, fastest first
-    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, its warnings, python plan.py)
+    plan_margin: float = 0.1               # the share of the GPU the plan keeps free (auto, its warnings,
+                                           # python plan.py)
     memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
                                            # then shows who allocated what, not only the blocks
     save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
@@ -87,9 +89,9 @@ class Config:
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run
-    kernels: str = "auto"                  # the models' kernels (kernel_choice.py): liger (Liger-Kernel's fused RMSNorm, SwiGLU,
-                                           # RoPE) | compile (each decoder layer compiled) | torch; auto: liger when
-                                           # installed and on a GPU, else torch
+    kernels: str = "auto"                  # the models' kernels (kernel_choice.py): liger (Liger-Kernel's fused
+                                           # RMSNorm, SwiGLU, RoPE) | compile (each decoder layer compiled) | torch;
+                                           # auto: liger when installed and on a GPU, else torch
     head_kernel: str = "auto"              # the LM head's log-prob chunk (packing.py): compile (its reductions fused:
                                            # the 1.5B update 1.20x faster; compiles at the first steps) | eager;
                                            # auto: compile on a GPU with Triton, else eager (and with --memory_history)
@@ -106,10 +108,10 @@ class Config:
 
 # checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
-          "data_seed": ">= -1", "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1", "dist_timeout_s": "> 0",
-          "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
-CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"), "logger": tracker.KINDS,
-           "kernels": kernel_choice.KERNELS, "head_kernel": kernel_choice.HEAD_KERNELS}
+          "data_seed": ">= -1", "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1",
+          "dist_timeout_s": "> 0", "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
+CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"),
+           "logger": tracker.KINDS, "kernels": kernel_choice.KERNELS, "head_kernel": kernel_choice.HEAD_KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 
 
@@ -143,7 +145,7 @@ def check_config(cfg: Config):
     if cfg.actor.rollout_is == "auto":     # corrected: an async batch's lag, an FP8 engine's rounding; else nothing
         fp8 = "fp8" in (r.kv_cache_dtype, r.quantization)
         cfg.actor.rollout_is = "token" if r.mode == "async" or fp8 else "none"
-    if r.logprobs_every == 0:              # auto: where the correction reads them every step, else a reading now and then
+    if r.logprobs_every == 0:              # auto: the correction reads them every step, else a reading now and then
         r.logprobs_every = 1 if cfg.actor.rollout_is == "token" else rollout.LOGPROBS_EVERY
     if cfg.actor.rollout_is == "token" and r.logprobs_every > 1:
         raise ValueError(f"--rollout.logprobs_every={r.logprobs_every} with the rollout correction (actor.rollout_is="
@@ -279,7 +281,8 @@ def warnings(cfg: Config) -> list[str]:
     budgets = _changed("actor", a, ("ppo_max_token_len_per_gpu", "log_prob_max_token_len_per_gpu")) + _changed(
         "ref", cfg.ref, ("log_prob_max_token_len_per_gpu",)) + (_changed("critic", cfg.critic, (
             "ppo_max_token_len_per_gpu", "forward_max_token_len_per_gpu")) if gae else [])
-    idle = [(not gae, _changed("critic", cfg.critic), "under GRPO, which has no critic (--algorithm.adv_estimator=gae)"),
+    idle = [(not gae, _changed("critic", cfg.critic),
+             "under GRPO, which has no critic (--algorithm.adv_estimator=gae)"),
             (not a.lora_rank, _changed("actor", a, ("lora_alpha", "lora_target_modules")), "without actor.lora_rank"),
             (not a.use_kl_loss, _changed("actor", a, ("kl_loss_coef", "kl_loss_type")), "with actor.use_kl_loss=false"),
             (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)"),

@@ -155,7 +155,7 @@ def test_a_step_no_rank_can_finish_is_refused_with_the_n_that_fits(tmp_path, in_
         "use at most --rollout.n=4096 here" in err[0], err
     assert options.check_sizes(options.parse_args(["--rollout.n=4096"]), 1) == 65536   # a mini-batch: all of it
     options.check_sizes(options.parse_args(["--rollout.n=8192"]), 2)
-    with pytest.raises(ValueError, match="use at most --rollout.n=512 here"):   # 2^26 tokens a rank: 8,192 samples of 8,192
+    with pytest.raises(ValueError, match="use at most --rollout.n=512 here"):   # 2^26 tokens: 8,192 x 8,192
         options.check_sizes(options.parse_args(["--rollout.n=1024", "--rollout.response_length=8192"]), 1)
 
 
