@@ -109,7 +109,8 @@ class Config:
 # checked when the command line is parsed, like each role's RANGES and CHOICES (check_config)
 RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 1", "seed": ">= 0",
           "data_seed": ">= -1", "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1",
-          "dist_timeout_s": "> 0", "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0", "val_response_length": ">= 0"}
+          "dist_timeout_s": "> 0", "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0",
+          "val_response_length": ">= 0"}
 CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"),
            "logger": tracker.KINDS, "kernels": kernel_choice.KERNELS, "head_kernel": kernel_choice.HEAD_KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
