@@ -28,6 +28,7 @@ from multiprocessing.connection import Client
 import torch
 import torch.distributed as dist
 
+import hf_engine
 import ledger
 import rollout
 import tensor_parallel
@@ -339,8 +340,8 @@ def _generate(eng, spec: Spec, order: dict, device, cfg=None) -> tuple[list, lis
     sampling than the spec's, validation's)."""
     cfg = cfg or spec.cfg
     if not isinstance(eng, rollout.Engine):
-        return rollout.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
-                                 logprobs=True)
+        return hf_engine.sample_hf(eng, order["prompts"], cfg, spec.pad_id, spec.eos_id, device, order["seed"],
+                                   logprobs=True)
     reqs, seeds, _ = tensor_parallel.requests([(order["prompts"], order["seed"])], cfg.n, cfg.temperature == 0)
     outs = vllm_engine.sample_vllm(replace(eng, cfg=cfg), reqs, seeds)
     return vllm_engine.vllm_samples(list(zip(reqs, outs)))
