@@ -369,6 +369,9 @@ def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "st
                          f"{fn or 'reward'}), the function called as f(response, answer) -> float")
     try:
         mod = importlib.import_module(module)
+    except SystemExit as e:                # sys.exit at import would end the run without a word
+        raise ValueError(f"--reward {spec}: importing {module} called sys.exit({e.code!r}); a reward module must not "
+                         f"exit: remove the call (or guard it with if __name__ == '__main__')") from None
     except Exception as e:                 # noqa: BLE001 - the module's own code runs here: NameError, SyntaxError, ...
         if isinstance(e, ModuleNotFoundError) and f"{module}.".startswith(f"{e.name}."):
             raise ValueError(f"--reward {spec}: cannot load it ({e}); "
@@ -407,6 +410,8 @@ def score(reward_fn, name: str, responses: list[str], answers: list[str]) -> tup
             bad = None if isinstance(value, numbers.Real) and math.isfinite(value) else f"returned {value!r}"
         except Exception as e:             # a user's reward can raise anything: name it and the sample
             value, bad = 0.0, f"raised {type(e).__name__}: {e}"
+        except SystemExit as e:            # sys.exit inside it: a failed reward, not the run's silent end
+            value, bad = 0.0, f"called sys.exit({e.code!r})"
         if bad is not None:
             errors.append(f"reward {name} {bad} for the response {_short(response)} (answer "
                           f"{_short(answer)}); a reward must return a finite number")
