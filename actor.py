@@ -122,6 +122,10 @@ SEARCH = {  # what --offload=auto may turn (plan.py), cheapest first; NEEDS: a f
 NEEDS = {"optimizer_load_at_step": "optimizer_offload", "optimizer_stream": "optimizer_offload"}
 SUPERSEDES = {"optimizer_stream": "optimizer_load_at_step"}   # on, it makes the other needless (plan.py)
 LIFTED = ("gradient_checkpointing",)    # on by default, off when the run fits without it (plan.relax)
+SIZES = {  # the sizes plan.py searches beside SEARCH, by kind (plan.SIZE_KINDS)
+    "ppo_micro_batch_size_per_gpu": "update",           # the update's micro-batch, halved
+    "log_prob_micro_batch_size_per_gpu": "forward",     # a log-prob forward's: one size for every role's forward
+    "ulysses_sequence_parallel_size": "sequence"}       # the Ulysses group (ulysses.sizes)
 RESCUE = {  # what plan.py names when no combination of SEARCH fits
     "lora_rank": (64, "train adapters only: no ref model, grads and Adam for the adapters"),
     "offload_policy": (True, "FSDP2 CPUOffloadPolicy: ~10x slower step")}

@@ -33,6 +33,7 @@ class RefConfig:
 
 RANGES = {"log_prob_micro_batch_size_per_gpu": ">= 1", "log_prob_max_token_len_per_gpu": ">= 1"}  # at parse time
 SEARCH = {"param_offload": (False, True)}    # what --offload=auto may turn (plan.py)
+SIZES = {"log_prob_micro_batch_size_per_gpu": "forward"}   # searched with the actor's forward (plan.py)
 RELIEF = {"ref_params": "--ref.param_offload=true"}   # its term in a stage's prediction -> the change
 
 

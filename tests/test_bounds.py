@@ -67,7 +67,7 @@ def test_a_huge_data_line_is_dropped_without_tokenizing_it_whole(tmp_path):
 
 def test_a_long_stage_says_it_is_running(monkeypatch, capsys):
     monkeypatch.setattr(ledger, "PROGRESS_S", 0.2)
-    monkeypatch.setattr(ledger, "_now", {})   # a watcher an earlier test started sleeps its own period: a new one starts
+    monkeypatch.setattr(ledger, "_now", {})   # a watcher an earlier test started sleeps its own period: a new one
     m = {"step": 7}
     import torch
     with ledger.stage("generate", m, torch.device("cpu")):

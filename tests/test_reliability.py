@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+import actor
 import checkpoint
 import options
 import rundir
@@ -225,7 +226,8 @@ def test_a_full_disk_is_one_line_removes_partial_files_and_keeps_the_run_resumab
                                           rf"device \(it needs ~0.01\d GB, [\d.]+ GB free\); the partial .* "
                                           rf"removed; {_step(out, 1)} is kept: free space, then run the same "
                                           rf"command \(it writes final/ from it, without training\)"):
-            checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=1)
+            checkpoint.save_final(out, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=1,
+                                  save=actor.save)
     assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl", "val_samples.jsonl"]   # no final/, no final.tmp
     r = run(args)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -384,7 +386,8 @@ def test_an_earlier_attempts_reservation_goes_when_the_run_keeps_checkpoints(tmp
     import torch
     policy = types.SimpleNamespace(model=torch.nn.Linear(64, 64), lora=None)
     leftover = tmp_path / checkpoint.RESERVE
-    for args, kept in ((["--save_freq=5"], False), (["--save=false", "--save_freq=0"], False), (["--save_freq=0"], True)):
+    for args, kept in ((["--save_freq=5"], False), (["--save=false", "--save_freq=0"], False),
+                       (["--save_freq=0"], True)):
         leftover.write_bytes(b"\0" * 4096)
         rundir.reserve_final(options.parse_args([f"--out_dir={tmp_path}", *args]), policy, 0)
         assert leftover.exists() == kept, args
@@ -521,7 +524,8 @@ def test_a_folder_as_data_or_val_data_says_so_and_what_to_pass(tmp_path):
     for option in ("--data", "--val_data"):
         with pytest.raises(ValueError) as e:
             data_io.run_data(options.parse_args([f"{option}={tmp_path}"]), tokenizer)
-        assert str(e.value) == f"{option} {tmp_path} is a folder; pass one .jsonl or .parquet file (it holds train.parquet)"
+        assert str(e.value) == (f"{option} {tmp_path} is a folder; pass one .jsonl or .parquet file (it holds "
+                                f"train.parquet)")
 
 
 def test_hint_commands_paste_whole_when_the_path_has_spaces(tmp_path, capsys):
@@ -538,7 +542,8 @@ def test_hint_commands_paste_whole_when_the_path_has_spaces(tmp_path, capsys):
     assert str(e.value).startswith(f"--out_dir='{out}' holds an earlier run")
     tracker.picture_at_end(str(out), "cpu")
     line = capsys.readouterr().out.splitlines()[-1]
-    assert shlex.split(line[line.index("python plan.py"):line.index(" draws")]) == ["python", "plan.py", f"--plot={out}"]
+    assert shlex.split(line[line.index("python plan.py"):line.index(" draws")]) == ["python", "plan.py",
+                                                                                   f"--plot={out}"]
     logger = tracker.open("tensorboard", str(out), "{}", 0)
     logger.close()
     line = capsys.readouterr().out.splitlines()[-1]
@@ -837,3 +842,21 @@ def test_held_out_words_are_refused_only_where_the_gsm8k_reward_reads_them(tmp_p
         data_io.run_data(options.parse_args([f"--data={numbers}", f"--val_data={words}"]), tok)
     _, val = data_io.run_data(options.parse_args([f"--val_data={words}"]), tok)
     assert val[1] == ["City1", "City2"]
+
+
+def test_a_reward_module_that_calls_sys_exit_is_one_line_naming_it(tmp_path, monkeypatch, in_process, capsys):
+    """sys.exit at the module's import, or inside the reward (after the set-up's lines): one line each naming
+    the module, where the run once ended with no output at all."""
+    import data as data_io
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\ndef fn(r, a):\n    return 0.0\n")
+    (tmp_path / "exits_inside.py").write_text("import sys\ndef fn(r, a):\n    sys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^--reward exits_at_import:fn: importing exits_at_import called "
+                                         r"sys.exit\(3\)"):
+        data_io.load_reward("exits_at_import:fn", None)
+    with pytest.raises(SystemExit) as stopped:
+        in_process([f"--out_dir={tmp_path / 'run'}", "--steps=1", "--reward=exits_inside:fn", "--save=false",
+                    "--train_batch_size=2", "--rollout.n=2", "--actor.ppo_mini_batch_size=2", "--logger=none"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: reward exits_inside:fn called sys.exit(0) for the response "), err
