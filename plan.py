@@ -46,6 +46,17 @@ def search(cfg) -> dict:
     return {f"{name}.{flag}": v for name, mod in roles(cfg) for flag, v in mod.SEARCH.items()}
 
 
+SIZE_KINDS = ("update", "forward", "tensor", "sequence")   # the kinds of size the roles declare (SIZES), in the
+                                                           # order the search varies them and `changes` writes them
+
+
+def sizes() -> dict:
+    """"section.option" -> its kind: the sizes the roles declare beside SEARCH (actor, ref, rollout: SIZES), by kind."""
+    declared = {f"{name}.{key}": kind for name, mod in (("actor", actor), ("ref", ref), ("rollout", rollout))
+                for key, kind in mod.SIZES.items()}
+    return dict(sorted(declared.items(), key=lambda item: SIZE_KINDS.index(item[1])))
+
+
 def _needless(cfg, flags: dict) -> bool:
     """A flag on whose partner (its role's NEEDS) is off, or on beside one that supersedes it (SUPERSEDES):
     it would change nothing."""
@@ -98,6 +109,11 @@ class Target:
         async engine's on rank 0's GPU): what PyTorch may allocate."""
         return int(self.gpu_bytes * (1 - self.margin) - CUDA_CONTEXT - beside)
 
+    def says(self, beside: int) -> str:      # what the margin bounds, in GB (2^30 bytes) as every figure here
+        top, room = self.gpu_bytes * (1 - self.margin) / GB, self.room(beside) / GB
+        return (f"the {self.gpu_bytes / GB:.0f} GB GPU with its {self.margin:.0%} margin (device level at most "
+                f"{top:.1f} GB, the allocator's peak at most {room:.1f} GB)")
+
     def fits(self, p: Plan) -> bool:
         """Every stage under the allocator budget, the device level keeps the margin (an async
         engine's GPU too), the pinned host mirrors and the rollout buffer fit the host."""
@@ -120,30 +136,41 @@ def candidates(cfg, world: int, frugal: bool = False):
     divide the world and of Ulysses sizes (`sequence_parallel_sizes`), as copies of `cfg`. `frugal`: only those
     that could fit where no other does: every flag at its last value (each takes bytes off, puts none on) and the
     smallest log-prob micro-batch; the update's micro-batch, tensor and sequence parallelism are not monotone."""
-    a, space = cfg.actor, search(cfg)
-
-    def halvings(m):
-        return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
-    tps = [1] if cfg.rollout.mode == "async" else \
-        [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]   # async: an engine a GPU
+    space = search(cfg)
     flag_values = [v[-1:] if frugal else v for v in space.values()]
     if frugal:                                 # a flag superseded by one at its last value: at its first (needless on)
         over = {f"{n}.{v}" for n, mod in roles(cfg) for k, v in getattr(mod, "SUPERSEDES", {}).items()
                 if space.get(f"{n}.{k}", (False,))[-1]}
         flag_values = [v[:1] if key in over else fv for (key, v), fv in zip(space.items(), flag_values)]
-    lp = halvings(max(a.log_prob_micro_batch_size_per_gpu, cfg.ref.log_prob_micro_batch_size_per_gpu))   # both forwards
-    for values, micro, lp_micro, tp, sp in itertools.product(
-            itertools.product(*flag_values), halvings(a.ppo_micro_batch_size_per_gpu), lp[-1:] if frugal else lp,
-            tps, sequence_parallel_sizes(cfg, world)):
+    axes = size_axes(cfg, world, frugal)
+    for values, *picked in itertools.product(itertools.product(*flag_values), *(v for _, v in axes)):
         flags = dict(zip(space, values))
         if _needless(cfg, flags):
             continue
-        yield with_options(cfg, {**flags, "rollout.tensor_parallel_size": tp,   # vLLM's weights and KV heads over tp GPUs
-                                 "actor.ulysses_sequence_parallel_size": sp,   # each micro-batch's tokens over sp GPUs
-                                 "actor.ppo_micro_batch_size_per_gpu": micro,
-                                 "actor.log_prob_micro_batch_size_per_gpu": min(a.log_prob_micro_batch_size_per_gpu, lp_micro),
-                                 "ref.log_prob_micro_batch_size_per_gpu": min(cfg.ref.log_prob_micro_batch_size_per_gpu,
-                                                                              lp_micro)})
+        picks = {k: v if most is None else min(most, v) for (keys, _), v in zip(axes, picked) for k, most in keys.items()}
+        yield with_options(cfg, {**flags, **picks})
+
+
+def size_axes(cfg, world: int, frugal: bool) -> list:
+    """The size search's axes in SIZE_KINDS' order, each ({option: the most it may take, or None}, its values):
+    each update micro-batch halved; one log-prob micro-batch for every role's forward (each at most its own);
+    vLLM's tensor-parallel sizes that divide the world (its weights and KV heads over tp GPUs; async: an engine
+    a GPU); the Ulysses sizes (each micro-batch's tokens over sp GPUs). `frugal`: the smallest forward only."""
+    def halvings(m):
+        return sorted({x for x in (m, m // 2, m // 4, m // 8, 1) if x >= 1}, reverse=True)
+    tps = [1] if cfg.rollout.mode == "async" else \
+        [t for t in (1, 2, 4, 8) if world % t == 0 and t >= cfg.rollout.tensor_parallel_size]
+    values = {"update": lambda key: halvings(attrgetter(key)(cfg)), "tensor": lambda key: tps,
+              "sequence": lambda key: sequence_parallel_sizes(cfg, world)}
+    axes, declared = [], sizes()
+    for kind in SIZE_KINDS:
+        keys = [k for k, v in declared.items() if v == kind]
+        if kind == "forward" and keys:         # one axis: every role's forward at one size
+            lp = halvings(max(attrgetter(k)(cfg) for k in keys))
+            axes.append(({k: attrgetter(k)(cfg) for k in keys}, lp[-1:] if frugal else lp))
+        elif kind != "forward":
+            axes += [({k: None}, values[kind](k)) for k in keys]
+    return axes
 
 
 def engine_fits(cfg, t: Target):
@@ -199,9 +226,7 @@ def fits_at_all(cfg, t: Target) -> bool:
 def changes(before, after) -> list[str]:
     """The options `after` sets differently from `before`, as command-line flags."""
     out = []
-    for key in list(search(before)) + ["actor.ppo_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
-                                       "ref.log_prob_micro_batch_size_per_gpu", "rollout.tensor_parallel_size",
-                                       "actor.ulysses_sequence_parallel_size"]:
+    for key in list(search(before)) + list(sizes()):
         v0, v1 = attrgetter(key)(before), attrgetter(key)(after)
         if v0 != v1:
             out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")
@@ -291,7 +316,7 @@ def report(cfg, t: Target) -> str:
         out += _nothing_fits(cfg, t, plan)
     else:
         flags = changes(cfg, best)
-        out.append(f"[plan] fastest that fits under {t.room(plan.beside) / GB:.1f} GB ({t.margin:.0%} margin): "
+        out.append(f"[plan] fastest that fits {t.says(best_plan.beside)}: "
                    + (" ".join(flags) if flags else "the configuration as given")
                    + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
                    f"step ~{best_plan.seconds:.1f} s)")
@@ -320,7 +345,7 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
         m, p = under[0], under[2]
         fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the {t.gpu_bytes / GB:.0f} "
                 f"GB GPU; the {t.margin:.0%} margin keeps {t.margin * t.gpu_bytes / GB:.1f} GB free)"] + fits
-    room = (f"under {budget / GB:.1f} GB per GPU ({t.margin:.0%} margin)" if budget > 0 else
+    room = (t.says(plan.beside) if budget > 0 else
             f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
             f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'vLLM'}) "
             f"leave it no room")

@@ -180,8 +180,8 @@ def test_cli_prints_the_table_and_the_choice_in_seconds():
         assert stage in r.stdout
     # 7B on 8 x 80 GB fits (its update is 1/8 of the states): the line names the flags it chose, and
     # each of them is an option train_grpo.py accepts
-    line = next(x for x in r.stdout.splitlines() if x.startswith("[plan] fastest that fits under"))
-    flags = line.split("margin): ")[1].split(" (peak")[0].split()
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[plan] fastest that fits the 80 GB GPU"))
+    flags = line.split(" GB): ")[1].split(" (peak")[0].split()
     assert flags and all(f.startswith("--") for f in flags)
     options.parse_args(flags)
 
@@ -569,14 +569,19 @@ def _report(capsys, *args) -> list[str]:
 
 def test_plan_keeps_the_runs_margin(capsys):
     """plan.py reads --plan_margin, the run's option (--offload=auto, the set-up's verdict, plan.relax keep
-    it), not a default of its own."""
+    it), not a default of its own; the line says what the margin bounds, the device level (the GPU less the
+    margin) and inside it the allocator's peak, both in GB of 2^30 bytes, beside the chosen plan's figures in the
+    same unit (it said "fits under 74.3 GB" beside "75.9 GB device-level": the first was the allocator's bound)."""
     args = ["--model=random:qwen2.5-0.5b", "--prompt_len=64"]
     for given, margin in (None, 0.1), ("--plan_margin=0.3", 0.3):
         lines = _report(capsys, *args, *[given] if given else [])
-        fit = next(x for x in lines if x.startswith("[plan] fastest that fits under"))
+        fit = next(x for x in lines if x.startswith("[plan] fastest that fits "))
         relaxed = plan.relax(_cfg("--model=random:qwen2.5-0.5b", *[given] if given else []), 1, 64, "vllm", 80 * GB)
         room = plan.Target(1, 64, 80 * GB, margin).room(predict.predict(relaxed, 1, 64).beside)
-        assert f"under {room / GB:.1f} GB ({margin:.0%} margin)" in fit, fit
+        assert fit.startswith(f"[plan] fastest that fits the 80 GB GPU with its {margin:.0%} margin (device level at "
+                              f"most {80 * (1 - margin):.1f} GB, the allocator's peak at most {room / GB:.1f} GB): "), fit
+        peak, device = (float(fit.split(" (peak ")[1].split(" GB")[0]), float(fit.split(" GB allocated, ")[1].split(" ")[0]))
+        assert peak <= room / GB and device <= 80 * (1 - margin)   # each figure under the bound of its own kind
 
 
 def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
