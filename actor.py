@@ -1,4 +1,5 @@
-"""The policy: its loss math, its update, LoRA, and every move of the actor's own bytes.
+"""The policy: its update (its loss math: losses.py; AdamW and its step: adam.py), LoRA, and every move of the
+actor's own bytes.
 
     python -m pytest tests/test_algo.py          # the loss math against hand-computed values
     torchrun --nproc_per_node=2 -m pytest tests/test_dist.py   # 2 ranks == 1 rank
@@ -15,7 +16,7 @@ stash knows at build whether its flag puts it on the host, so every bracket read
     optimizer_offload   Adam's exp_avg + exp_avg_sq live on the host outside `update`, back on a side
                         stream during the first forward/backward (`clipped_step` waits right before
                         `optimizer.step()`), or with optimizer_stream a window of layers at a time at the
-                        step (offload.streamed_step): then the update never holds all of them.
+                        step (adam.streamed_step): then the update never holds all of them.
     the levers          prefetch_update (during the ref forward), defer_param_offload (`update` keeps the
                         params for the next sync), optimizer_load_at_step (Adam in at the step, not before).
     checkpoints         `state_in`: every group in while a checkpoint reads (or a resume writes) them.
@@ -33,15 +34,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import offload
-import ledger
 import lora
+import offload
 import packing
 import ulysses
 import weights
-from model import (LOSS_AGG_MODES, ForwardSettings, optimizer_windows, window_peak, agg_loss, all_sum, build_optimizer,
-                   clipped_step, compute_log_probs, forward, global_counts, in_use, load_model, make_layout, shard, split,
-                   state, update_phases)
+from adam import (born_on_host, build_optimizer, clipped_step, holding, optimizer_stash, optimizer_windows,
+                  update_phases, window_peak)
+from losses import (IS_STATS, KL_TYPES, LOSS_AGG_MODES, STATS, actor_loss, global_counts, logprob_mismatch, probe,
+                    split)
+from model import ForwardSettings, all_sum, compute_log_probs, forward, in_use, load_model, make_layout, shard, state
 
 
 @dataclass
@@ -104,7 +106,6 @@ class ActorConfig:
                                            # rank / k, two all-to-alls a layer; data-parallel size world / k (all roles)
 
 
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # What each option may be, checked when the command line is parsed: outside these a run trains
 # nothing (a zero clip, zero epochs), divides by zero, or crashes in the middle.
 RANGES = {"lr": ">= 0", "weight_decay": ">= 0", "grad_clip": "> 0", "ppo_mini_batch_size": ">= 1",
@@ -122,7 +123,7 @@ SEARCH = {  # what --offload=auto may turn (plan.py), cheapest first; NEEDS: a f
 NEEDS = {"optimizer_load_at_step": "optimizer_offload", "optimizer_stream": "optimizer_offload"}
 SUPERSEDES = {"optimizer_stream": "optimizer_load_at_step"}   # on, it makes the other needless (plan.py)
 LIFTED = ("gradient_checkpointing",)    # on by default, off when the run fits without it (plan.relax)
-SIZES = {  # the sizes plan.py searches beside SEARCH, by kind (plan.SIZE_KINDS)
+SIZES = {  # the sizes plan.py searches beside SEARCH, by kind (fit.SIZE_KINDS)
     "ppo_micro_batch_size_per_gpu": "update",           # the update's micro-batch, halved
     "log_prob_micro_batch_size_per_gpu": "forward",     # a log-prob forward's: one size for every role's forward
     "ulysses_sequence_parallel_size": "sequence"}       # the Ulysses group (ulysses.sizes)
@@ -134,7 +135,8 @@ RELIEF = {  # the actor's terms of a stage's prediction -> the change that remov
     "actor_params": "--actor.param_offload=true", "actor_optimizer": "--actor.optimizer_offload=true",
     "actor grads": "--actor.offload_policy=true (grads and Adam on the CPU: much slower) or more GPUs",
     "activations": "--actor.gradient_checkpointing=true (or a smaller actor.ppo_micro_batch_size_per_gpu)",
-    "activations (layer inputs)": "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
+    "activations (layer inputs)":
+        "a smaller actor.ppo_micro_batch_size_per_gpu (or use_dynamic_bsz with a token budget)",
     "activations (one layer rebuilt)": "a smaller actor.ppo_micro_batch_size_per_gpu",
     "LM head chunk (backward)": "a smaller actor.logits_chunk_tokens", "LM head weight grad": "--actor.lora_rank=64",
     "Adam windows (in, stepping, out)": "a smaller actor.optimizer_window_layers"}
@@ -152,63 +154,10 @@ def check(cfg: ActorConfig, world: int):
         raise ValueError("actor.ulysses_sequence_parallel_size splits packed rows: keep actor.remove_padding=true")
 
 
-# --------------------------------------------------------------------------- math
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from sampled tokens (Schulman's k1/k2/k3)."""
-    d = logp - ref_logp
-    if kind in ("kl", "k1"):
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * d.square()
-    if kind in ("low_var_kl", "k3"):           # exp(ref - logp) - (ref - logp) - 1 >= 0
-        r = (-d).clamp(-20, 20)
-        return (r.exp() - r - 1).clamp(-10, 10)
-    raise ValueError(f"kl_loss_type={kind!r}: use one of {KL_TYPES}")
-
-
-def policy_stats(clipped: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
-    """(pg_clipfrac, ppo_kl) of a micro-batch as shares of a token mean over `tokens` (the mini-batch's global count),
-    whatever loss_agg_mode is: summed over micro-batches and ranks, token means, as verl reports them. ppo_kl is
-    KL(old || new) per token by k3 = r - 1 - log r (r = new/old; >= 0, low variance); verl logs k1 (can be < 0)."""
-    k3 = ratio - 1 - torch.log(ratio)
-    return torch.stack([(clipped * mask).sum(), (k3 * mask).sum()]) / tokens
-
-
-def policy_loss(logp, old_logp, adv, cfg: ActorConfig):
-    """Clipped surrogate with dual clip, per token (B, R). Returns (loss, clipped-mask, ratio)."""
-    ratio = torch.exp((logp - old_logp).clamp(-20, 20))
-    loss1 = -adv * ratio
-    loss2 = -adv * ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
-    clipped = torch.maximum(loss1, loss2)
-    dual = torch.minimum(clipped, -adv * cfg.clip_ratio_c)    # bounds the loss when A < 0
-    loss = torch.where(adv < 0, dual, clipped)
-    return loss, (loss2 > loss1).float(), ratio
-
-
-def truncated_is(old_logp: torch.Tensor, rollout_logp: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Token-level truncated importance weights min(pi_old / pi_rollout, C), no gradient: the policy loss carried from
-    the engine's distribution (an older policy when async; vLLM's kernels) to the trainer's, its variance bounded."""
-    return torch.exp((old_logp - rollout_logp).detach().clamp(-20, 20)).clamp(max=threshold)
-
-
-def grpo_advantage(scores: torch.Tensor, n: int, mask: torch.Tensor, norm_by_std: bool = True,
-                   eps: float = 1e-6) -> torch.Tensor:
-    """scores (B,) in groups of n consecutive samples -> advantages (B, R), zero on padding.
-    A group of one sample gets mean 0 and std 1, as in verl."""
-    g = scores.view(-1, n)                                     # (B/n, n)
-    if n == 1:
-        mean, std = torch.zeros_like(g), torch.ones_like(g)
-    else:
-        mean, std = g.mean(-1, keepdim=True), g.std(-1, keepdim=True)   # unbiased std
-    adv = (g - mean) / (std + eps) if norm_by_std else g - mean
-    return adv.reshape(-1, 1) * mask
-
-
 def prefetches(cfg: ActorConfig, ppo: bool) -> bool:
     """The params come in during the ref stage and stay for the update (prefetch_update): with param_offload, when a
-    ref forward comes right before the update (GRPO with the KL loss; not PPO). The loop, describe, the planner read it."""
+    ref forward comes right before the update (GRPO with the KL loss; not PPO). The loop, describe, the planner
+    read it."""
     return cfg.prefetch_update and cfg.param_offload and cfg.use_kl_loss and not ppo
 
 
@@ -231,7 +180,7 @@ class Actor:
     adam: offload.Stash                    # exp_avg + exp_avg_sq: empty until Adam's first step
     device: torch.device
     lora: object = None                    # LoRA: peft's wrapper around `model` (disable_adapter, the config)
-    windows: list | None = None            # optimizer_stream: the params Adam steps together (model.optimizer_windows)
+    windows: list | None = None            # optimizer_stream: the params Adam steps together (adam.optimizer_windows)
 
 
 def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | None = None, seed: int = 0,
@@ -239,7 +188,7 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     """Load (or take `model`, an HF causal LM already built, fp32), add the LoRA adapters
     (lora_rank > 0), shard, make the optimizer; with param_offload the shards leave the GPU at once."""
     model = model if model is not None else load_model(model_path, seed=seed)
-    adapters = lora.apply(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards what peft made
+    adapters = lora.apply(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards peft's
     model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
     if adapters:
         lora.settle_grad_dtypes(model)
@@ -250,7 +199,7 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     a = Actor(cfg, model, optimizer,
               params=offload.param_stash("actor_params", *groups, trainable=True if adapters else None, enabled=on),
               base=offload.param_stash("actor_base", *(groups if adapters else []), trainable=False, enabled=on),
-              adam=offload.optimizer_stash("actor_optimizer", optimizer, enabled=cfg.optimizer_offload),
+              adam=optimizer_stash("actor_optimizer", optimizer, enabled=cfg.optimizer_offload),
               device=device, lora=adapters, windows=optimizer_windows(model, optimizer, cfg.optimizer_window_layers)
               if cfg.optimizer_stream else None)
     offload.offload(a.base)                # frees the shard bytes until their first use (flags off: no-ops)
@@ -273,7 +222,8 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
     k = c.param_offload_layers
     lines.append(offload.describe("actor.param_offload" + (f" (first {k} layers)" if k >= 0 else ""),
                                   a.params.nbytes + a.base.nbytes, c.param_offload, a.device))
-    lines.append(offload.describe("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, c.optimizer_offload, a.device))
+    lines.append(offload.describe("actor.optimizer_offload (Adam, 2 x fp32 shard)", adam_bytes, c.optimizer_offload,
+                                  a.device))
     timing, early = [], prefetches(c, ppo)  # the copy levers: when each offloaded group moves
     if c.param_offload:
         timing.append("params leave " + ("at the next weight sync (not after the update)" if c.defer_param_offload
@@ -322,7 +272,7 @@ def compute_old_log_probs(a: Actor, batch: dict, temperature: float, train_batch
     with resident(a, metrics):
         batch["old_log_probs"] = compute_log_probs(a.model, batch, layout, temperature)
     if "rollout_log_probs" in batch:
-        metrics.update(ledger.logprob_mismatch(batch["old_log_probs"], batch))
+        metrics.update(logprob_mismatch(batch["old_log_probs"], batch))
 
 
 def compute_ref_log_probs(a: Actor, batch: dict, temperature: float, metrics: dict, ppo: bool) -> torch.Tensor:
@@ -344,17 +294,15 @@ def update(a: Actor, batch: dict, mini_size: int, temperature: float, metrics: d
     """The update stage's bracket: params in -> Adam in on a side stream (waited for in `clipped_step`) -> update ->
     Adam out -> params out, or kept until the next weight sync has read them (defer_param_offload)."""
     if a.cfg.shuffle:   # `seed`: the step's on every rank (Ulysses, a resume: alike); a batch copy, ~8 MB at 256 x 700
-        batch = packing.take(batch, torch.randperm(len(batch["responses"]), generator=torch.Generator().manual_seed(seed)))
+        order = torch.randperm(len(batch["responses"]), generator=torch.Generator().manual_seed(seed))
+        batch = packing.take(batch, order)
     with offload.loaded(policy_stashes(a), metrics, modified=True, keep=a.cfg.defer_param_offload):
         if not (a.cfg.optimizer_load_at_step or a.windows):
             metrics.update(offload.reload(a.adam, background=True))   # overlaps the first forward/backward
-        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, adam=a.adam, windows=a.windows)
+        stats = update_policy(a.model, a.optimizer, batch, a.cfg, mini_size, temperature, adam=a.adam,
+                              windows=a.windows)
         metrics.update(offload.offload(a.adam))   # frees 2 x fp32 shard bytes until the next update
     return stats
-
-
-STATS = ("pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "rollout_is/weight_mean", "rollout_is/clipfrac")
-IS_STATS = STATS[-2:]                           # reported only with actor.rollout_is=token
 
 
 def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: int,
@@ -369,7 +317,7 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
     layout = make_layout(cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu)
     sums = torch.zeros(len(STATS), device=batch["responses"].device, dtype=torch.float64)  # no syncs
     norms, mismatch, moved = [], [], {}
-    before = ledger.probe(model)
+    before = probe(model)
     model.train()
     for _ in range(cfg.ppo_epochs):
         for mini in split(batch, mini_size):
@@ -390,36 +338,17 @@ def update_policy(model, optimizer, batch: dict, cfg: ActorConfig, mini_size: in
 
 
 def micro_loss(model, mb: dict, cfg: ActorConfig, temperature: float, layout: packing.Layout, counts: tuple):
-    """One micro-batch's loss (clipped PG - entropy bonus + KL), its STATS summed so far (no graph),
-    and its log-probs (detached). `counts`: the mini-batch's global (tokens, sequences)."""
-    tokens, seqs = counts
-    m = mb["response_mask"]
-    agg = lambda x: agg_loss(x, m, cfg.loss_agg_mode, tokens, seqs)  # noqa: E731
+    """One micro-batch's forward and its loss (losses.actor_loss: clipped PG - entropy bonus + KL), its STATS
+    summed so far (no graph), and its log-probs (detached). `counts`: the mini-batch's global (tokens, sequences)."""
     logp, ent = forward(model, mb, temperature, layout, "grad" if cfg.entropy_coeff else "log")
-    old = mb["old_log_probs"] if "old_log_probs" in mb else logp.detach()
-    pg_mat, clipped, ratio = policy_loss(logp, old, mb["advantages"], cfg)
-    w = torch.ones_like(old)
-    if cfg.rollout_is == "token" and "rollout_log_probs" in mb:   # the engine sampled: reweigh to pi_old
-        w = truncated_is(old, mb["rollout_log_probs"], cfg.rollout_is_threshold)
-        pg_mat = pg_mat * w
-    pg, ent_term = agg(pg_mat), agg(ent)
-    loss = pg - cfg.entropy_coeff * ent_term
-    kl = torch.zeros((), device=logp.device)
-    if cfg.use_kl_loss:
-        kl = agg(kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type))
-        loss = loss + cfg.kl_loss_coef * kl
-    with torch.no_grad():
-        truncated = torch.exp((old - mb["rollout_log_probs"]).clamp(-20, 20)) > cfg.rollout_is_threshold \
-            if "rollout_log_probs" in mb else torch.zeros_like(m, dtype=torch.bool)
-        stats = torch.cat([torch.stack([pg, kl, ent_term]), policy_stats(clipped, ratio.detach(), m, tokens),
-                           torch.stack([(w * m).sum(), (truncated * m).sum()]) / tokens])
-    return loss, stats.double(), logp.detach()
+    loss, stats = actor_loss(logp, ent, mb, cfg, counts)
+    return loss, stats, logp.detach()
 
 
 def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, mismatch: list, moved: dict) -> dict:
     """The update's metrics: means over optimizer steps of global means, the grad norm, skipped
     steps, |delta w| on the probe, the offload figures, and the on-policy log-prob mismatch."""
-    dw = (ledger.probe(model) - before).abs()
+    dw = (probe(model) - before).abs()
     dw_sums = torch.stack([dw.sum(), torch.tensor(float(dw.numel()), device=dw.device)]).to(sums)
     sums = all_sum(torch.cat([sums / len(norms), dw_sums]))
     out = dict(zip(STATS, sums.tolist()))
@@ -429,7 +358,8 @@ def update_stats(model, before: torch.Tensor, sums: torch.Tensor, norms: list, m
                delta_w_abs_mean=(sums[-2] / sums[-1]).item(), **moved)
     if mismatch:
         logp, mbs = torch.cat([lp for lp, _ in mismatch]), [mb for _, mb in mismatch]   # the on-policy forwards'
-        out.update(ledger.logprob_mismatch(logp, {k: torch.cat([mb[k] for mb in mbs]) for k in ("response_mask", "rollout_log_probs")}))
+        out.update(logprob_mismatch(logp, {k: torch.cat([mb[k] for mb in mbs])
+                                                  for k in ("response_mask", "rollout_log_probs")}))
     return out
 
 
@@ -472,7 +402,8 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c),
             "LM head chunk (backward)": z.head(n, layout, z.shapes.head[1])}
     if cfg.gradient_checkpointing:   # the head's backward ends before the last layer is rebuilt: only its excess adds
-        busy["LM head chunk (backward)"] = max(0, busy["LM head chunk (backward)"] - busy["activations (one layer rebuilt)"])
+        head, rebuilt = busy["LM head chunk (backward)"], busy["activations (one layer rebuilt)"]
+        busy["LM head chunk (backward)"] = max(0, head - rebuilt)
     held = {**params, **({} if cfg.optimizer_load_at_step else adam)}
     if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
         held, adam = params, {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
@@ -492,7 +423,7 @@ def last_layer_backward(cfg: ActorConfig, z, n: int, grads: int, gathered: int) 
 
 
 def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> int:
-    """Adam's bytes on a rank at a streamed step's worst moment (0: not streamed): `over` (model.window_peak; max:
+    """Adam's bytes on a rank at a streamed step's worst moment (0: not streamed): `over` (adam.window_peak; max:
     the largest) the windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head)."""
     if not (cfg.optimizer_stream and cfg.optimizer_offload):
         return 0
@@ -506,7 +437,8 @@ def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> in
 
 def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwidth: float) -> float:
     """The actor's copies that do not hide behind compute: params out at the sync and in again (behind the ref forward
-    when it `prefetches`), Adam in (behind the forward/backward, or at the step) and out; CPUOffloadPolicy's CPU step."""
+    when it `prefetches`), Adam in (behind the forward/backward, or at the step) and out; CPUOffloadPolicy's CPU
+    step."""
     host = {g: h for g, (u, b, h) in states.items()}
     if cfg.offload_policy:                     # 16.2 s for 1.54B params on one H200 host
         return 10.5e-9 * z.shapes.params / max(z.world, 1) + 1.5 * host["actor_params"] / bandwidth
@@ -529,13 +461,10 @@ def predicted_checkpoint(cfg: ActorConfig, z, states: dict) -> list:
 def state_in(a: Actor, loading: bool = False):
     """A checkpoint's bracket (`predicted_checkpoint`): params and Adam on the device while torch's state-dict
     helpers read (a save) or write (a load) the live tensors, then back where they were (docs/runs.md);
-    optimizer_stream: Adam stays on the host, where DCP reads and writes it (`offload.born_on_host`)."""
-    with offload.holding(policy_stashes(a) + ([] if a.windows else [a.adam]), loading):
-        offload.born_on_host(a.optimizer, a.adam, a.windows)
+    optimizer_stream: Adam stays on the host, where DCP reads and writes it (`adam.born_on_host`)."""
+    with holding(policy_stashes(a) + ([] if a.windows else [a.adam]), loading):
+        born_on_host(a.optimizer, a.adam, a.windows)
         yield
-        if loading:
-            for group in a.optimizer.param_groups:   # this run's settings, not the checkpoint's
-                group.update(lr=a.cfg.lr, weight_decay=a.cfg.weight_decay)
 
 
 def save(a: Actor, tokenizer, path: str, rank: int, model_path: str | None = None) -> str:

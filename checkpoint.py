@@ -39,13 +39,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-import actor
+import adam
 import offload
 import weights
-from model import is_dir
 
 GB = 2**30
 FIX = "free space (or lower --keep_checkpoints)"   # what a full disk at a checkpoint asks for
@@ -191,7 +189,6 @@ def verify(path: str, rank: int, world: int) -> str | None:
     return err
 
 
-
 # --------------------------------------------------------------------------- save and load
 def rng_state() -> dict:
     """This rank's RNG states. The rollout reseeds from (seed, step, rank) every step, so samples do
@@ -328,7 +325,7 @@ def _write(tmp: str, roles: list, meta: dict):
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role),
-                         planner=HostSave(offload.on_host(state.adam)))
+                         planner=adam.HostSave(adam.on_host(state.adam)))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
                 if no_space(e):
                     raise OSError(errno.ENOSPC, _cause(e), os.path.join(tmp, role)) from None
@@ -347,39 +344,6 @@ def _write(tmp: str, roles: list, meta: dict):
     if rank == 0:
         _write_json(os.path.join(tmp, "meta.json"), {
             "files": files, **meta, "time": datetime.datetime.now().isoformat(timespec="seconds")})
-
-
-class HostSave(DefaultSavePlanner):
-    """DCP's save, with what a stash keeps on the host (a streamed role's Adam: `host`, offload.on_host)
-    written from its host mirror: its device storage is empty, and Adam never comes in whole."""
-
-    def __init__(self, host: dict):
-        super().__init__()
-        self.host = host
-
-    def lookup_object(self, index):
-        return _mirror(super().lookup_object(index), self.host)
-
-
-class HostLoad(DefaultLoadPlanner):
-    """DCP's load, into the host mirrors of what a stash keeps on the host (as HostSave)."""
-
-    def __init__(self, host: dict):
-        super().__init__()
-        self.host = host
-
-    def lookup_tensor(self, index):
-        return _mirror(super().lookup_tensor(index), self.host)
-
-
-def _mirror(t, host: dict):
-    """`t` itself, or, when its storage lives on the host (`host`: storage key -> uint8 mirror), the same
-    tensor over the mirror's bytes."""
-    h = host.get(t.untyped_storage()._cdata) if host and torch.is_tensor(t) else None
-    if h is None:
-        return t
-    h = h.view(t.dtype)                   # a view into the stash's one host arena: offsets count from the arena's start
-    return h.as_strided(t.shape, t.stride(), h.storage_offset() + t.storage_offset())
 
 
 def _publish(root: str, name: str, tmp: str, step: int, keep: int, t0: float):
@@ -439,11 +403,13 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
             model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
             try:
                 dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role),
-                         planner=HostLoad(offload.on_host(state.adam)))
+                         planner=adam.HostLoad(adam.on_host(state.adam)))
             except CheckpointException as e:   # verified intact (or written before checksums): the model differs
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
             set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
             del model_sd, optim_sd
+            for group in state.optimizer.param_groups:   # this run's lr and weight decay, not the checkpoint's
+                group.update(lr=state.cfg.lr, weight_decay=state.cfg.weight_decay)
     offload.empty_host_cache()
     rng = os.path.join(path, "rng", f"rank{rank}.pt")
     if os.path.isfile(rng):                       # a rank the saving run did not have keeps its seed
@@ -483,16 +449,16 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None, *, steps_done: int):
-    """The Hugging Face policy (an actor.Actor) to out_dir/final, written aside and swapped in whole
-    (a resumed, longer run replaces the earlier final/), with this run's `config` beside it and the steps
-    it trained (`steps_done`: a stopped --save_freq=0 run saves before --steps; rundir.plan reads it). Rank 0
-    first frees the room set aside at the start (--save_freq=0: rundir.reserve_final), so a disk that
-    filled during the run still holds final/. A full disk leaves no half-written final/, and its
-    line says what the same command then does (after_failure)."""
+def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | None, *, steps_done: int, save):
+    """The Hugging Face policy to out_dir/final, written by the caller's `save` (actor.save), aside and swapped in
+    whole (a resumed, longer run replaces the earlier final/), with this run's `config` beside it and the steps it
+    trained (`steps_done`: a stopped --save_freq=0 run saves before --steps; rundir.plan reads it). Rank 0 first
+    frees the room set aside at the start (--save_freq=0: rundir.reserve_final), so a disk that filled during the
+    run still holds final/. A full disk leaves no half-written final/, and its line says what the same command then
+    does (after_failure)."""
     final, rank = os.path.join(out_dir, "final"), dist.get_rank()
     tmp, old = final + ".tmp", final + ".old"
-    need = final_bytes(policy, config["actor"]["save_merged"], model_path)
+    need = weights.final_bytes(policy, config["actor"]["save_merged"], model_path)
     if rank == 0 and os.path.exists(os.path.join(out_dir, RESERVE)):
         os.remove(os.path.join(out_dir, RESERVE))   # its bytes are this save's room
     kept = (f"{final} is untouched; " if os.path.isdir(final) else "") + after_failure(out_dir, steps=config["steps"])
@@ -501,7 +467,7 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     try:
-        what = actor.save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
+        what = save(policy, tokenizer, tmp, rank, model_path)   # gathers: every rank
         if rank == 0:
             _write_json(os.path.join(tmp, "run_config.json"), {**config, "steps_done": steps_done})
     except Exception as e:                    # never a half-written final/: it is swapped in only when whole
@@ -518,17 +484,3 @@ def save_final(out_dir: str, policy, tokenizer, config: dict, model_path: str | 
         shutil.rmtree(old, ignore_errors=True)
         print(f"[save] {final} ({what})", flush=True)
     dist.barrier()
-
-
-def final_bytes(policy, save_merged: bool, model_path: str | None = None) -> int:
-    """The final save's bytes: the policy's params in their own dtype (LoRA: the adapter, and the
-    merged model with save_merged), and per model folder written its config, the tokenizer and
-    the files copied from a local `model_path` (1 MiB for the first two, generously)."""
-    params = list(policy.model.parameters())
-    files = 2**20 + (sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
-                         if os.path.isfile(os.path.join(model_path, n)) and not n.endswith(weights.NOT_COPIED))
-                     if is_dir(model_path) else 0)
-    if policy.lora is None:
-        return sum(p.numel() * p.element_size() for p in params) + files
-    n = sum(p.numel() * p.element_size() for p in params if p.requires_grad) + files
-    return n + (sum(p.numel() * p.element_size() for p in params if not p.requires_grad) + files if save_merged else 0)

@@ -23,9 +23,10 @@ What it moves (separate mode; its stashes know their flags at build, as the acto
 param_offload its fp32 shards come in for the values stage (freed after, no copy back) and for the
 critic update (copied back out); with optimizer_offload its Adam state comes in on a side stream
 during the update's forward/backward and is waited for right before the step, like the actor's.
-In shared mode the values stage needs the actor's trunk: it asks the actor for it
-(`actor.resident`). A checkpoint brings the critic's params and Adam in and out again through
-`state_in`, like the actor's.
+In shared mode the values stage needs the actor's trunk: the caller lends it, the model and the stashes
+that hold its params (`actor.policy_stashes`), and the values stage brings those in and frees them, as the
+weight sync does; this file never imports actor.py. A checkpoint brings the critic's params and Adam in and
+out again through `state_in`, like the actor's.
 """
 import contextlib
 from dataclasses import dataclass
@@ -34,12 +35,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-import actor
 import offload
 import packing
 import ulysses
-from model import (LOSS_AGG_MODES, agg_loss, all_sum, build_optimizer, clipped_step, global_counts, in_use, is_dir,
-                   load_model, make_layout, optimizer_windows, shard, split, state, update_phases, window_peak)
+from adam import (born_on_host, build_optimizer, clipped_step, holding, optimizer_stash, optimizer_windows,
+                  update_phases, window_peak)
+from losses import LOSS_AGG_MODES, agg_loss, global_counts, split
+from model import ForwardSettings, all_sum, in_use, is_dir, load_model, make_layout, shard, state
 
 
 @dataclass
@@ -158,10 +160,11 @@ class Critic:
     windows: list | None = None            # optimizer_stream: the params Adam steps together
 
 
-def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.ActorConfig, actor_model=None,
+def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings(), actor_model=None,
           seed: int = 0) -> Critic:
     """Separate: a token-classification LM; shared: the value head only (on `actor_model`'s features).
-    Compute dtype and forward settings (packing, token budgets) come from the actor's config."""
+    Compute dtype and forward settings (packing, token budgets) come from the actor's config (`actor_cfg`:
+    actor.ActorConfig; without the actor, model.ForwardSettings, its defaults)."""
     separate = cfg.mode == "separate"
     if separate:
         model = load_model(model_path, seed, head="value")
@@ -170,14 +173,15 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg: actor.Actor
                      gradient_checkpointing=cfg.gradient_checkpointing)
     else:
         torch.manual_seed(seed)
-        head = own_output(torch.nn.Linear(actor_model.config.hidden_size, 1))   # before fully_shard: its hook runs first
+        # own_output before fully_shard: its hook runs first
+        head = own_output(torch.nn.Linear(actor_model.config.hidden_size, 1))
         torch.nn.init.zeros_(head.weight), torch.nn.init.zeros_(head.bias)   # V = 0 at the start
         fully_shard(head, mesh=mesh, reshard_after_forward=True)   # FSDP averages its grads over ranks
         head.to(device)
     optimizer = build_optimizer(head, cfg)
     c = Critic(cfg, head, optimizer,
                offload.param_stash("critic_params", head, enabled=cfg.param_offload and separate),
-               offload.optimizer_stash("critic_optimizer", optimizer, enabled=cfg.optimizer_offload and separate),
+               optimizer_stash("critic_optimizer", optimizer, enabled=cfg.optimizer_offload and separate),
                make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
                make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu),
                optimizer_windows(head, optimizer, cfg.optimizer_window_layers)
@@ -204,11 +208,13 @@ def describe(c: Critic) -> list[str]:
     lines = [f"[critic] mode={cfg.mode}: {held / offload.GB:.3f} GB of parameters"
              + (" (a value head on the actor's trunk: no second model)" if cfg.mode == "shared" else "")]
     if cfg.mode == "shared" and (cfg.param_offload or cfg.optimizer_offload or cfg.optimizer_stream):
-        lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have no effect")
+        lines.append("[offload] warning: critic.mode=shared holds only a value head: critic offload flags have "
+                     "no effect")
     elif cfg.optimizer_stream and not cfg.optimizer_offload:
         lines.append("[offload] warning: critic.optimizer_stream does nothing without critic.optimizer_offload=true")
     lines.append(offload.describe("critic.param_offload", held, c.params.enabled, device))
-    lines.append(offload.describe("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held, c.adam.enabled, device))
+    lines.append(offload.describe("critic.optimizer_offload (Adam, 2 x fp32 shard)", 2 * held, c.adam.enabled,
+                                  device))
     return lines
 
 
@@ -242,17 +248,19 @@ def _values(model, mb: dict, cfg: CriticConfig, layout: packing.Layout, features
         (packing.to_device(p["dst"], v.device),), v).view(B, R)
 
 
-def compute_values(c: Critic, batch: dict, a: "actor.Actor | None" = None, metrics: dict | None = None):
+def compute_values(c: Critic, batch: dict, metrics: dict | None = None, *, trunk=None, lent: list = ()):
     """The values stage: batch["values"] (and in shared mode batch["features"], for the update),
-    inside the critic's bracket: its shards in, then freed without a copy back (shared mode: the
-    actor's trunk, which it lends through `actor.resident`; separate mode needs no actor, `a` None).
+    inside the critic's bracket: its shards in, then freed without a copy back. Shared mode reads the
+    actor's trunk instead: `trunk`, the actor's model, and `lent`, the stashes of its params
+    (actor.policy_stashes), brought in and freed the same way; separate mode needs neither.
     `metrics`: where the bracket's moves are logged (None: nowhere)."""
     metrics = {} if metrics is None else metrics
     shared = c.cfg.mode == "shared"
-    if shared and a is None:
-        raise ValueError("critic.mode=shared reads the actor's features: pass the actor to compute_values")
-    with actor.resident(a, metrics) if shared else offload.loaded([c.params], metrics):
-        batch["values"], feats = values(c.model, batch, c.cfg, c.forward_layout, a.model if shared else None)
+    if shared and trunk is None:
+        raise ValueError("critic.mode=shared reads the actor's features: pass compute_values the actor's model "
+                         "(trunk=a.model) and its stashes (lent=actor.policy_stashes(a))")
+    with offload.loaded(list(lent) if shared else [c.params], metrics):
+        batch["values"], feats = values(c.model, batch, c.cfg, c.forward_layout, trunk if shared else None)
     if feats is not None:
         batch["features"] = feats
 
@@ -359,7 +367,7 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
     n = z.tokens(layout)
     busy = {**z.shapes.activations(n, z.c, cfg.gradient_checkpointing), "gathered layers + root": z.shapes.gather(z.c)}
     grads = {"critic grads": states["critic_params"][0]}
-    if cfg.optimizer_stream and cfg.optimizer_offload:   # a few windows of Adam at the step (model.window_peak)
+    if cfg.optimizer_stream and cfg.optimizer_offload:   # a few windows of Adam at the step (adam.window_peak)
         held = in_use(states, "critic_params")
         return update_phases(held, grads, busy, z.accumulating(layout), {**held, **grads,
                              "critic Adam windows (in, stepping, out)": predicted_windows(cfg, z)})
@@ -367,7 +375,7 @@ def predicted_update(cfg: CriticConfig, z, states: dict, actor_cfg) -> list:
 
 
 def predicted_windows(cfg: CriticConfig, z, over=window_peak) -> int:
-    """The critic's Adam bytes at a streamed step's worst moment (`over`: model.window_peak; max: the largest); 0
+    """The critic's Adam bytes at a streamed step's worst moment (`over`: adam.window_peak; max: the largest); 0
     when its Adam is not streamed (predict.freed_windows asks every separate critic)."""
     if not (cfg.optimizer_stream and cfg.optimizer_offload):
         return 0
@@ -392,9 +400,6 @@ def state_in(c: Critic, loading: bool = False):
     while the state-dict helpers read or write them, then back where they were (separate mode;
     the shared head never moves). Device cost for the checkpoint's length: params + 2 x params
     (optimizer_stream: params and a window of Adam; Adam is read and written on the host)."""
-    with offload.holding([c.params] + ([] if c.windows else [c.adam]), loading):
-        offload.born_on_host(c.optimizer, c.adam, c.windows)
+    with holding([c.params] + ([] if c.windows else [c.adam]), loading):
+        born_on_host(c.optimizer, c.adam, c.windows)
         yield
-        if loading:
-            for group in c.optimizer.param_groups:   # this run's settings, not the checkpoint's
-                group.update(lr=c.cfg.lr, weight_decay=c.cfg.weight_decay)

@@ -229,28 +229,6 @@ def reduce(m: dict, device) -> dict:
     return m
 
 
-# --------------------------------------------------------------------------- what an update measured
-def logprob_mismatch(logp: torch.Tensor, batch: dict) -> dict:
-    """|trainer log-prob - rollout engine log-prob| over valid tokens, mean and max over all ranks."""
-    m = batch["response_mask"]
-    d = (logp.detach() - batch["rollout_log_probs"]).abs() * m
-    s, mx = torch.stack([d.sum(), m.sum()]).double(), d.max().clone()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(s)
-        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
-    return {"rollout/logp_diff_mean": (s[0] / s[1]).item(), "rollout/logp_diff_max": mx.item()}
-
-
-PROBE = 1024                                    # weights per parameter tensor watched for |delta w|
-
-
-def probe(model) -> torch.Tensor:
-    """The first PROBE elements of each local shard, fp32 (a few KB per tensor): how far an update
-    moved the weights, without a copy of the model (actor.update_stats reports the mean |delta|)."""
-    return torch.cat([p.detach().to_local().reshape(-1)[:PROBE].float() if hasattr(p, "to_local")
-                      else p.detach().reshape(-1)[:PROBE].float() for p in model.parameters()])
-
-
 # --------------------------------------------------------------------------- throughput
 HBM = {"H200": 4.8e12, "H100": 3.35e12, "H20": 4.0e12, "A100": 2.0e12, "B200": 8.0e12}   # bytes/s, the vendor's
 _PEAK: dict = {}

@@ -1,6 +1,6 @@
-"""What every role shares: the model behind --model, FSDP2, AdamW, layouts, the micro-batched forward,
-the collectives and the clipped optimizer step. A role file imports this one, offload.py and packing.py
-(ulysses.py through both); copying ref.py brings them along, not actor.py (`python copy_set.py ref`).
+"""What every role shares: the model behind --model, FSDP2, layouts, the micro-batched forward, the collectives,
+the shapes the predictions count with (what only the trained roles share: adam.py, losses.py). A role file imports
+this one, offload.py and packing.py (ulysses.py through packing); copying ref.py brings them, not actor.py.
 
     python -m pytest -q tests/test_dist.py tests/test_packing.py      # 2 ranks == 1; packed == padded
 
@@ -22,11 +22,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-import offload
 import packing
-import ulysses
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 HEADS = {"causal": "CausalLM", "value": "TokenClassification", "score": "SequenceClassification"}
 
 # --------------------------------------------------------------------------- --model
@@ -105,7 +102,7 @@ def load_model(path: str | None, seed: int = 0, head: str = "causal") -> torch.n
         path, config=config, dtype=torch.float32, local_files_only=True, attn_implementation="sdpa")
 
 
-# --------------------------------------------------------------------------- FSDP2 and AdamW
+# --------------------------------------------------------------------------- FSDP2
 def one_process_group(device: torch.device, **kw):
     """A process group of this process alone, with no port (plain `python`): FSDP2's mesh needs a group
     even at world 1. Gloo for CPU tensors, and NCCL for CUDA ones on a GPU (CPUOffloadPolicy's shards
@@ -155,16 +152,6 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
     return model
 
 
-def build_optimizer(model, cfg) -> torch.optim.Optimizer:
-    """AdamW for the actor or the critic (`cfg` has lr and weight_decay), over the parameters that
-    train (with LoRA: the adapters only). Adam state (2 x fp32 shard bytes of those) appears at the
-    first step, on the params' device. fused: one kernel per step and no temporaries; the default
-    foreach path allocates several param-sized lists in the step (at 7B those tens of GB did not fit
-    beside params + grads + Adam on one H200)."""
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                             weight_decay=cfg.weight_decay, fused=True)
-
-
 # --------------------------------------------------------------------------- forward
 @dataclass(frozen=True)
 class ForwardSettings:
@@ -188,12 +175,6 @@ def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
                           pack=cfg.remove_padding, chunk=cfg.logits_chunk_tokens, sp=k)
 
 
-def split(batch: dict, size: int):
-    n = next(iter(batch.values())).shape[0]
-    for i in range(0, n, size):
-        yield {k: v[i:i + size] for k, v in batch.items()}
-
-
 def forward(model, mb: dict, temperature: float, layout: packing.Layout, entropy: str = "none"):
     """Log-probs (and entropy) of the response tokens, (B, R), zero on padding. Only the positions
     that predict a response token reach the LM head, a chunk at a time (packing.py).
@@ -215,80 +196,12 @@ def compute_log_probs(model, batch: dict, layout: packing.Layout, temperature: f
     return out
 
 
-# --------------------------------------------------------------------------- the update's pieces
+# --------------------------------------------------------------------------- collectives
 def all_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum over ranks (a no-op in one process)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t
-
-
-def global_counts(mini: dict, sp: int = 1) -> tuple[float, float]:
-    """(valid tokens, rows) of a mini-batch over all ranks: the loss denominators. Rows are all of
-    them, an empty response (no valid token) included: verl's engine divides the seq-mean modes by
-    the global batch size (ppo_mini_batch_size x n), not by the rows that have a token, so an
-    empty row lowers the mean instead of being left out of it. `sp`: the k ranks of a Ulysses group
-    hold the same rows; each sample counts once (exact: integer counts divided by k)."""
-    m = mini["response_mask"]
-    c = all_sum(torch.stack([m.sum(), torch.tensor(float(m.shape[0]), device=m.device)]).double())
-    c = ulysses.once(c, sp)
-    tokens, seqs = c.tolist()                   # one host sync per mini-batch
-    return tokens, seqs
-
-
-def agg_loss(mat: torch.Tensor, mask: torch.Tensor, mode: str, tokens=None, seqs=None) -> torch.Tensor:
-    """Reduce a (B, R) per-token loss. `tokens` / `seqs` are the denominators; by default this
-    batch's own (sequences: only rows with a valid token, verl's `seq_mask` when it gets no global
-    batch size). The update passes the mini-batch's global counts (`global_counts`: over
-    micro-batches and ranks, every row for the seq-mean modes, as verl's engine divides by its
-    global batch size) so that the gradient does not depend on how the mini-batch is split."""
-    mat = mat * mask
-    if mode == "token-mean":
-        return mat.sum() / (mask.sum() if tokens is None else tokens)
-    per_seq = mat.sum(-1)                                          # (B,)
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(-1).clamp(min=1)
-    elif mode != "seq-mean-token-sum":
-        raise ValueError(f"loss_agg_mode={mode!r}: use one of {LOSS_AGG_MODES}")
-    return per_seq.sum() / ((mask.sum(-1) > 0).sum() if seqs is None else seqs)
-
-
-def optimizer_windows(model, optimizer, layers: int) -> list[list]:
-    """The streamed step's windows (offload.streamed_step): the optimizer's params by decoder layer, `layers`
-    layers at a time, and each param outside the layers in a window of its own: the first of those (the
-    embeddings) before the layers, the rest (the final norm, the LM head, a value head) after them, so the
-    two largest windows are never side by side (the step holds about three neighbours at once)."""
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    blocks = getattr(getattr(model, "model", None), "layers", [])   # a bare value head has none
-    windows = [[p for b in blocks[i:i + layers] for p in b.parameters() if id(p) in ids]
-               for i in range(0, len(blocks), layers)]
-    inside = {id(p) for w in windows for p in w}
-    rest = [[p] for g in optimizer.param_groups for p in g["params"] if id(p) not in inside]
-    return rest[:1] + [w for w in windows if w] + rest[1:]
-
-
-def window_peak(sizes: list) -> int:
-    """The most of a streamed step's windows (`sizes`, in their order) on the device at once: one coming
-    in, one stepping, one going out."""
-    return max(sum(sizes[max(k - 1, 0):k + 2]) for k in range(len(sizes))) if sizes else 0
-
-
-def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None, metrics: dict,
-                 who: str, windows: list | None = None) -> float:
-    """Clip the global grad norm and step; a non-finite norm skips the step (weights kept, the
-    gradients dropped by the caller's next zero_grad). `adam`: the optimizer state's stash (a no-op
-    when its flag keeps it on the device); `windows`: step it a window at a time from the host
-    (optimizer_stream: offload.streamed_step). Returns the norm."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
-    if math.isfinite(norm) and windows:
-        metrics.update(offload.streamed_step(optimizer, adam, windows))
-    elif math.isfinite(norm):
-        metrics.update(offload.ready(adam))   # Adam state: wait for its side-stream copy (or copy it in now)
-        optimizer.step()
-    elif not dist.is_initialized() or dist.get_rank() == 0:   # the norm is global: one rank says it
-        print(f"[{who}] grad norm {norm} is not finite: optimizer step skipped")
-    return norm
 
 
 # --------------------------------------------------------------------------- predicted bytes
@@ -305,7 +218,7 @@ class Shapes:
     kv_heads: int
     head_dim: int
     tied: bool
-    fused: bool = False                        # --kernels=liger or compile (kernel_choice.FUSED): less kept for backward
+    fused: bool = False           # --kernels=liger or compile (kernel_choice.FUSED): less kept for backward
     head: tuple = (packing.HEAD_FORWARD, packing.HEAD_BACKWARD)   # the LM head chunk's bytes an element (--head_kernel)
 
     @property
@@ -337,7 +250,7 @@ class Shapes:
         """Bytes autograd keeps per token per decoder layer in the compute dtype (`c` bytes): two
         RMSNorms keep an fp32 copy of their input; q, k, v, the attention output and its log-sum-exp;
         the MLP's gate, up, activation and product (counted from the HF Qwen2 layer, test_plan.py). Fused
-        (Liger, compiled): the norms add their fp32 rstd only, the MLP no activation (fitted: round 14)."""
+        (Liger, compiled): the norms add their fp32 rstd only, the MLP no activation (fitted)."""
         h = self.hidden
         norms, mlp = (8, 3) if self.fused else (8 * h + 8, 4)
         return norms + 2 * c * h + c * (4 * h + 2 * self.kv_dim + mlp * self.ffn) + 4 * self.heads
@@ -346,21 +259,23 @@ class Shapes:
         return c * (2 * self.layer_params + self.root_params)
 
     def layer_work(self, n_tok: int, c: int) -> int:   # a no-grad layer's transient over n_tok tokens: the MLP's
-        return n_tok * (c * 3 * self.ffn + 8 * self.hidden)   # three ffn-wide tensors, an fp32 norm (round 19's fit)
+        return n_tok * (c * 3 * self.ffn + 8 * self.hidden)   # three ffn-wide tensors, an fp32 norm (fitted)
 
     def activations(self, n_tok: int, c: int, checkpointing: bool) -> dict:
         """What a forward keeps for backward: every layer's set, or with checkpointing each layer's input and one
-        layer's set rebuilt in backward with its gradients' transients (2.5 ffn-wide fused, 5 not; round 16)."""
+        layer's set rebuilt in backward with its gradients' transients (2.5 ffn-wide fused, 5 not; fitted)."""
         if checkpointing:
-            return {"activations (layer inputs)": self.layers * n_tok * self.hidden * c, "activations (one layer rebuilt)":
+            return {"activations (layer inputs)": self.layers * n_tok * self.hidden * c,
+                    "activations (one layer rebuilt)":
                     n_tok * (self.saved_per_token(c) + int(c * self.ffn * (2.5 if self.fused else 5)))}
         return {"activations": self.layers * n_tok * self.saved_per_token(c) + n_tok * (4 + c) * self.hidden}
 
 
 def shapes(config) -> Shapes:
+    heads = config.num_attention_heads
     return Shapes(config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers,
-                  config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                  head_dim(config), bool(getattr(config, "tie_word_embeddings", False)))
+                  heads, getattr(config, "num_key_value_heads", None) or heads, head_dim(config),
+                  bool(getattr(config, "tie_word_embeddings", False)))
 
 
 @dataclass(frozen=True)
@@ -394,7 +309,8 @@ class Sizes:
 
     def accumulating(self, layout: packing.Layout) -> bool:
         """2+ micro-batches per optimizer step: the grads are already held when a micro-batch runs."""
-        bins = math.ceil(self.mini * self.T / layout.max_tokens) if layout.max_tokens else math.ceil(self.mini / layout.micro)
+        bins = math.ceil(self.mini * self.T / layout.max_tokens) if layout.max_tokens else \
+            math.ceil(self.mini / layout.micro)
         return bins > 1
 
     def head(self, n_tok: int, layout: packing.Layout, per_elt: int) -> int:
@@ -418,14 +334,3 @@ def state(nbytes: int, offloaded: bool) -> tuple:
 def in_use(states: dict, *names) -> dict:
     """The named groups (those present) at their in-use bytes: a phase's terms."""
     return {n: states[n][0] for n in names if n in states}
-
-
-def update_phases(held: dict, grads: dict, busy: dict, accumulating: bool, at_step: dict | None = None) -> list:
-    """An update's moments, each {term: bytes}: the sharded grads exist from the first backward until
-    the step frees them, so a micro-batch's transients (`busy`: activations, the head's chunk, the
-    gathered layers) meet them only when an earlier micro-batch of the step left them (accumulation).
-    With one micro-batch per step: its head backward (no grads yet), the end of its backward (every
-    grad, a layer and the root still gathered), and the step itself (`at_step`: Adam just come in)."""
-    phases = [{**held, **grads, **busy}] if accumulating else \
-        [{**held, **busy}, {**held, **grads, "gathered layers + root": busy["gathered layers + root"]}]
-    return phases + ([at_step] if at_step else [])

@@ -34,23 +34,18 @@ class Stash:
     on_device: bool = True
     host_current: bool = False             # the host buffers hold the same bytes as the device
     pending: object = None                 # CUDA event of a background reload not yet waited for
-    source: object = None                  # an optimizer whose state is born later (filled at first use)
     frozen: bool = False                   # never written after build (a LoRA base): once on the host, the
                                            # host copy stays current, so no bracket copies it out again
     marks: list = field(default_factory=list, repr=False)  # CUDA events: reload issued, use reached, wait done
-    slots: dict = field(default_factory=dict, repr=False)  # an optimizer stash: id(param) -> its state's indices
-    spare: list = field(default_factory=list, repr=False)  # a streamed first step: host views not yet taken
+    device: torch.device | None = None     # where its storages live (a stash filled later: where they will)
+    source: object = None                  # what fills it later: Adam's state, born at its first step (adam.Filling)
 
     @property
     def nbytes(self) -> int:
         return sum(v.numel() for v in self.views)
 
-    @property
-    def device(self) -> torch.device:
-        return self.views[0].device if self.views else next(p.device for g in self.source.param_groups for p in g["params"])
 
-
-def _add(stash: Stash, tensors) -> Stash:
+def add(stash: Stash, tensors) -> Stash:
     seen = {s.data_ptr() for s in stash.storages}
     for t in tensors:
         st = t.untyped_storage()
@@ -60,10 +55,11 @@ def _add(stash: Stash, tensors) -> Stash:
         view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         stash.storages.append(st)
         stash.views.append(view)
+        stash.device = stash.device or t.device
     return stash
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t   # DTensor -> this rank's shard
 
 
@@ -72,27 +68,7 @@ def param_stash(name: str, *modules: torch.nn.Module, trainable: bool | None = N
     `trainable`: None takes every parameter; True only those that train; False only the frozen
     ones, and the stash is marked `frozen` (a LoRA actor's base). `enabled`: its offload flag."""
     params = [p for m in modules for p in m.parameters() if trainable is None or p.requires_grad == trainable]
-    return _add(Stash(name, enabled, frozen=trainable is False), [_local(p) for p in params])
-
-
-def optimizer_stash(name: str, optimizer: torch.optim.Optimizer, enabled: bool = True) -> Stash:
-    """Adam's exp_avg / exp_avg_sq. Adam creates them at its first step, so the stash starts empty
-    (every move a no-op) and takes the state in at its first offload after that step.
-    The 0-d `step` counters (on the device with fused AdamW, 4 bytes each) stay where they are."""
-    return _fill(Stash(name, enabled, source=optimizer))
-
-
-def _fill(stash: Stash, params=None) -> Stash:
-    """An optimizer stash takes in the state of `params` (None: every param, once the state exists), each
-    param's tensors at indices remembered in `slots` (a streamed step moves a window's)."""
-    if stash.source is None or (params is None and stash.views):
-        return stash
-    for p, st in stash.source.state.items():
-        if (params is None or any(p is q for q in params)) and id(p) not in stash.slots:
-            before = len(stash.storages)
-            _add(stash, [_local(v) for v in st.values() if torch.is_tensor(v) and v.dim() > 0])
-            stash.slots[id(p)] = list(range(before, len(stash.storages)))
-    return stash
+    return add(Stash(name, enabled, frozen=trainable is False), [local(p) for p in params])
 
 
 def host_buffers(stash: Stash, sizes: list | None = None) -> list:
@@ -126,16 +102,11 @@ def host_buffers(stash: Stash, sizes: list | None = None) -> list:
     return [arena[o:o + n] for o, n in zip(offsets, sizes)]
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def offload(stash: Stash, modified: bool = True) -> dict:
     """Device -> pinned host, then free the device storages (`stash.nbytes`). `modified=False` (a forward-only
     bracket) skips the copy when the host already holds these bytes: only the free remains. A frozen stash
     is never modified (after its first offload, a free); one whose flag is off stays where it is."""
-    if not stash.enabled or not stash.on_device or not _fill(stash).views:
+    if not stash.enabled or not stash.on_device or not stash.views:
         return {}
     _wait(stash, marked=False)
     t0 = time.perf_counter()
@@ -145,7 +116,8 @@ def offload(stash: Stash, modified: bool = True) -> dict:
     if copy:
         for view, host in zip(stash.views, stash.host):
             host.copy_(view, non_blocking=True)
-        _sync(stash.views[0].device)      # one synchronize per bracket: host bytes are complete
+        if stash.device.type == "cuda":
+            torch.cuda.synchronize(stash.device)   # one synchronize per bracket: host bytes are complete
     for st in stash.storages:
         st.resize_(0)                     # returns the block to the caching allocator now
     stash.on_device, stash.host_current = False, True
@@ -176,7 +148,8 @@ def reload(stash: Stash, background: bool = False) -> dict:
     else:
         for view, host in zip(stash.views, stash.host):
             view.copy_(host, non_blocking=True)
-        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     stash.on_device = True
     if background:                        # issued only (on CUDA): the host's time is the allocations
         return {f"offload/{stash.name}/prefetch_gb": stash.nbytes / GB,
@@ -184,158 +157,13 @@ def reload(stash: Stash, background: bool = False) -> dict:
     return _moved(stash, "reload", time.perf_counter() - t0)
 
 
-def ready(stash: Stash | None) -> dict:
+def ready(stash: Stash) -> dict:
     """Make the stash's tensors usable on the current stream, right where they are needed: wait for a background
-    reload (a GPU-side wait; the host does not block), or copy in now. A no-op for None or a stash already in."""
-    if stash is None:
-        return {}
+    reload (a GPU-side wait; the host does not block), or copy in now. A no-op for a stash already in."""
     if stash.pending is not None:
         _wait(stash, marked=True)
         return {}
     return reload(stash)
-
-
-# --------------------------------------------------------------------------- Adam stepped a window at a time
-_in_stream = _out_stream = None
-
-
-def streamed_step(optimizer, stash: Stash, windows: list) -> dict:
-    """optimizer.step() a window of params (model.optimizer_windows) at a time, Adam's state on the host before
-    and after (optimizer_stream): a window's state comes in on one side stream while the one before goes out
-    on another, freed behind that copy, so the device holds about three windows' state, not 8 bytes a param.
-    The same fused AdamW on the same tensors: bit-exact with one optimizer.step(). A window's host copy is
-    overwritten only after it stepped. The first step makes the state (AdamW's lazy init) window by window."""
-    global _in_stream, _out_stream
-    t0, cuda = time.perf_counter(), stash.device.type == "cuda"
-    if cuda:
-        _in_stream, _out_stream = _in_stream or torch.cuda.Stream(stash.device), _out_stream or torch.cuda.Stream(stash.device)
-    _room(stash, windows)
-    peak, pending, out = 0, _window_in(stash, windows[0], cuda), None
-    for k, w in enumerate(windows):
-        if pending is not None:
-            torch.cuda.current_stream(stash.device).wait_event(pending)
-        with _only(optimizer, w):
-            optimizer.step()
-        if stash.spare:                    # the first step: take in the state it just made
-            _host_room(stash, w)
-        if out is not None:     # a freed window's blocks wait for its copy out (unwaited, 7B reserved 121 GB)
-            out.synchronize()
-        pending = _window_in(stash, windows[k + 1], cuda) if k + 1 < len(windows) else None   # beside this one's out
-        peak = max(peak, sum(st.nbytes() for st in stash.storages))   # this window and the next
-        out = _window_out(stash, w, cuda)
-    if cuda:
-        _out_stream.synchronize()          # every window's host bytes are complete
-    stash.on_device, stash.host_current = False, True
-    gb = stash.nbytes / GB
-    return {f"offload/{stash.name}/stream_gb": 2 * gb, f"offload/{stash.name}/stream_s": time.perf_counter() - t0,
-            f"offload/{stash.name}/stream_gbps": 2 * gb * GB / 1e9 / max(time.perf_counter() - t0, 1e-9),
-            f"offload/{stash.name}/stream_window_peak_gb": peak / GB}
-
-
-def _room(stash: Stash, windows: list):
-    """Before Adam's state exists: one pinned host room for both moments of every param, carved as it appears."""
-    if not stash.host:
-        stash.spare = host_buffers(stash, [_local(p).numel() * _local(p).element_size()
-                                           for w in windows for p in w for _ in range(2)])
-
-
-def born_on_host(optimizer, stash: Stash, windows: list):
-    """A fresh optimizer's state made a window at a time and sent to the host: a streamed role's checkpoint or
-    resume never holds all of Adam. Each param's state is what torch's zero-grad step at lr 0 makes, laid out
-    from one such step on its group's smallest param: a window holds its moments, no grads (round 11)."""
-    if optimizer.state or not windows:
-        return
-    _room(stash, windows)
-    lrs, made = [g["lr"] for g in optimizer.param_groups], {}
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0                      # a step that makes the state and leaves the weights
-        for q in [min(g["params"], key=lambda p: p.numel())] if g["params"] else []:
-            q.grad = torch.zeros_like(q)
-            with _only(optimizer, [q]):
-                optimizer.step()
-            q.grad, st = None, optimizer.state.pop(q)
-            made.update({id(p): st for p in g["params"]})
-    for w in windows:
-        for q in w:                        # the moments zeros like the param, the step as made
-            optimizer.state[q] = {k: (torch.zeros_like(q) if v.dim() else v.clone()) if torch.is_tensor(v) else v
-                                  for k, v in made[id(q)].items()}
-        _host_room(stash, w)
-        for i in _indices(stash, w):
-            stash.host[i].copy_(stash.views[i])
-            stash.storages[i].resize_(0)
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    stash.on_device, stash.host_current = False, True
-
-
-def on_host(stash: Stash) -> dict:
-    """{storage key: host mirror} of a stash on the host: where a checkpoint reads and writes it (checkpoint.py)."""
-    return {} if not stash.enabled or stash.on_device or not stash.host else \
-        {st._cdata: h for st, h in zip(stash.storages, stash.host)}
-
-
-def _host_room(stash: Stash, window: list):
-    """The state AdamW just made for `window` joins the stash, each tensor with the next host view carved."""
-    _fill(stash, window)
-    while len(stash.host) < len(stash.storages):
-        n = stash.views[len(stash.host)].numel()
-        if not stash.spare or stash.spare[0].numel() != n:
-            raise RuntimeError(f"{stash.name}: the optimizer's state does not have its params' sizes (a state "
-                               f"tensor of {n} bytes); the streamed step knows AdamW's two moments only")
-        stash.host.append(stash.spare.pop(0))
-
-
-def _indices(stash: Stash, window: list) -> list:
-    return [i for p in window for i in stash.slots.get(id(p), [])]
-
-
-def _window_in(stash: Stash, window: list, cuda: bool):
-    """A window's state back into its device storages (on the side stream on CUDA: returns its event)."""
-    idx = _indices(stash, window)
-    for i in idx:                          # allocated on the current stream, written on the side one after it
-        stash.storages[i].resize_(stash.host[i].numel())
-    if not cuda:
-        for i in idx:
-            stash.views[i].copy_(stash.host[i])
-        return None
-    _in_stream.wait_stream(torch.cuda.current_stream(stash.device))
-    with torch.cuda.stream(_in_stream):
-        for i in idx:
-            stash.views[i].copy_(stash.host[i], non_blocking=True)
-    return _in_stream.record_event()
-
-
-def _window_out(stash: Stash, window: list, cuda: bool):
-    """A stepped window's state out to its host mirrors, freed behind the copy (record_stream: reused once the
-    side stream read them); the copy's event on CUDA."""
-    idx, done = _indices(stash, window), None
-    if cuda:
-        _out_stream.wait_stream(torch.cuda.current_stream(stash.device))
-        with torch.cuda.stream(_out_stream):
-            for i in idx:
-                stash.host[i].copy_(stash.views[i], non_blocking=True)
-        done = _out_stream.record_event()
-        for i in idx:
-            stash.views[i].record_stream(_out_stream)
-    else:
-        for i in idx:
-            stash.host[i].copy_(stash.views[i])
-    for i in idx:
-        stash.storages[i].resize_(0)
-    return done
-
-
-@contextlib.contextmanager
-def _only(optimizer, params: list):
-    """The optimizer's param groups cut to `params` for one step (every group's other settings kept)."""
-    ids, kept = {id(p) for p in params}, [g["params"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["params"] = [p for p in g["params"] if id(p) in ids]
-    try:
-        yield
-    finally:
-        for g, ps in zip(optimizer.param_groups, kept):
-            g["params"] = ps
 
 
 def _wait(stash: Stash, marked: bool):
@@ -388,19 +216,6 @@ def loaded(stashes, metrics: dict, modified: bool = False, keep: bool = False):
             s.host_current = s.host_current and not (modified and not s.frozen)
         else:
             metrics.update(offload(s, modified))
-
-
-@contextlib.contextmanager
-def holding(stashes, loading: bool):
-    """A checkpoint's bracket: every stash on the device while the state-dict helpers read (a save) or write
-    (a load) the live tensors, then back where it was, copied out only after a load. An optimizer stash
-    still empty at a load (Adam's state is born by it) takes that state in at its offload (`_fill`)."""
-    out = [s for s in stashes if not s.on_device or (loading and s.source is not None and not s.views)]
-    for s in stashes:
-        ready(s)                          # host -> device (or a side-stream copy waited for)
-    yield
-    for s in out:
-        offload(s, modified=loading)      # frees them again
 
 
 def empty_host_cache():

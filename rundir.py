@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 import checkpoint
 import data
-import ledger
+import losses
+import weights
 from launch import LOCK, check_writable, lock_out_dir  # noqa: F401 - one run per out_dir, launch.py's
 
 GB = 2**30
@@ -181,7 +182,7 @@ def disk_report(cfg, roles: list, policy) -> str:
     """The set-up report's line on disk space: what the run will write into out_dir at most (the
     newest keep_checkpoints, one more while a new one is written, and final/) against what is
     free. Raises OSError (one line, what to change) when it cannot fit."""
-    ckpt, final = checkpoint.write_bytes(roles), checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
+    ckpt, final = checkpoint.write_bytes(roles), weights.final_bytes(policy, cfg.actor.save_merged, cfg.model)
     saves = len({s for s in range(1, cfg.steps + 1) if s % cfg.save_freq == 0} | {cfg.steps}) if cfg.save_freq else 0
     n = min(cfg.keep_checkpoints + 1, saves)
     root = os.path.join(cfg.out_dir, "checkpoints")
@@ -213,7 +214,7 @@ def reserve_final(cfg, policy, rank: int):
         _remove(path)                      # an earlier --save_freq=0 attempt's: checkpoints keep this run
     if rank != 0 or not cfg.save or cfg.save_freq:
         return
-    need = checkpoint.final_bytes(policy, cfg.actor.save_merged, cfg.model)
+    need = weights.final_bytes(policy, cfg.actor.save_merged, cfg.model)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)   # an earlier attempt's is reused; not O_APPEND,
         try:                                                # which glibc's fallback for fallocate refuses
@@ -338,7 +339,7 @@ def summary(metrics_path: str) -> list[str]:
     equal = sum(r["reward/equal_groups_frac"] == 1 for r in rows)
     failed = sum(r["reward/errors"] for r in rows)
     out = [f"[done] {applied} of {n} optimizer steps applied; mean |delta w| {dw:.3g} per step (the first "
-           f"{ledger.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
+           f"{losses.PROBE} weights of each parameter shard); {equal} of {len(rows)} steps had equal rewards "
            f"in every group" + (f"; {failed} rewards failed and scored 0" if failed else "")]
     val = [r for r in lines if "val/reward_mean" in r]
     if val:

@@ -25,7 +25,8 @@ import reward_model
 import train_grpo
 import options
 import lora
-from model import build_mesh, build_optimizer, shard
+from adam import build_optimizer, optimizer_stash
+from model import build_mesh, shard
 from conftest import launches, mid_model, run, tiny_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -130,7 +131,7 @@ def test_optimizer_offload_frees_adam_state(env):
     model = shard(mid_model(), mesh, device)
     opt = build_optimizer(model, actor.ActorConfig())
     _update(model, opt, device)                         # Adam state appears at the first step
-    stash = offload.optimizer_stash("actor_optimizer", opt)
+    stash = optimizer_stash("actor_optimizer", opt)
     assert stash.nbytes == _adam_bytes(model)           # exp_avg + exp_avg_sq, fp32, this rank's shapes
     before = _allocated()
     offload.offload(stash)
@@ -188,7 +189,7 @@ def test_lora_actor_holds_a_bf16_base_and_adapter_state_only(env):
     _close(built, a.base.nbytes + a.params.nbytes)
     mid = _allocated()
     actor.update(a, batch, 16, 1.0, {})
-    adam = offload.optimizer_stash("o", a.optimizer).nbytes
+    adam = optimizer_stash("o", a.optimizer).nbytes
     # Adam's moments are shaped like each local shard; the shard storages may carry FSDP's padding
     # when a dimension does not split evenly over the ranks: predicted from the local shapes
     local = sum(p.to_local().numel() * 4 for p in a.model.parameters() if p.requires_grad)
@@ -263,12 +264,12 @@ def test_the_streamed_step_reserves_a_few_windows_not_adam(env):
     121 GB reserved for the 7B update: nearly all of Adam reserved again. Here the second streamed step
     (the first one makes the state) grows the reserve by at most the planner's window peak plus one
     window of rounding, and by less than half of Adam."""
-    import model as model_lib
+    import adam as adam_lib
     device, mesh = env
     m = shard(mid_model(), mesh, device)
     opt = build_optimizer(m, actor.ActorConfig(lr=1e-4))
-    stash = offload.optimizer_stash("actor_optimizer", opt)
-    windows = model_lib.optimizer_windows(m, opt, 1)
+    stash = optimizer_stash("actor_optimizer", opt)
+    windows = adam_lib.optimizer_windows(m, opt, 1)
     sizes = [sum(8 * p.to_local().numel() for p in w) for w in windows]       # both fp32 moments a window
     for step in range(2):
         for p in m.parameters():
@@ -277,11 +278,11 @@ def test_the_streamed_step_reserves_a_few_windows_not_adam(env):
         torch.cuda.empty_cache()
         base = torch.cuda.memory_reserved()
         torch.cuda.reset_peak_memory_stats()
-        got = offload.streamed_step(opt, stash, windows)
+        got = adam_lib.streamed_step(opt, stash, windows)
         grown = torch.cuda.max_memory_reserved() - base
-    print(f"\n[stream reserve] grew {grown / MB:.0f} MiB; window peak {model_lib.window_peak(sizes) / MB:.0f} MiB, "
+    print(f"\n[stream reserve] grew {grown / MB:.0f} MiB; window peak {adam_lib.window_peak(sizes) / MB:.0f} MiB, "
           f"Adam {sum(sizes) / MB:.0f} MiB, {got['offload/actor_optimizer/stream_gbps']:.1f} GB/s", flush=True)
-    assert grown <= model_lib.window_peak(sizes) + max(sizes) and grown < sum(sizes) / 2
+    assert grown <= adam_lib.window_peak(sizes) + max(sizes) and grown < sum(sizes) / 2
     assert not stash.on_device
 
 
@@ -626,7 +627,7 @@ def test_a_streamed_checkpoint_and_its_resume_hold_the_params_and_a_window(env, 
     in its host mirrors, and a fresh optimizer's state is made a window at a time."""
     import checkpoint
     from dataclasses import asdict
-    import model as model_lib
+    import adam as adam_lib
     world = torch.distributed.get_world_size()
     args = ["--model=random:qwen2.5-0.5b", "--rollout.engine=hf", "--save=false", "--save_freq=0",
             f"--train_batch_size={2 * world}", f"--actor.ppo_mini_batch_size={2 * world}", "--rollout.n=2",
@@ -634,7 +635,7 @@ def test_a_streamed_checkpoint_and_its_resume_hold_the_params_and_a_window(env, 
             "--actor.optimizer_stream=true", "--ref.param_offload=true"]
     t = train_grpo.setup(options.parse_args(args + [f"--out_dir={out_dir}"]))
     train_grpo.train_step(t, 0)
-    windows = model_lib.window_peak([sum(8 * p.to_local().numel() for p in w) for w in t.actor.windows])
+    windows = adam_lib.window_peak([sum(8 * p.to_local().numel() for p in w) for w in t.actor.windows])
     params, adam = t.actor.params.nbytes, t.actor.adam.nbytes
     grown = []
     for act in ("save", "load"):

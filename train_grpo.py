@@ -59,6 +59,7 @@ import critic
 import data as data_io
 import launch
 import ledger
+import losses
 import offload
 import options
 import predict
@@ -107,9 +108,9 @@ def train_step(t: Trainer, step: int) -> dict:
             batch["ref_log_probs"] = ref_log_probs(t, batch, temperature, ppo, m)
     if ppo:                                # values of the rollout states
         with stage("values"):
-            critic.compute_values(t.critic, batch, t.actor, m)
+            critic.compute_values(t.critic, batch, m, trunk=t.actor.model, lent=actor.policy_stashes(t.actor))
     with stage("advantage"):               # GRPO: group-normalised scores; PPO: GAE on the critic's values
-        batch["advantages"] = critic.advantages(t.critic, batch, scores) if ppo else actor.grpo_advantage(
+        batch["advantages"] = critic.advantages(t.critic, batch, scores) if ppo else losses.grpo_advantage(
             scores, cfg.rollout.n, batch["response_mask"].float(), cfg.algorithm.norm_adv_by_std_in_grpo)
     if ppo:
         with stage("critic_update"):
@@ -329,7 +330,8 @@ def save(t: Trainer, step: int):          # a checkpoint after `step` steps, wit
 
 def keep(t: Trainer) -> str:            # after a stop or an error: the weights trained so far, kept (rundir.keep)
     def final_at(n):
-        checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n)
+        checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n,
+                              save=actor.save)
     return rundir.keep(t.cfg, t.updates, t.saved, t.updating, checkpoint_at=lambda n: save(t, n), final_at=final_at)
 
 
@@ -409,7 +411,8 @@ def run(cfg: Config, rank: int):
         print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
         tracker.picture_at_end(cfg.out_dir, t.device.type)   # <out_dir>/memory.png on a GPU
     if cfg.save:
-        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model, steps_done=t.updates)
+        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model, steps_done=t.updates,
+                              save=actor.save)
     if t.rank == 0:
         print(rundir.finished_line(cfg, t.updates), flush=True)
 

@@ -160,3 +160,18 @@ def save_hf(model, tokenizer, path: str, rank: int, device, dtype: torch.dtype |
             src = os.path.join(model_path, name)
             if os.path.isfile(src) and name != "config.json" and not name.endswith(NOT_COPIED):
                 shutil.copyfile(src, os.path.join(path, name))
+
+
+def final_bytes(policy, save_merged: bool, model_path: str | None = None) -> int:
+    """The final save's bytes (checkpoint.save_final of actor.save; `policy` an actor.Actor): the policy's params
+    in their own dtype (LoRA: the adapter, and the merged model with save_merged), and per model folder written its
+    config, the tokenizer and the files copied from a local `model_path` (1 MiB for the first two, generously)."""
+    params = list(policy.model.parameters())
+    files = 2**20 + (sum(os.path.getsize(os.path.join(model_path, n)) for n in os.listdir(model_path)
+                         if os.path.isfile(os.path.join(model_path, n)) and not n.endswith(NOT_COPIED))
+                     if is_dir(model_path) else 0)
+    if policy.lora is None:
+        return sum(p.numel() * p.element_size() for p in params) + files
+    n = sum(p.numel() * p.element_size() for p in params if p.requires_grad) + files
+    merged = sum(p.numel() * p.element_size() for p in params if not p.requires_grad) + files   # with save_merged
+    return n + (merged if save_merged else 0)

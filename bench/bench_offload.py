@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repository root: the roles
 
 import actor
+import adam
 import launch
 import ledger
 import offload
@@ -333,9 +334,9 @@ def main():
     engine = build_engine(args, extra, hf, rank, world, device)
     if args.expandable and cuda:           # new segments grow in place: fragmentation leaves no stranded blocks
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    if args.empty_before_step:             # model.clipped_step calls offload.streamed_step through the module
-        stream = offload.streamed_step
-        offload.streamed_step = lambda *a, **k: (torch.cuda.empty_cache(), stream(*a, **k))[1]
+    if args.empty_before_step:             # adam.clipped_step calls adam.streamed_step through the module
+        stream = adam.streamed_step
+        adam.streamed_step = lambda *a, **k: (torch.cuda.empty_cache(), stream(*a, **k))[1]
     data = bench_data(args, hf.vocab_size)
     if args.levers:                                # first: a cut-off run keeps them
         res["levers"] = levers(args, extra, engine, data)

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import actor
+import losses
 import options
-from model import LOSS_AGG_MODES, agg_loss, all_sum, build_mesh, build_optimizer, compute_log_probs, global_counts, load_model, shard
+from adam import build_optimizer
+from losses import LOSS_AGG_MODES, agg_loss, global_counts
+from model import all_sum, build_mesh, compute_log_probs, load_model, shard
 from conftest import layout, tiny_batch
 
 
@@ -17,14 +20,14 @@ from conftest import layout, tiny_batch
 def test_grpo_advantage_hand_values():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     mask = torch.tensor([[1, 1, 0]] * 8, dtype=torch.float32)
-    adv = actor.grpo_advantage(scores, 4, mask)
+    adv = losses.grpo_advantage(scores, 4, mask)
     s = math.sqrt(1 / 3)                          # unbiased std of [1, 0, 0, 1]
     want = torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (torch.tensor([s] * 4 + [0] * 4) + 1e-6)
     assert torch.allclose(adv[:, 0], want, atol=1e-5)
     assert torch.equal(adv[:, 2], torch.zeros(8))             # padding gets no advantage
-    dr = actor.grpo_advantage(scores, 4, mask, norm_by_std=False)   # Dr.GRPO
+    dr = losses.grpo_advantage(scores, 4, mask, norm_by_std=False)   # Dr.GRPO
     assert torch.allclose(dr[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]))
-    one = actor.grpo_advantage(torch.tensor([0.3, 0.7]), 1, torch.ones(2, 1))
+    one = losses.grpo_advantage(torch.tensor([0.3, 0.7]), 1, torch.ones(2, 1))
     assert torch.allclose(one[:, 0], torch.tensor([0.3, 0.7]), atol=1e-5)   # group of 1: mean 0, std 1
 
 
@@ -33,7 +36,7 @@ def test_policy_loss_clip_and_dual_clip():
     cfg = actor.ActorConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
     delta = torch.tensor([0.5, 0.5, 2.0, -0.5, -0.5])          # logp - old
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0])
-    loss, clipped, ratio = actor.policy_loss(delta, torch.zeros(5), adv, cfg)
+    loss, clipped, ratio = losses.policy_loss(delta, torch.zeros(5), adv, cfg)
     e = math.exp
     want = [-1.28,                      # A>0, ratio 1.65 clipped at 1+0.28
             e(0.5),                     # A<0, ratio 1.65: the unclipped term is larger
@@ -52,11 +55,11 @@ def test_policy_loss_clip_and_dual_clip():
                                        ("k3", [math.exp(-1), math.e - 2])])
 def test_kl_estimators(kind, want):
     logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])
-    assert torch.allclose(actor.kl_penalty(logp, ref, kind), torch.tensor(want), atol=1e-6)
+    assert torch.allclose(losses.kl_penalty(logp, ref, kind), torch.tensor(want), atol=1e-6)
 
 
 def test_kl_k3_is_clamped():
-    assert actor.kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
+    assert losses.kl_penalty(torch.tensor([-30.0]), torch.tensor([0.0]), "k3").item() == 10.0
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -251,7 +254,7 @@ def test_policy_stats_are_token_means():
     clipped = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
     ratio = torch.tensor([[math.exp(0.5), 1.0, 2.0], [0.5, 1.0, 1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    frac, kl = actor.policy_stats(clipped, ratio, mask, 5).tolist()
+    frac, kl = losses.policy_stats(clipped, ratio, mask, 5).tolist()
     assert frac == pytest.approx(2 / 5)
     assert kl == pytest.approx(((math.exp(0.5) - 1.5) + (0.5 - 1 - math.log(0.5))) / 5, rel=1e-6)
 

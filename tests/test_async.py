@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import actor
+import losses
 import rollout
 import rollout_async
 import rollout_engine
@@ -66,7 +67,7 @@ def test_buffer_limit_defaults_to_staleness_steps_and_gpus_leave_a_trainer():
 def test_truncated_importance_weights():
     old = torch.tensor([[0.0, -1.0, -3.0]])
     behaviour = torch.tensor([[0.0, -2.0, -0.5]])
-    w = actor.truncated_is(old, behaviour, 2.0)
+    w = losses.truncated_is(old, behaviour, 2.0)
     assert torch.allclose(w, torch.tensor([[1.0, 2.0, torch.exp(torch.tensor(-2.5)).item()]]))   # e^1 truncated at 2
 
 

@@ -158,13 +158,14 @@ def test_a_ppo_step_warns_nothing_and_the_separate_critic_needs_no_actor(dist_en
     batch = tiny_batch(8, 5, device, seed=5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        critic.compute_values(c, batch, a if mode == "shared" else None, {})
+        lend = dict(trunk=a.model, lent=actor.policy_stashes(a)) if mode == "shared" else {}
+        critic.compute_values(c, batch, {}, **lend)
         batch["returns"] = torch.rand(8, 5).to(device)
         stats = critic.update(c, batch, 8, 1, {})
     assert [str(w.message) for w in caught if "view tensor" in str(w.message)] == []
     assert batch["values"].shape == (8, 5) and stats["critic/grad_norm"] > 0
     if mode == "shared":
-        with pytest.raises(ValueError, match="critic.mode=shared reads the actor's features: pass the actor"):
+        with pytest.raises(ValueError, match="critic.mode=shared reads the actor's features: pass compute_values"):
             critic.compute_values(c, batch)
 
 

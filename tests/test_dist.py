@@ -19,7 +19,8 @@ import rollout
 import tensor_parallel
 import launch
 import weights
-from model import build_mesh, build_optimizer, compute_log_probs, load_model, shard
+from adam import build_optimizer, optimizer_stash
+from model import build_mesh, compute_log_probs, load_model, shard
 from launch import init_distributed
 from conftest import launches, layout, run, tiny_batch
 
@@ -109,7 +110,7 @@ def test_offload_round_trip_is_bit_exact(dist_env):
         twins.append((model, opt))
     (model, opt), (twin, twin_opt) = twins
     params = offload.param_stash("p", model)
-    states = offload.optimizer_stash("o", opt)
+    states = optimizer_stash("o", opt)
     assert states.nbytes == 2 * params.nbytes                 # exp_avg + exp_avg_sq, fp32 like the shards
     snap = [v.clone() for v in params.views + states.views]
     offload.offload(params)

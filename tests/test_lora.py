@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import actor
+import adam
 import offload
 import rollout
 import tiny
@@ -37,7 +38,7 @@ def _nonzero_adapter(a, seed: int = 1, std: float = 0.3):
     g = torch.Generator().manual_seed(seed)
     for name, p in a.model.named_parameters():
         if ".lora_B." in name:
-            local = offload._local(p)
+            local = offload.local(p)
             local.copy_(torch.randn(local.shape, generator=g) * std)
 
 
@@ -124,7 +125,7 @@ def test_lora_update_trains_only_the_adapters(dist_env):
             [n for n in adapters if torch.equal(before[n], after[n])]
         optimized = {id(p) for g in a.optimizer.param_groups for p in g["params"]}
         assert optimized == {id(p) for p in a.model.parameters() if p.requires_grad}
-        assert offload.optimizer_stash("o", a.optimizer).nbytes == 2 * a.params.nbytes
+        assert adam.optimizer_stash("o", a.optimizer).nbytes == 2 * a.params.nbytes
         results.append(torch.cat([after[n].flatten() for n in adapters]))
     assert torch.allclose(results[0], results[1], atol=1e-6, rtol=0)
 

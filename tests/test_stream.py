@@ -8,7 +8,7 @@ direction; the planner counts a few windows at the step instead of all of Adam.
 import pytest
 import torch
 
-import model
+import adam
 import offload
 import options
 import plan
@@ -26,12 +26,12 @@ def _full(t):
 
 def _trained(tmp_path, name, extra, steps=3):
     """`steps` steps in this process: (each step's metrics, the actor's weights, its Adam state after the last
-    offload, the critic's (PPO) weights and state), the state read through offload.holding."""
+    offload, the critic's (PPO) weights and state), the state read through adam.holding."""
     t = train_grpo.setup(options.parse_args(SMALL + [f"--out_dir={tmp_path / name}", *extra]))
     rows = [train_grpo.train_step(t, s) for s in range(steps)]
 
     def state(role):
-        with offload.holding([role.adam], loading=False):
+        with adam.holding([role.adam], loading=False):
             return [_full(v).clone() for g in role.optimizer.param_groups for p in g["params"]   # in the params' order
                     for v in role.optimizer.state[p].values() if torch.is_tensor(v)]
     out = rows, [_full(p).clone() for p in t.actor.model.parameters()], state(t.actor)
@@ -73,10 +73,10 @@ def test_a_non_finite_norm_skips_the_streamed_step_and_the_host_state_stays():
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         opt = torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
-        return net, opt, offload.optimizer_stash("adam", opt)
+        return net, opt, adam.optimizer_stash("adam", opt)
     a, a_opt, a_adam = build()
     b, b_opt, _ = build()
-    windows = model.optimizer_windows(a, a_opt, 1)
+    windows = adam.optimizer_windows(a, a_opt, 1)
     assert [len(w) for w in windows] == [1, 1, 1, 1]          # no decoder layers: a param a window
     for step, bad in enumerate([False, True, False]):
         for net in (a, b):
@@ -85,19 +85,19 @@ def test_a_non_finite_norm_skips_the_streamed_step_and_the_host_state_stays():
             if bad:
                 next(net.parameters()).grad[0, 0] = float("inf")
         before = [h.clone() for h in a_adam.host]
-        model.clipped_step(a, a_opt, 1.0, a_adam, {}, "test", windows)
-        model.clipped_step(b, b_opt, 1.0, None, {}, "test")
+        adam.clipped_step(a, a_opt, 1.0, a_adam, {}, "test", windows)
+        adam.clipped_step(b, b_opt, 1.0, None, {}, "test")
         if bad:
             assert all(torch.equal(x, y) for x, y in zip(before, a_adam.host))
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
         assert all(st.nbytes() == 0 for st in a_adam.storages)   # the state is on the host between steps
-    with offload.holding([a_adam], loading=False):
+    with adam.holding([a_adam], loading=False):
         assert all(torch.equal(x, y) for p, q in zip(a.parameters(), b.parameters())
                    for x, y in zip(a_opt.state[p].values(), b_opt.state[q].values()))
 
 
 def test_a_fresh_state_born_a_window_at_a_time_is_torchs_and_holds_no_grads(monkeypatch):
-    """A resume's fresh Adam state made a window at a time (offload.born_on_host) is what torch's zero-grad
+    """A resume's fresh Adam state made a window at a time (adam.born_on_host) is what torch's zero-grad
     step at lr 0 over every param makes (keys, step, zero moments, every param group), and no window's params
     get a grad on the way: only each group's smallest param does, once (a window holds its moments only)."""
     def build():
@@ -114,16 +114,16 @@ def test_a_fresh_state_born_a_window_at_a_time_is_torchs_and_holds_no_grads(monk
     for g in ref_opt.param_groups:
         g["lr"] = 0.0
     ref_opt.step()
-    stash = offload.optimizer_stash("adam", opt)
-    windows = model.optimizer_windows(net, opt, 1)
+    stash = adam.optimizer_stash("adam", opt)
+    windows = adam.optimizer_windows(net, opt, 1)
     grads, real_step = [], opt.step        # the params with a grad at each step taken on the way
     monkeypatch.setattr(opt, "step", lambda *a, **k: grads.append([tuple(p.shape) for g in opt.param_groups
                                                                    for p in g["params"] if p.grad is not None])
                         or real_step(*a, **k))
-    offload.born_on_host(opt, stash, windows)
+    adam.born_on_host(opt, stash, windows)
     assert grads == [[(4, 16)], [(4,)]]    # one step a group, on its smallest param
     assert [g["lr"] for g in opt.param_groups] == lr and all(p.grad is None for p in net.parameters())
-    with offload.holding([stash], loading=False):
+    with adam.holding([stash], loading=False):
         for p, q in zip(net.parameters(), ref_net.parameters()):
             assert opt.state[p].keys() == ref_opt.state[q].keys()
             assert all(torch.equal(x, y) for x, y in zip(opt.state[p].values(), ref_opt.state[q].values()))
@@ -173,8 +173,8 @@ def test_the_planner_counts_windows_and_7b_full_fine_tuning_fits_80_gb():
     """7B full fine-tuning, GRPO, one 80 GB GPU, every offload flag: the update's planned allocator peak
     drops by more than 45 GB with the stream (Adam's 56.7 GB become three windows), and --offload=auto
     finds a fit only with it, checkpoints included (Adam is written and read on the host, a fresh state made
-    a window at a time: offload.born_on_host), where the whole state's checkpoint cannot fit at all. The fit
-    keeps 5 % of the GPU free, not 10 % (round 13 measured the streamed update's device level at 76.1 GB)."""
+    a window at a time: adam.born_on_host), where the whole state's checkpoint cannot fit at all. The fit
+    keeps 5 % of the GPU free, not 10 % (the streamed 7B update's device level was measured at 76.1 GB)."""
     args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--rollout.n=4",
             "--rollout.response_length=256", "--actor.param_offload=true", "--actor.optimizer_offload=true",
             "--ref.param_offload=true", "--actor.gradient_checkpointing=true"]

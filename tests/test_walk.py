@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+import adam
 import ledger
 import offload
 import options
@@ -46,7 +47,7 @@ def _observe(t, monkeypatch) -> dict:
     real_stage, real_reload = ledger.stage, offload.reload
 
     def held():                            # an optimizer's stash learns its tensors once Adam has stepped
-        return {n: offload._fill(s).nbytes if s.on_device else 0 for n, s in stashes.items()}
+        return {n: adam.take_state(s).nbytes if s.on_device else 0 for n, s in stashes.items()}
 
     @contextlib.contextmanager
     def stage(name, metrics, device, external=0):
@@ -58,7 +59,7 @@ def _observe(t, monkeypatch) -> dict:
     def reload(stash, background=False):
         out = real_reload(stash, background)
         if now.get("stage") in seen:
-            seen[now["stage"]][stash.name] = max(seen[now["stage"]][stash.name], offload._fill(stash).nbytes)
+            seen[now["stage"]][stash.name] = max(seen[now["stage"]][stash.name], adam.take_state(stash).nbytes)
         return out
     monkeypatch.setattr(ledger, "stage", stage)
     monkeypatch.setattr(offload, "reload", reload)
