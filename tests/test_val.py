@@ -1,9 +1,12 @@
 """Validation and the answers instruct models write (CPU, and GPU with vLLM): the GSM8K reward's two forms
 on real responses, published GSM8K files as they are, the schedule (before training, every val_freq steps,
-after the last, kept by a resume), a validation that changes nothing, async rollout's engines answering.
+after the last, kept by a resume), a validation that changes nothing (its own RNG fork), async rollout's engines
+answering; what a validation answers and reports (val/* as shares, --val_response_length, --val_max_prompts,
+--instruction, each prompt once over any world) and the reward a held-out file's form picks.
 
-    python -m pytest -q test_val.py                 # CPU; the GPU tests skip without CUDA and vLLM
-    GRPO_REAL_MODEL=/models/Qwen2.5-Coder-0.5B-Instruct GRPO_REAL_VAL=gsm8k_val.jsonl python -m pytest -q -m gpu test_val.py
+    python -m pytest -q tests/test_val.py           # CPU; the GPU tests skip without CUDA and vLLM
+    GRPO_REAL_MODEL=/models/Qwen2.5-Coder-0.5B-Instruct GRPO_REAL_VAL=gsm8k_val.jsonl \
+        python -m pytest -q -m gpu tests/test_val.py
 """
 import importlib.util
 import json
@@ -127,6 +130,110 @@ def test_a_validation_changes_nothing(dist_env, tmp_path):
     assert torch.equal(on[1], off[1]) and torch.equal(on[2], off[2])
 
 
+
+# --------------------------------------------------------------------------- what a validation answers and reports
+def gsm8k_file(path, answers=(12, 34, 56, 78)) -> str:
+    """A GSM8K-style held-out file the tiny tokenizer spells: prompt `12=`, answer `... #### 12`."""
+    path.write_text("".join(json.dumps({"question": f"{a}=", "answer": f"so {a}\n#### {a}"}) + "\n" for a in answers))
+    return str(path)
+
+
+def held_out_run(tmp_path, args, model=None, answers: dict | None = None, monkeypatch=None):
+    """validate.validate on the CPU as the run calls it: the held-out data as the run resolves it, the reward its
+    form picks, and HF generate on the tiny model; `answers` (prompt -> response text) stands in for generation."""
+    cfg = options.parse_args([f"--out_dir={tmp_path}", *args])
+    tok = tiny.build_tokenizer()
+    val = data.held_out_data(cfg, tok)
+    if answers is not None:
+        monkeypatch.setattr(validate.rollout, "greedy", lambda engine, model, prompts, *a: [
+            tok(answers[tok.decode(p)], add_special_tokens=False)["input_ids"] for p in prompts])
+    engine = validate.rollout.Engine("hf", cfg.rollout, pad_id=0, eos_id=1, device=torch.device("cpu"))
+    reward = data.load_reward(cfg.reward, data.held_out_reward_data(cfg, val[1]), cfg.gsm8k_format)
+    m = validate.validate(engine, None, model, [], val, cfg=cfg, reward_fn=reward, tokenizer=tok, warned=set(),
+                          device=torch.device("cpu"), rank=0, world=1, step=0)
+    with open(tmp_path / "val_samples.jsonl") as f:
+        return m, [json.loads(line) for line in f]
+
+
+def test_the_gsm8k_forms_are_reported_as_shares_of_the_prompts(dist_env, tmp_path, monkeypatch):
+    """Four held-out GSM8K problems answered as planned: strict right once, flexible twice, `####` found twice,
+    a number three times: val/* are those counts over 4 (a held-out file of numbers is scored by the GSM8K rule
+    without --data too)."""
+    answers = {"12=": "#### 12", "34=": "#### 35", "56=": "3 56", "78=": "="}
+    m, _ = held_out_run(tmp_path, [f"--val_data={gsm8k_file(tmp_path / 'gsm.jsonl')}"], answers=answers,
+                        monkeypatch=monkeypatch)
+    keys = ("prompts", "strict", "flexible", "found_strict", "found_boxed", "found_number")
+    assert {k: m[f"val/{k}"] for k in keys} == {"prompts": 4, "strict": 0.25, "flexible": 0.5, "found_strict": 0.5,
+                                                 "found_boxed": 0, "found_number": 0.75}
+    assert m["val/reward_mean"] == 0.25    # the run's form: strict
+
+
+@pytest.fixture(scope="module")
+def tiny_policy():
+    return tiny.build_tiny_model(seed=0).eval()
+
+
+def test_val_response_length_caps_the_answers(dist_env, tmp_path, tiny_policy):
+    """HF generate on the tiny policy: its greedy answers are cut at --val_response_length, not at the
+    rollout's response length (they run to the cap: no EOS in 2 or 3 tokens)."""
+    for cap in (2, 3):
+        m, samples = held_out_run(tmp_path, [f"--val_response_length={cap}", "--val_max_prompts=8"], model=tiny_policy)
+        assert m["val/response_length"] == cap and max(len(s["response"]) for s in samples) == cap
+
+
+def test_val_max_prompts_and_the_instruction_shape_the_held_out_prompts(dist_env, tmp_path, tiny_policy):
+    """--val_max_prompts: the first that many held-out prompts are answered; --instruction: appended to each."""
+    path = gsm8k_file(tmp_path / "gsm.jsonl", answers=range(10, 20))
+    m, samples = held_out_run(tmp_path, [f"--data={path}", f"--val_data={path}", "--val_max_prompts=3",
+                                         "--instruction=#"], model=tiny_policy)
+    assert m["val/prompts"] == 3 and [s["prompt"] for s in samples] == ["10= #", "11= #", "12= #"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_each_held_out_prompt_is_answered_once_whatever_the_world(world):
+    """validate.share: every rank as many prompts (the short last part padded with None), together each prompt
+    once, rank 0 the first ones (val_samples.jsonl's); 100 prompts over 3 ranks drop none."""
+    for n in (100, 7, 1, world):
+        parts = [validate.share(n, r, world) for r in range(world)]
+        assert len({len(p) for p in parts}) == 1 and parts[0][0] == 0
+        assert sorted(i for p in parts for i in p if i is not None) == list(range(n))
+
+
+def test_a_validation_leaves_the_runs_random_numbers_as_they_were(dist_env, tmp_path, tiny_policy):
+    """HF generate seeds torch's generator for its samples: validation runs under a fork of it, so the draws the
+    run makes after it (its next samples) are those it makes without it."""
+    torch.manual_seed(1234)
+    expected = torch.rand(4)
+    torch.manual_seed(1234)
+    held_out_run(tmp_path, ["--val_max_prompts=4"], model=tiny_policy)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_a_held_out_file_is_scored_by_the_reward_its_form_picks(tmp_path):
+    """Without --data, a --val_data of numbers gets the GSM8K rule (it scored 0.01 by the copy reward), one of
+    words the copy reward; a run that would train by one reward and validate by the other is refused."""
+    tok, gsm = tiny.build_tokenizer(), gsm8k_file(tmp_path / "gsm.jsonl")
+    words = tmp_path / "words.jsonl"
+    words.write_text(json.dumps({"prompt": "1=", "answer": "City"}) + "\n")
+    for path, scored_as, fn in [(gsm, gsm, data.gsm8k_reward), (str(words), None, tiny.copy_reward)]:
+        cfg = options.parse_args([f"--val_data={path}"])
+        got = data.held_out_reward_data(cfg, data.held_out_data(cfg, tok)[1])
+        assert got == scored_as and data.load_reward(None, got) is fn
+    with pytest.raises(ValueError, match="--val_data .*gsm.jsonl: its answers are numbers, which the built-in GSM8K"):
+        data.run_data(options.parse_args([f"--val_data={gsm}"]), tok)
+    assert data.run_data(options.parse_args([f"--data={gsm}", f"--val_data={gsm}"]), tok)[1] is not None
+
+
+def test_the_training_file_as_val_data_is_not_called_held_out(tmp_path):
+    """--val_data naming --data's file: the set-up line does not call its prompts held out, and warns once."""
+    path, other = gsm8k_file(tmp_path / "gsm.jsonl"), gsm8k_file(tmp_path / "other.jsonl")
+    val = data.held_out_data(options.parse_args([f"--val_data={path}"]), tiny.build_tokenizer())
+    same = validate.describe(options.parse_args([f"--data={path}", f"--val_data={path}"]), val, "r")
+    assert same[0].startswith("[val] 4 prompts (the training file's: not held out)")
+    assert sum("is the training file (--data): not held out" in line for line in same) == 1
+    apart = validate.describe(options.parse_args([f"--data={other}", f"--val_data={path}"]), val, "r")
+    assert apart[0].startswith("[val] 4 held-out prompts") and not any("training file" in x for x in apart)
+
 @launches
 def test_validation_before_training_at_its_frequency_after_the_last_and_on_resume(tmp_path):
     """val_freq=3 over 5 steps: the held-out score of the policy after 0, 3 and 5 updates, each once in
@@ -200,7 +307,8 @@ def test_vllm_validates_a_real_instruct_model(tmp_path):
     (flexible reads it; strict, the #### form, finds few), and the first validation's line says so."""
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", f"--model={REAL}", f"--data={REAL_VAL}", f"--val_data={REAL_VAL}",
-             "--val_max_prompts=64", "--instruction=Let's think step by step and output the final answer after \"####\".",
+             "--val_max_prompts=64",
+             "--instruction=Let's think step by step and output the final answer after \"####\".",
              "--rollout.engine=vllm", "--steps=1", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
              "--rollout.n=4", "--rollout.response_length=512", "--actor.lr=1e-6", "--val_freq=0", "--save=false",
              "--logger=none"], gpu=True)
@@ -284,7 +392,8 @@ def test_the_real_model_script_reports_a_failed_runs_exit_code(tmp_path):
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OUT": str(tmp_path / "out"), "RUNS": str(tmp_path / "runs"),
-           "MODEL": str(tmp_path / "no_model"), "TRAIN": str(tmp_path / "train.jsonl"), "VAL": str(tmp_path / "val.jsonl")}
+           "MODEL": str(tmp_path / "no_model"), "TRAIN": str(tmp_path / "train.jsonl"),
+           "VAL": str(tmp_path / "val.jsonl")}
     r = subprocess.run(["bash", "bench/real_model.sh", "grpo", "120"], cwd=root, env=env, capture_output=True,
                        text=True, timeout=240)
     summary = (tmp_path / "out" / "summary.txt").read_text()
