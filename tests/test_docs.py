@@ -1,5 +1,7 @@
 """The pages name only what exists (CPU; reads the pages and the code, builds no model): every file path,
-`module.function` and `--option` a markdown page writes in backticks, and every link between pages.
+`module.function` and `--option` a markdown page writes in backticks, and every link between pages. And neither the
+pages nor the code's comments and docstrings use the words of how the work was organised (`PROCESS` below: numbered
+campaigns, device loans, merges): they state the fact, and bench/history/ and bench/results/ keep the diary.
 
     python -m pytest -q tests/test_docs.py
 
@@ -25,8 +27,10 @@ What counts as named, in inline code and in fenced code blocks (HTML comments ar
 import ast
 import dataclasses
 import glob
+import io
 import os
 import re
+import tokenize
 
 import pytest
 
@@ -205,3 +209,63 @@ def test_the_check_sees_a_name_that_does_not_exist():
     assert command_options("python bench/bench_step.py --variants=x") == set()
     assert paths(["tests/test_nothing.py::test_x", "out/metrics.jsonl", ".ci/run", "metrics.jsonl"]) == \
         {"tests/test_nothing.py", ".ci/run"}
+
+
+# --------------------------------------------------------------------------- words of the work, not of the project
+PROCESS = re.compile(r"\brounds? \d+|\bleases?\b|\bleased\b|\blanding\b|\bas on CI\b"
+                     r"|\bsession'?s? (?:device|budget|time|GPU|machine)|\b(?:device|GPU|work) sessions?\b", re.I)
+RECORDS = re.compile(r"\S*(?:bench/results|bench/history|history)/\S*")   # paths of the record: their names are dated
+
+
+def process_words(text: str) -> list:
+    """The process words of one line, its record paths (bench/results/round9/...) left out."""
+    return PROCESS.findall(RECORDS.sub(" ", text))
+
+
+def sources() -> list:
+    """The code whose comments and docstrings are read: the roles at the top, tests/, bench/."""
+    found = [glob.glob(os.path.join(HERE, folder, "*.py")) for folder in ("", "tests", "bench")]
+    return sorted(os.path.relpath(f, HERE) for files in found for f in files)
+
+
+def prose(path: str) -> list:
+    """(line, text) of every comment and docstring line of one Python file."""
+    with open(os.path.join(HERE, path)) as f:
+        source = f.read()
+    out = [(t.start[0], t.string) for t in tokenize.generate_tokens(io.StringIO(source).readline)
+           if t.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            out += [(body[0].lineno + i, ln) for i, ln in enumerate(body[0].value.value.splitlines())]
+    return out
+
+
+def process_hits(path: str, lines) -> list:
+    return [f"{path}:{n}: {', '.join(words)}" for n, text in sorted(lines) for words in [process_words(text)] if words]
+
+
+def test_the_pages_speak_of_the_project_not_of_how_the_work_went():
+    hits = [h for page in pages() for h in process_hits(page, enumerate(read(page).splitlines(), 1))]
+    assert not hits, "process words in the pages (say the fact, keep the diary in bench/history/):\n" + "\n".join(hits)
+
+
+def test_the_codes_comments_and_docstrings_speak_of_the_project_not_of_how_the_work_went():
+    hits = [h for path in sources() for h in process_hits(path, prose(path))]
+    assert not hits, "process words in comments and docstrings (say the fact: 'measured at 7B', not 'round 11'):\n" \
+        + "\n".join(hits)
+
+
+def test_the_process_words_reader_knows_rounding_from_a_round():
+    """What it finds and what it leaves: a round trip, rounding, all-round, pytest's session, a release, a copy landed."""
+    assert process_words("(round 11: 18.7 GB outlived the update) in rounds 21-24, Round 9's run") == \
+        ["round 11", "rounds 21", "Round 9"]
+    assert process_words("one lease, as on CI at the last landing; the session's device time") == \
+        ["lease", "as on CI", "landing", "session's device"]
+    assert process_words("a round trip, rounded to 0.1, all-round, round(x, 2), a pytest session, the release, "
+                         "the copy landed, bench/results/round29/gpu.txt, bench/results/lease3_flat_0.5b.jsonl, "
+                         "history/2026-12-04-round16-decode.md, start_new_session=True") == []
+    lines = prose(os.path.join("tests", "test_docs.py"))
+    assert any("a round trip" in text for _, text in lines)          # this docstring is read, and passes
