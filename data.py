@@ -13,6 +13,9 @@ import numbers
 import os
 import re
 from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+
+import answer_value
 
 
 # a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE (vocab.json + merges.txt), WordPiece
@@ -294,29 +297,16 @@ def number(text: str | None) -> Decimal | None:
         return None
 
 
-def last_boxed(text: str) -> str | None:
-    """The contents of the last `\boxed{...}` (braces inside it balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None                            # cut off before its closing brace
-
-
-def gsm8k_answer(response: str, form: str) -> Decimal | None:
+def gsm8k_answer(response: str, form: str) -> Decimal | Fraction | None:
     """The answer a response gives, read as `form` says: strict, the number after its last `####` (the
-    form GSM8K's own answers end with, and verl's strict rule); flexible, the last number inside its last
-    `\boxed{}` (what instruct models write), else its last number anywhere (verl's flexible rule)."""
+    form GSM8K's own answers end with, and verl's strict rule); flexible, the value of its final answer as
+    answer_value.final reads it: the last `\\boxed{}` (what instruct models write), else the last `#### N`, else
+    "the answer is N", else the last number (verl's flexible rule); a percentage as written (50% -> 50)."""
     if form == "strict":
         found = re.findall(r"####\s*(" + NUMBER + ")", response)
         return number(found[-1]) if found else None
-    boxed = last_boxed(response)
-    found = re.findall(NUMBER, response if boxed is None else boxed)
-    return number(found[-1]) if found else None
+    got = answer_value.final(response)
+    return None if got is None else got.number
 
 
 def gsm8k_truth(answer: str) -> Decimal | None:
@@ -331,20 +321,24 @@ def gsm8k_reward(response: str, answer: str) -> float:
 
 
 def gsm8k_flexible_reward(response: str, answer: str) -> float:
-    """1.0 when the number in the response's last `\boxed{}` (else its last number) equals the answer's."""
-    got = gsm8k_answer(response, "flexible")
-    return float(got is not None and got == gsm8k_truth(answer))
+    """1.0 when the value of the response's final answer equals the value after the answer's `####`, else 0.0.
+    The final answer, the first of (answer_value.final): the last `\\boxed{}`, read whole; the last `#### N` line
+    that is one value; the last "the answer is N"; the last number in the text. Values compare exactly (3/4,
+    \\frac{3}{4} and 0.75 are one value; 18.0 == 18); a percentage matches its number or its hundredth (50%:
+    50 or 0.5); an answer that is not one number (\\boxed{x+2}, the list 1,2,3) scores 0."""
+    truth = answer_value.value(answer.split("####")[-1])
+    return float(answer_value.same(answer_value.final(response), truth))
 
 
 def answer_forms(responses: list[str], answers: list[str]) -> dict:
     """How a set of responses answered, summed (validate.py turns them into shares): `####` (strict's
-    form), a `\boxed{}`, any number; and how many each form scores right."""
+    form), a `\\boxed{}`, any number; and how many each form scores right."""
     out = {"strict": 0.0, "flexible": 0.0, "found_strict": 0.0, "found_boxed": 0.0, "found_number": 0.0}
     for r, a in zip(responses, answers):
         out["strict"] += gsm8k_reward(r, a)
         out["flexible"] += gsm8k_flexible_reward(r, a)
         out["found_strict"] += gsm8k_answer(r, "strict") is not None
-        out["found_boxed"] += last_boxed(r) is not None
+        out["found_boxed"] += answer_value.last_boxed(r) is not None
         out["found_number"] += bool(re.search(r"\d", r))
     return out
 
@@ -391,7 +385,8 @@ def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "st
 def reward_name(spec: str | None, data_path: str | None, gsm8k_format: str = "strict") -> str:
     """How errors and the set-up name the reward: the --reward spec, or which built-in one."""
     return spec or ("tiny.copy_reward (built in: the copy task)" if data_path is None else
-                    "data.gsm8k_flexible_reward (built in, flexible: the last \\boxed{} number, else the last number)"
+                    "data.gsm8k_flexible_reward (built in, flexible: the value of the last \\boxed{}, else of #### N, "
+                    "else of 'the answer is N', else the last number)"
                     if gsm8k_format == "flexible" else "data.gsm8k_reward (built in, strict: the last #### number)")
 
 
