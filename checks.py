@@ -18,18 +18,19 @@ SUPPORTED = ("decoder-only causal LMs laid out as model.model.layers + model.mod
              "(Qwen2/2.5/3, Llama, Mistral, Gemma and the like)")
 
 
-def check_model(path: str | None, response_length: int = 0):
+def check_model(path: str | None, response_length: int = 0, *, weights: bool = True):
     """Before any process group or weight is loaded: a known random size, or a local directory with
     a config, weights, and the layout `shard` walks (`model.model.layers`, and `model.model.norm` for
     the shared critic head), read from a model built on the meta device (no memory), then each
     weight file whole (`check_weight_files`: their headers only); and room in its positions for
-    `response_length` new tokens after a prompt."""
+    `response_length` new tokens after a prompt. `weights` False (the planner, which predicts from
+    config.json alone): the weight files are not looked for."""
     if not is_dir(path):
         check_positions(path, hf_config(path), response_length)   # an unknown size is one line
         return
     what_it_is(path)
     check_model_path(path)
-    if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
+    if weights and not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
         raise FileNotFoundError(f"--model {path}: no weights there (looked for {', '.join(WEIGHT_FILES)})")
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -47,8 +48,9 @@ def check_model(path: str | None, response_length: int = 0):
     if not (hasattr(inner, "layers") and hasattr(inner, "norm")):
         raise ValueError(f"--model {path}: {type(built).__name__} has no model.model.layers / "
                          f"model.model.norm; supported: {SUPPORTED}")
-    check_weight_files(path)               # after the layout: a GPT-2 folder is told it is one first
-    check_weight_names(path, built)
+    if weights:
+        check_weight_files(path)           # after the layout: a GPT-2 folder is told it is one first
+        check_weight_names(path, built)
     check_positions(path, built.config, response_length)
 
 

@@ -448,7 +448,7 @@ def main(argv=None):
     try:
         own, rest = _own(argv)
         cfg = options.parse_args(rest)
-        checks.check_model(cfg.model, cfg.rollout.response_length)   # config, weights, layout, positions
+        checks.check_model(cfg.model, cfg.rollout.response_length, weights=False)   # config, layout, positions
         rollout_engine.check(cfg.rollout, own.nproc, cfg.train_batch_size)
         world = rollout_engine.trainer_world(cfg.rollout, own.nproc)   # async: less the engine ranks
         options.check_sizes(cfg, world)
@@ -469,7 +469,13 @@ def main(argv=None):
 def _prompt_len(cfg) -> int:
     """The longest prompt the run will see, as data.run_data reads it (--instruction appended)."""
     import data
-    train, val = data.run_data(cfg, data.load_tokenizer(cfg.model))
+    try:
+        tokenizer = data.load_tokenizer(cfg.model)
+    except FileNotFoundError:              # a folder with config.json alone: the plan needs no weights nor tokenizer
+        print(f"[plan] --model {cfg.model} has no tokenizer to measure the prompts: planned at --max_prompt_length="
+              f"{cfg.max_prompt_length} tokens, the longest a prompt can be (--prompt_len=N plans another length)")
+        return cfg.max_prompt_length
+    train, val = data.run_data(cfg, tokenizer)
     return max(map(len, train[0] + (val[0] if val else [])))
 
 

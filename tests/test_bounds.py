@@ -184,3 +184,17 @@ def test_copy_set_takes_roles_as_readme_writes_them_and_says_what_it_knows(capsy
     assert err == [f"error: copy_set.py: no project file reff; roles: {', '.join(copy_set.ROLES)} (or any other "
                    f"file here, e.g. model)"]
     assert copy_set.main(["--help"]) == 0 and capsys.readouterr().out.startswith("usage: python copy_set.py [ROLE")
+
+
+def test_the_planner_takes_a_folder_with_config_json_alone_and_the_run_does_not(tmp_path, capsys):
+    """README: the planner predicts from the options and config.json before anything is built, so a folder with
+    only config.json is planned (no tokenizer: at --max_prompt_length); the run's pre-flight still wants weights."""
+    import checks
+    import plan
+    tiny.tiny_config().save_pretrained(tmp_path)
+    plan.main([f"--model={tmp_path}", "--nproc=1", "--gpu_gb=80", "--max_prompt_length=32"])
+    out = capsys.readouterr().out
+    assert "has no tokenizer to measure the prompts: planned at --max_prompt_length=32 tokens" in out, out
+    assert f"[plan] {tmp_path} on 1 x 80 GB, vllm rollout, prompt 32 + response 4 tokens" in out, out
+    with pytest.raises(FileNotFoundError, match="no weights there"):
+        checks.check_model(str(tmp_path), 4)
