@@ -221,9 +221,10 @@ def test_plan_token_terms_halve_at_k2():
 def test_search_turns_on_sequence_parallelism_when_k1_does_not_fit():
     """plan.py's search considers k among the world's divisors: on a GPU just too small for the best
     k = 1 configuration, the fastest that fits sets --actor.ulysses_sequence_parallel_size=2."""
+    import fit
     import plan
     cfg = options.parse_args(LONG)
-    lowest = {k: min(predict.predict(c, 2, 64, "hf").device_peak for c in plan.candidates(cfg, 2)
+    lowest = {k: min(predict.predict(c, 2, 64, "hf").device_peak for c in fit.candidates(cfg, 2)
                      if c.actor.ulysses_sequence_parallel_size == k) for k in (1, 2)}
     assert lowest[2] < lowest[1]
     t = plan.Target(2, 64, int((lowest[1] + lowest[2]) / 2 / 0.9), 0.1, "hf")
