@@ -35,8 +35,10 @@ Why this order: vLLM's KV cache is the largest block, so it is woken last, once 
 shards and the sync's buffers are gone (waking old weights, KV and new weights together is the
 classic colocated OOM); the weights go to vLLM one bounded bucket at a time, never as a state dict
 (a live state_dict() result keeps GPU shards alive after an offload).
-Around the steps (main): every check that needs no model runs first, on every rank (`preflight`: options, batch
-arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line, `error: ...`, said once. A checkpoint
+Around the steps (main): every check that needs no model runs first, on every rank (trainer.preflight: options,
+batch arithmetic, model dir, data, reward, the out_dir policy); a mistake is one line, `error: ...`, said once; then
+the set-up (trainer.setup: the plan, each role, the engine). This file reads: the step (`train_step`, then the
+helpers it calls, in order), the loop, saving, `main`. A checkpoint
 every --save_freq steps, after the last step and on SIGTERM or Ctrl-C; the same command resumes a stopped run.
 How it differs from the GRPO paper (as verl does): KL is a loss term (k3 by default) rather than
 a reward term, and with loss_agg_mode=token-mean long responses weigh more than short ones.
@@ -115,11 +117,8 @@ def train_step(t: Trainer, step: int) -> dict:
     if ppo:
         with stage("critic_update"):
             m.update(critic.update(t.critic, batch, t.mini_size, cfg.actor.ppo_epochs, m))
-    with stage("update"):
-        t.updating = True
-        seed = rollout.sample_seed(cfg.seed, step, 0, 1)
-        m.update(actor.update(t.actor, batch, t.mini_size, temperature, m, seed=seed))
-    t.updates, t.updating = step + 1, False
+    with stage("update"):                  # params + Adam in, mini/micro-batched clipped PG + KL, both out
+        policy_update(t, batch, temperature, step, m)
     if streamed:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
             rollout_async.push(t.engine, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
@@ -221,6 +220,15 @@ def ref_log_probs(t: Trainer, batch: dict, temperature: float, ppo: bool, m: dic
         if actor.prefetches(t.cfg.actor, ppo):
             actor.prefetch_update(t.actor, m)
         return ref.compute_log_probs(t.ref, batch, temperature)
+
+
+def policy_update(t: Trainer, batch: dict, temperature: float, step: int, m: dict):
+    """The update stage (actor.update, which brings the actor's params and Adam in and out). While it runs the
+    weights are between two steps: a stop or an error then keeps the last whole step's (`keep`)."""
+    t.updating = True
+    seed = rollout.sample_seed(t.cfg.seed, step, 0, 1)
+    m.update(actor.update(t.actor, batch, t.mini_size, temperature, m, seed=seed))
+    t.updates, t.updating = step + 1, False
 
 
 def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
