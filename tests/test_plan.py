@@ -835,3 +835,83 @@ def test_throughput_reads_the_decode_of_a_colocated_and_of_an_async_engine():
     assert asynchronous["perf/decode_step_ms"] == pytest.approx(3.0) and "perf/bracket_frac" not in asynchronous
     assert "generate" in ledger.perf_line(asynchronous, 1e15) and "bracket" not in ledger.perf_line(asynchronous, 1e15)
     assert ledger.throughput({"time/update": 1.0}, flops, 1e15, decode).keys() == {"perf/update_tflops", "perf/update_mfu"}
+
+
+# --------------------------------------------------------------------------- the checkpoint bracket, the stream's window
+TEMPLATE_7B = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--rollout.n=8", "--actor.ppo_mini_batch_size=8",
+               "--rollout.response_length=1024", "--actor.ppo_micro_batch_size_per_gpu=4", "--ref.param_offload=true",
+               "--actor.optimizer_offload=true", "--actor.optimizer_stream=true"]
+
+
+def test_a_wider_stream_window_is_planned_above_by_what_it_holds():
+    """--actor.optimizer_window_layers: Adam streamed 4 layers a window at 7B holds three neighbouring windows of
+    4 layers' moments (12 layers, more than the embeddings' window and 8 layers) where 1-layer windows hold the
+    embeddings' and two layers': the update, the checkpoint's bracket and the device level are planned above by
+    that difference (8 bytes a parameter, one rank), nothing else moves."""
+    s = predict.shapes("random:qwen2.5-7b")
+    one, four = (predict.predict(_cfg(*TEMPLATE_7B, f"--actor.optimizer_window_layers={k}"), 1, 512) for k in (1, 4))
+    emb, layer = 8 * s.vocab * s.hidden, 8 * s.layer_params
+    more = max(emb + 2 * 4 * layer, 3 * 4 * layer) - (emb + 2 * layer)
+    term = "Adam windows (in, stepping, out)"
+    assert four.stage("update").terms[term] - one.stage("update").terms[term] == more
+    assert four.stage("update").total - one.stage("update").total == pytest.approx(more * predict.ALLOC_SLACK, rel=1e-6)
+    assert four.checkpoint - one.checkpoint == pytest.approx(more * predict.ALLOC_SLACK, rel=1e-6)
+    assert four.device["update"] > one.device["update"] + more
+    assert [s.total for s in four.stages if s.name != "update"] == [s.total for s in one.stages if s.name != "update"]
+
+
+def test_a_separate_critics_checkpoint_is_in_the_bracket():
+    """PPO with a separate critic whose Adam is offloaded, not streamed, beside an actor whose Adam is: the checkpoint's
+    bracket is the critic's (its fp32 params, all of its Adam and a load's zero grads, 16 bytes a parameter), above
+    the same run's with the critic's Adam streamed too (params and a window), and a GPU it cannot fit refuses the run."""
+    args = [*TEMPLATE_7B[:6], "--actor.optimizer_offload=true", "--actor.optimizer_stream=true",
+            "--algorithm.adv_estimator=gae", "--critic.mode=separate", "--ref.param_offload=true",
+            "--critic.optimizer_offload=true"]                      # its Adam on the host between uses
+    s = predict.shapes("random:qwen2.5-7b")
+    p = predict.predict(_cfg(*args), 1, 512)
+    streamed = predict.predict(_cfg(*args, "--critic.optimizer_stream=true"), 1, 512)
+    assert p.checkpoint - streamed.checkpoint > 8 * (s.params - 2 * s.vocab * s.hidden)   # all of its Adam, a grad less a window
+    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings a trained role's fp32 params"):
+        predict.checkpoint_fits(_cfg(*args), p, 80 * GB)
+    predict.checkpoint_fits(_cfg(*args), streamed, 80 * GB)
+
+
+def test_the_set_up_refuses_a_checkpoint_that_cannot_fit_its_gpu(monkeypatch):
+    """trainer.planned (the set-up, before any model is built) asks predict.checkpoint_fits: 7B full fine-tuning
+    with Adam offloaded whole and --save_freq=50 on an 80 GB GPU is refused there with --save_freq=0 named, not
+    after 50 steps; --save_freq=0 sets up."""
+    import trainer
+    monkeypatch.setattr(ledger, "gpu_capacity", lambda device: 80 * GB)
+    monkeypatch.setattr(ledger, "host_available", lambda: 2 ** 50)
+    args = [*TEMPLATE_7B[:7], "--actor.optimizer_offload=true"]
+    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* --save_freq=0"):
+        trainer.planned(_cfg(*args), 1, 512, "vllm", torch.device("cuda"), 1)
+    cfg, p = trainer.planned(_cfg(*args, "--save_freq=0"), 1, 512, "vllm", torch.device("cuda"), 1)
+    assert p.checkpoint == 0
+
+
+# --------------------------------------------------------------------------- plan.relax's sizes
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_relax_offers_only_micro_batches_that_divide_their_rows(world):
+    """plan.relaxations grows each micro-batch size the command line left only to sizes that divide the rows it
+    splits (the update: the rank's mini-batch; a log-prob forward: the rank's batch), never one that leaves a
+    ragged last micro-batch (1.5B, 24 prompts x 8 = 192 rows: 64 for the ref forward, never 128); relax's choice
+    then passes the run's own batch checks."""
+    for batch, n, mini in ((24, 8, 24), (24, 8, 8), (48, 5, 16), (96, 4, 32), (16, 8, 16), (64, 1, 32)):
+        cfg = _cfg("--model=random:qwen2.5-1.5b", f"--train_batch_size={batch}", f"--actor.ppo_mini_batch_size={mini}",
+                   f"--rollout.n={n}", "--rollout.response_length=256")
+        try:
+            options.check_sizes(cfg, world)
+        except ValueError:                     # a batch that does not split over these ranks
+            continue
+        rows, mini_rows = batch * n // world, mini * n // world
+        for c in plan.relaxations(cfg, world, 64):
+            for size, total, given in ((c.actor.ppo_micro_batch_size_per_gpu, mini_rows, cfg.actor.ppo_micro_batch_size_per_gpu),
+                                       (c.ref.log_prob_micro_batch_size_per_gpu, rows, cfg.ref.log_prob_micro_batch_size_per_gpu),
+                                       (c.actor.log_prob_micro_batch_size_per_gpu, rows, cfg.actor.log_prob_micro_batch_size_per_gpu)):
+                assert size == given or total % size == 0, (world, batch, n, mini, size, total)
+    cfg = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=24", "--actor.ppo_mini_batch_size=24",
+               "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04")
+    if world == 1:
+        assert {c.ref.log_prob_micro_batch_size_per_gpu for c in plan.relaxations(cfg, 1, 64)} == {32, 64}
+        options.check_sizes(plan.relax(cfg, 1, 64, "vllm", 140 * GB), 1)
