@@ -90,7 +90,7 @@ def resident(r: Ref, metrics: dict):
     """The ref stage's bracket: shards in, then freed without a copy back, and their cached blocks given back."""
     with offload.loaded([r.params], metrics):
         yield
-    if r.params.enabled and r.params.device.type == "cuda":   # kept, 18.7 GB of them outlived the 7B update (round 11)
+    if r.params.enabled and r.params.device.type == "cuda":   # kept, 18.7 GB of them outlived the 7B update (measured)
         reserved = torch.cuda.memory_reserved()
         torch.cuda.empty_cache()
         metrics["offload/ref_params/released_gb"] = (reserved - torch.cuda.memory_reserved()) / offload.GB

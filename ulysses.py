@@ -15,7 +15,7 @@ layer, forward; two more in backward). Position ids are the global ones. The LM 
 critic's value head) runs on the rank's own response tokens; `gather` joins the slices into the
 full response rows on every rank of the group, and its backward keeps the rank's own slice only:
 each rank's gradient is its tokens' share of the group's loss, FSDP's sum over the group is the
-whole of it. The loss counts each sample once (model.global_counts divides by k).
+whole of it. The loss counts each sample once (losses.global_counts divides by k).
 """
 from dataclasses import dataclass
 
