@@ -7,7 +7,10 @@ The task: the prompt is a few digits and '=', the answer is the same digits ("39
 the 1,000 three-digit strings are held out of training (`held_out`): the embedded run validates on them.
 The reward is the fraction of answer positions the response gets right, so a random policy
 over the 16-token vocabulary earns about 1/16 per position and learning shows as a rising mean.
+The tokenizer knows 14 characters: real text given to the embedded model is said at start, with the share that
+vanishes, and refused when nearly nothing of the prompts is left (`check_text`).
 """
+import os
 import random
 
 import torch
@@ -27,6 +30,52 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
                                    padding_side="left")
+
+
+# The characters the tokenizer knows; any other becomes the pad token, which the model never sees as text.
+KNOWN = frozenset(VOCAB[2:])
+# Refused when fewer than this share of the prompts' characters (spaces aside) are known: what is left is numbers
+# out of their sentences (a GSM8K file keeps 3-5 %: its digits), nothing a policy can read a task from. The copy
+# task keeps all of them; an --instruction in words is said, not refused: the prompts themselves are whole.
+MIN_KNOWN = 0.1
+
+
+def unknown(text: str) -> tuple[int, int]:
+    """(characters of `text` the tokenizer does not know, characters), whitespace aside."""
+    chars = [c for c in text if not c.isspace()]
+    return sum(c not in KNOWN for c in chars), len(chars)
+
+
+def seen(text: str) -> str:
+    """`text` as the model reads it through this tokenizer: the characters it knows, in place."""
+    return "".join(c for c in text if c in KNOWN)
+
+
+def check_text(model_path: str | None, instruction: str, data: tuple):
+    """The embedded tokenizer (no --model folder) on real text: a warning, once (rank 0), with the share of the
+    prompts' characters and of --instruction's it drops and what to pass; a ValueError when fewer than MIN_KNOWN
+    of the prompts' characters are left. `data`: data.run_data's (training, held-out or None), whose chats
+    hold each prompt's messages with the instruction appended."""
+    import model
+    if model.is_dir(model_path):
+        return
+    chats = data[0][2] + (data[1][2] if data[1] else [])
+    texts = [" ".join(m["content"] for m in msgs if isinstance(m.get("content"), str)) for msgs in chats]
+    (lost, total), (i_lost, i_total) = map(sum, zip(*map(unknown, texts))), unknown(instruction)
+    lost, total = lost - len(texts) * i_lost, total - len(texts) * i_total   # the prompts' own characters
+    if not lost and not i_lost:
+        return
+    said = f"--model={model_path}" if model_path else "the embedded default model"
+    if total and lost > (1 - MIN_KNOWN) * total:
+        raise ValueError(f"{said} reads text with a tokenizer of 14 characters (digits, '=+#' and space): "
+                         f"{lost / total:.0%} of the prompts' characters are none of them and vanish (the first reads "
+                         f"{seen(texts[0])[:60]!r}); pass --model=<a Hugging Face model folder> to train on this data")
+    parts = ([f"{lost / total:.1%} of the prompts' characters"] if lost else []) + (
+        [f"{i_lost} of --instruction's {i_total} characters"] if i_lost else [])
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"[data] warning: {said} has a tokenizer of 14 characters (digits, '=+#' and space): "
+              f"{' and '.join(parts)} (spaces aside) are none of them and vanish unseen (the first prompt reads "
+              f"{seen(texts[0])[:60]!r}); pass --model=<a Hugging Face model folder> for text", flush=True)
 
 
 def tiny_config():

@@ -198,3 +198,27 @@ def test_the_planner_takes_a_folder_with_config_json_alone_and_the_run_does_not(
     assert f"[plan] {tmp_path} on 1 x 80 GB, vllm rollout, prompt 32 + response 4 tokens" in out, out
     with pytest.raises(FileNotFoundError, match="no weights there"):
         checks.check_model(str(tmp_path), 4)
+
+
+GSM8K_ROW = {"question": "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+                         "May. How many clips did Natalia sell altogether in April and May?", "answer": "#### 72"}
+
+
+def test_text_the_embedded_tokenizer_cannot_read_is_said_or_refused(tmp_path, capsys):
+    """The embedded model's tokenizer knows 14 characters: a GSM8K file (98 % of its characters lost: it reads
+    '    48      ') is refused with what to pass; an --instruction in words is said once with its share; the
+    built-in task says nothing."""
+    import options
+    tok, path = tiny.build_tokenizer(), tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps(GSM8K_ROW) + "\n")
+    cfg = options.parse_args([f"--data={path}"])
+    with pytest.raises(ValueError, match=r"98% of the prompts' characters are none of them and vanish \(the first "
+                                         r"reads '    48   .*pass --model=<a Hugging Face model folder>"):
+        tiny.check_text(cfg.model, cfg.instruction, data.run_data(cfg, tok))
+    capsys.readouterr()
+    for argv in ([], ["--instruction=Copy the digits"]):
+        cfg = options.parse_args(argv)
+        tiny.check_text(cfg.model, cfg.instruction, data.run_data(cfg, tok))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("[data] warning: the embedded default model has a tokenizer of 14 "
+                                               "characters (digits, '=+#' and space): 13 of --instruction's 13 "), out
