@@ -104,7 +104,8 @@ def replay(row: dict) -> list:
     `bounds` {"stage" or "device stage": [share, why]})."""
     p = predict.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
     out, wider = [], row.get("bounds", {})
-    for level, figures, bound in (("allocator", row["peak_gb"], ALLOCATOR), ("device", row.get("device_gb", {}), DEVICE)):
+    for level, figures, bound in (("allocator", row["peak_gb"], ALLOCATOR),
+                                  ("device", row.get("device_gb", {}), DEVICE)):
         for s, measured in figures.items():
             if measured <= FLOOR_GB:
                 continue

@@ -7,6 +7,7 @@ which tests/test_corpus.py replays).
 import dataclasses
 import json
 import os
+from operator import attrgetter
 
 import pytest
 import torch
@@ -83,11 +84,13 @@ def test_lm_head_chunk_bytes_per_element():
     assert 0.75 * packing.HEAD_BACKWARD < per_elt <= packing.HEAD_BACKWARD * 1.025, (per_elt, packing.HEAD_BACKWARD)
     import kernel_choice
     for head, per_elt in (("eager", packing.HEAD_BACKWARD), ("compile", 8), ("auto", 8)):
-        cfg = _cfg("--model=random:qwen2.5-0.5b", "--actor.logits_chunk_tokens=256", "--actor.gradient_checkpointing=false",
+        cfg = _cfg("--model=random:qwen2.5-0.5b", "--actor.logits_chunk_tokens=256",
+                   "--actor.gradient_checkpointing=false",
                    "--rollout.response_length=512", f"--head_kernel={head}")
         z = predict.sizes(cfg, 1, 64)
         assert z.shapes.head[1] == per_elt == kernel_choice.HEAD_BYTES[head.replace("auto", "compile")][1]
-        n = z.tokens(model.make_layout(cfg.actor, cfg.actor.ppo_micro_batch_size_per_gpu, cfg.actor.ppo_max_token_len_per_gpu))
+        a = cfg.actor
+        n = z.tokens(model.make_layout(a, a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu))
         term = predict.predict(cfg, 1, 64).stage("update").terms["LM head chunk (backward)"]   # checkpointing off
         n_resp = n * z.response_len // z.T
         assert term == min(256, n_resp) * z.shapes.vocab * per_elt + n_resp * z.shapes.hidden * z.c
@@ -224,7 +227,8 @@ def test_watch_warns_once_per_kind_and_names_the_change():
 def test_oom_message_names_stage_ledger_plan_and_change():
     """explain_oom says the stage, what the ledger held after the last finished stage, the plan's
     prediction for the stage and its biggest term's remedy, in one line."""
-    p = predict.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"), 1, 128)
+    p = predict.predict(_cfg("--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8"),
+                        1, 128)
     msg = watch.explain_oom("update", p, {"mem/ref_logp/allocated_gb": 71.5}, 80)
     assert "stage update" in msg and "71.5 GB allocated after ref_logp" in msg and "--" in msg
     assert f"{p.stage('update').total / GB:.1f} GB" in msg and "\n" not in msg
@@ -359,7 +363,8 @@ def _gpt2_dir(tmp_path):
     (["--gpus=0"], "(plan.py's own: nproc, gpu_gb, prompt_len, host_gb, nproc_per_node)"),
     (["--rollout.engine=sglang"], "--rollout.engine=sglang: use one of auto, hf, vllm"),
     (["--rollout.engine=hf", "--rollout.quantization=fp8"], "--rollout.quantization=fp8 needs the vLLM engine"),
-    (["--model=/nonexistent/model"], "/nonexistent/model: no such directory; pass a local Hugging Face model directory"),
+    (["--model=/nonexistent/model"],
+     "/nonexistent/model: no such directory; pass a local Hugging Face model directory"),
     (["--nproc=3", "--train_batch_size=8"], "not divisible by the world size 3"),
     (["--actor.lr=fast"], "--actor.lr"),
     (["--nproc"], "--nproc needs a value"),
@@ -379,7 +384,8 @@ def test_plan_cli_answers_bad_input_in_one_line(args, expect, tmp_path, capsys):
 def test_plan_cli_help_lists_its_own_options(capsys):
     plan.main(["--help"])
     out = capsys.readouterr().out
-    assert all(f"--{f.name}=" in out for f in dataclasses.fields(plan.PlanConfig)) and "python train_grpo.py --help" in out
+    assert all(f"--{f.name}=" in out for f in dataclasses.fields(plan.PlanConfig))
+    assert "python train_grpo.py --help" in out
 
 
 # --------------------------------------------------------------------------- async rollout
@@ -452,7 +458,8 @@ def test_async_engine_beside_rank0_adds_to_every_stage_device_level():
         assert 0 <= extra <= 1.2 * bucket, (st.name, extra)
     top = predict.OUTSIDE + int(p1.stage("update").total * (1 + predict.UPDATE_SLACK))
     assert set(p1.device.values()) == {top}
-    assert "on rank 0's GPU" in predict.table(p0, 141 * GB) and "on each engine's own GPU" in predict.table(p1, 141 * GB)
+    assert "on rank 0's GPU" in predict.table(p0, 141 * GB)
+    assert "on each engine's own GPU" in predict.table(p1, 141 * GB)
 
 
 @pytest.mark.parametrize("response_length", [256, 8192])
@@ -541,7 +548,8 @@ def test_plan_cli_async_trainer_world_is_nproc_less_rollout_gpus(capsys):
     with pytest.raises(SystemExit) as e:
         plan.main(args + ASYNC + ["--rollout.gpus=3"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --rollout.gpus=3 leaves no trainer among the 3 rank(s)")
+    assert e.value.code == 2 and len(err) == 1
+    assert err[0].startswith("error: --rollout.gpus=3 leaves no trainer among the 3 rank(s)")
 
 
 def test_async_stage_names_in_the_run_glue():
@@ -578,15 +586,18 @@ def test_plan_keeps_the_runs_margin(capsys):
         fit = next(x for x in lines if x.startswith("[plan] fastest that fits "))
         relaxed = plan.relax(_cfg("--model=random:qwen2.5-0.5b", *[given] if given else []), 1, 64, "vllm", 80 * GB)
         room = plan.Target(1, 64, 80 * GB, margin).room(predict.predict(relaxed, 1, 64).beside)
-        assert fit.startswith(f"[plan] fastest that fits the 80 GB GPU with its {margin:.0%} margin (device level at "
-                              f"most {80 * (1 - margin):.1f} GB, the allocator's peak at most {room / GB:.1f} GB): "), fit
-        peak, device = (float(fit.split(" (peak ")[1].split(" GB")[0]), float(fit.split(" GB allocated, ")[1].split(" ")[0]))
+        assert fit.startswith(f"[plan] fastest that fits the 80 GB GPU with its {margin:.0%} margin (device level "
+                              f"at most {80 * (1 - margin):.1f} GB, the allocator's peak at most "
+                              f"{room / GB:.1f} GB): "), fit
+        peak = float(fit.split(" (peak ")[1].split(" GB")[0])
+        device = float(fit.split(" GB allocated, ")[1].split(" ")[0])
         assert peak <= room / GB and device <= 80 * (1 - margin)   # each figure under the bound of its own kind
 
 
 def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
     """7B full fine-tuning without checkpoints on a 76 GB GPU: nothing keeps 10 % free (Adam streamed, the least
-    device level is 75.9 GB), but the least device memory fits inside it. The plan names the margin that fits (the largest in hundredths), what the 10 % keeps, and the
+    device level is 75.9 GB), but the least device memory fits inside it. The plan names the margin that fits (the
+    largest in hundredths), what the 10 % keeps, and the
     fastest flags there, not "a bigger GPU"; those flags do fit at that margin."""
     args = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8", "--save_freq=0",
             "--rollout.response_length=128", "--prompt_len=128", "--gpu_gb=76"]
@@ -598,7 +609,8 @@ def test_plan_names_the_margin_when_the_margin_is_what_fails(capsys):
     flags = under.split(": ", 1)[1].split(" (peak")[0].split()
     cfg, t = _cfg(*args[:5]), plan.Target(1, 128, 76 * GB, m)
     found = options.parse_args(args[:5] + flags)
-    assert t.fits(predict.predict(found, 1, 128)) and plan.choose(cfg, dataclasses.replace(t, margin=0.1)) == (None, None)
+    assert t.fits(predict.predict(found, 1, 128))
+    assert plan.choose(cfg, dataclasses.replace(t, margin=0.1)) == (None, None)
     assert not plan.fits_at_all(cfg, dataclasses.replace(t, margin=m + 0.01))   # the largest that fits
 
 
@@ -691,9 +703,11 @@ def test_relax_lifts_checkpointing_only_when_the_run_fits_without_it_and_it_was_
     cfg = _cfg(*args)
     relaxed = plan.relax(cfg, 1, 256, "vllm", 80 * GB)
     assert not relaxed.actor.gradient_checkpointing and cfg.actor.gradient_checkpointing
-    assert capsys.readouterr().out.startswith("[plan] actor.gradient_checkpointing=false: faster, and the run keeps 10% "
-                                              "of the 80 GB GPU free by the plan (pass --actor.gradient_checkpointing=true")
-    on, off = (predict.predict(plan.with_options(cfg, {"actor.gradient_checkpointing": v}), 1, 256) for v in (True, False))
+    assert capsys.readouterr().out.startswith(
+        "[plan] actor.gradient_checkpointing=false: faster, and the run keeps 10% "
+        "of the 80 GB GPU free by the plan (pass --actor.gradient_checkpointing=true")
+    on, off = (predict.predict(plan.with_options(cfg, {"actor.gradient_checkpointing": v}), 1, 256)
+               for v in (True, False))
     gpu = int((on.device_peak + off.device_peak) / 2 / 0.9)    # fits with checkpointing, not without
     assert plan.Target(1, 256, gpu).fits(on) and not plan.Target(1, 256, gpu).fits(off)
     assert plan.relax(cfg, 1, 256, "vllm", gpu).actor.gradient_checkpointing
@@ -732,7 +746,8 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
     micro-batch doubles while the plan keeps the margin (64 of the 128 samples; 128 does not fit without
     checkpointing) and the ref forward's to the whole batch (128 x 320 tokens, under FORWARD_TOKENS), said in
     the line with how to keep the defaults. Sizes set on the command line, a token budget and a smaller GPU
-    keep them (48 GB: checkpointing stays on, and with it the whole mini-batch fits); on the real task's 512 + 200 tokens the forward stops at 64 (FORWARD_TOKENS)."""
+    keep them (48 GB: checkpointing stays on, and with it the whole mini-batch fits); on the real task's 512 + 200
+    tokens the forward stops at 64 (FORWARD_TOKENS)."""
     args = ["--model=random:qwen2.5-1.5b", "--train_batch_size=16", "--actor.ppo_mini_batch_size=16",
             "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04"]
     relaxed = plan.relax(_cfg(*args), 1, 64, "vllm", 140 * GB)
@@ -749,7 +764,8 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
         plan.with_options(relaxed, {"actor.ppo_micro_batch_size_per_gpu": 128}), 1, 64))
     assert predict.predict(relaxed, 1, 64).seconds < predict.predict(
         plan.with_options(relaxed, {"actor.ppo_micro_batch_size_per_gpu": 16}), 1, 64).seconds
-    given = plan.relax(_cfg(*args, "--actor.ppo_micro_batch_size_per_gpu=16", "--ref.log_prob_micro_batch_size_per_gpu=32"),
+    given = plan.relax(_cfg(*args, "--actor.ppo_micro_batch_size_per_gpu=16",
+                            "--ref.log_prob_micro_batch_size_per_gpu=32"),
                        1, 64, "vllm", 140 * GB)
     assert (given.actor.ppo_micro_batch_size_per_gpu, given.ref.log_prob_micro_batch_size_per_gpu) == (16, 32)
     budget = plan.relax(_cfg(*args, "--actor.use_dynamic_bsz=true"), 1, 64, "vllm", 140 * GB)
@@ -762,7 +778,8 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
     assert real.ref.log_prob_micro_batch_size_per_gpu == 64 == plan.FORWARD_TOKENS // 712 // 64 * 64
     plan.main(args + ["--gpu_gb=140", "--prompt_len=64"])         # plan.py plans the run's own configuration
     out = capsys.readouterr().out.splitlines()
-    assert out[-1] == ("[plan] planned as the run sets itself up on this GPU (plan.relax): --actor.gradient_checkpointing="
+    assert out[-1] == ("[plan] planned as the run sets itself up on this GPU (plan.relax): "
+                       "--actor.gradient_checkpointing="
                        "false --actor.ppo_micro_batch_size_per_gpu=64 --ref.log_prob_micro_batch_size_per_gpu=128; the "
                        "command line keeps what it sets") and "the configuration as given (peak 8" in out[-2]
     plan.main(args + ["--gpu_gb=140", "--prompt_len=64", "--offload=auto"])
@@ -771,7 +788,8 @@ def test_relax_grows_the_micro_batches_the_command_line_left_while_the_run_fits(
 
 def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
     """A checkpoint brings one trained role's fp32 params and all of its Adam in at once (checkpoint._write),
-    unless Adam is streamed, and a resume's load adds a zero grad a param (torch's helper makes the optimizer's state with
+    unless Adam is streamed, and a resume's load adds a zero grad a param (torch's helper makes the optimizer's
+    state with
     them): the plan holds that bracket (the actor's 16 bytes a parameter beside what the others hold between
     uses) when --save_freq > 0 and none with --save_freq=0; a run whose bracket is past its GPU is refused at
     start with --save_freq=0 named (not after 50 steps), and a CPU run (0 bytes) is not."""
@@ -785,7 +803,8 @@ def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
     assert 4 * params < streamed.checkpoint < min(6 * params, max(s.total for s in streamed.stages))
     predict.checkpoint_fits(_cfg(*args, "--actor.optimizer_stream=true"), streamed, 80 * GB)
     assert predict.predict(_cfg(*args, "--save_freq=0"), 1, 256).checkpoint == 0
-    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* \(114\.\d GB by the plan; .* use .*--actor.optimizer_stream=true .* --save_freq=0"):
+    with pytest.raises(ValueError, match=r"--save_freq=50 steps brings .* \(114\.\d GB by the plan; "
+                                         r".* use .*--actor.optimizer_stream=true .* --save_freq=0"):
         predict.checkpoint_fits(_cfg(*args), p, 80 * GB)
     predict.checkpoint_fits(_cfg(*args), p, 141 * GB)
     predict.checkpoint_fits(_cfg(*args), p, 0)
@@ -834,10 +853,11 @@ def test_throughput_reads_the_decode_of_a_colocated_and_of_an_async_engine():
     asynchronous = ledger.throughput({"rollout/engine_generate_s": 1.5, "time/rollout_wait": 0.1}, flops, 1e15, decode)
     assert asynchronous["perf/decode_step_ms"] == pytest.approx(3.0) and "perf/bracket_frac" not in asynchronous
     assert "generate" in ledger.perf_line(asynchronous, 1e15) and "bracket" not in ledger.perf_line(asynchronous, 1e15)
-    assert ledger.throughput({"time/update": 1.0}, flops, 1e15, decode).keys() == {"perf/update_tflops", "perf/update_mfu"}
+    assert ledger.throughput({"time/update": 1.0}, flops, 1e15, decode).keys() == {"perf/update_tflops",
+                                                                                   "perf/update_mfu"}
 
 
-# --------------------------------------------------------------------------- the checkpoint bracket, the stream's window
+# --------------------------------------------------------------------------- the checkpoint, the stream's window
 TEMPLATE_7B = ["--model=random:qwen2.5-7b", "--train_batch_size=8", "--rollout.n=8", "--actor.ppo_mini_batch_size=8",
                "--rollout.response_length=1024", "--actor.ppo_micro_batch_size_per_gpu=4", "--ref.param_offload=true",
                "--actor.optimizer_offload=true", "--actor.optimizer_stream=true"]
@@ -863,14 +883,16 @@ def test_a_wider_stream_window_is_planned_above_by_what_it_holds():
 def test_a_separate_critics_checkpoint_is_in_the_bracket():
     """PPO with a separate critic whose Adam is offloaded, not streamed, beside an actor whose Adam is: the checkpoint's
     bracket is the critic's (its fp32 params, all of its Adam and a load's zero grads, 16 bytes a parameter), above
-    the same run's with the critic's Adam streamed too (params and a window), and a GPU it cannot fit refuses the run."""
+    the same run's with the critic's Adam streamed too (params and a window), and a GPU it cannot fit refuses the
+    run."""
     args = [*TEMPLATE_7B[:6], "--actor.optimizer_offload=true", "--actor.optimizer_stream=true",
             "--algorithm.adv_estimator=gae", "--critic.mode=separate", "--ref.param_offload=true",
             "--critic.optimizer_offload=true"]                      # its Adam on the host between uses
     s = predict.shapes("random:qwen2.5-7b")
     p = predict.predict(_cfg(*args), 1, 512)
     streamed = predict.predict(_cfg(*args, "--critic.optimizer_stream=true"), 1, 512)
-    assert p.checkpoint - streamed.checkpoint > 8 * (s.params - 2 * s.vocab * s.hidden)   # all of its Adam, a grad less a window
+    # all of the critic's Adam and its zero grads, less a window
+    assert p.checkpoint - streamed.checkpoint > 8 * (s.params - 2 * s.vocab * s.hidden)
     with pytest.raises(ValueError, match=r"--save_freq=50 steps brings a trained role's fp32 params"):
         predict.checkpoint_fits(_cfg(*args), p, 80 * GB)
     predict.checkpoint_fits(_cfg(*args), streamed, 80 * GB)
@@ -906,9 +928,10 @@ def test_relax_offers_only_micro_batches_that_divide_their_rows(world):
             continue
         rows, mini_rows = batch * n // world, mini * n // world
         for c in plan.relaxations(cfg, world, 64):
-            for size, total, given in ((c.actor.ppo_micro_batch_size_per_gpu, mini_rows, cfg.actor.ppo_micro_batch_size_per_gpu),
-                                       (c.ref.log_prob_micro_batch_size_per_gpu, rows, cfg.ref.log_prob_micro_batch_size_per_gpu),
-                                       (c.actor.log_prob_micro_batch_size_per_gpu, rows, cfg.actor.log_prob_micro_batch_size_per_gpu)):
+            for key, total in (("actor.ppo_micro_batch_size_per_gpu", mini_rows),
+                               ("ref.log_prob_micro_batch_size_per_gpu", rows),
+                               ("actor.log_prob_micro_batch_size_per_gpu", rows)):
+                size, given = attrgetter(key)(c), attrgetter(key)(cfg)
                 assert size == given or total % size == 0, (world, batch, n, mini, size, total)
     cfg = _cfg("--model=random:qwen2.5-1.5b", "--train_batch_size=24", "--actor.ppo_mini_batch_size=24",
                "--rollout.n=8", "--rollout.response_length=256", "--actor.kl_loss_coef=0.04")
