@@ -111,10 +111,13 @@ class Target:
 
 
 def sequence_parallel_sizes(cfg, world: int) -> list[int]:
-    """The Ulysses sizes the search may take (ulysses.sizes); none but the given one unpacked (it splits packed rows)."""
+    """The Ulysses sizes the search may take (ulysses.sizes); none but the given one unpacked (it splits packed
+    rows)."""
     s, a = shapes(cfg.model), cfg.actor
     k = a.ulysses_sequence_parallel_size
-    return ulysses.sizes(k, world, s.heads, s.kv_heads, a.ppo_mini_batch_size * cfg.rollout.n) if a.remove_padding else [k]
+    if not a.remove_padding:
+        return [k]
+    return ulysses.sizes(k, world, s.heads, s.kv_heads, a.ppo_mini_batch_size * cfg.rollout.n)
 
 
 def candidates(cfg, world: int, frugal: bool = False):
@@ -133,7 +136,8 @@ def candidates(cfg, world: int, frugal: bool = False):
         flags = dict(zip(space, values))
         if _needless(cfg, flags):
             continue
-        picks = {k: v if most is None else min(most, v) for (keys, _), v in zip(axes, picked) for k, most in keys.items()}
+        picks = {k: v if most is None else min(most, v)   # a forward's micro-batch at most its own
+                 for (keys, _), v in zip(axes, picked) for k, most in keys.items()}
         yield with_options(cfg, {**flags, **picks})
 
 

@@ -37,10 +37,11 @@ def what_would_fit(cfg, t: Target) -> list[str]:
     responses, the roles' RESCUE)."""
     tries, engines = [], cfg.rollout.gpus if cfg.rollout.mode == "async" else 0   # async: torchrun starts them too
     for k in (2, 4, 8, 16, 32, 64):            # the same samples per GPU on more GPUs
-        tries.append((f"{t.world * k + engines} GPUs" + (f" ({t.world * k} trainer + {engines} rollout)" if engines else "")
-                      + f" (torchrun --nnodes / --nproc_per_node; train_batch_size x{k} keeps "
-                      f"the samples per GPU)", t.world * k, {"train_batch_size": cfg.train_batch_size * k,
-                                                             "actor.ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size * k}))
+        split = f" ({t.world * k} trainer + {engines} rollout)" if engines else ""
+        tries.append((f"{t.world * k + engines} GPUs{split} (torchrun --nnodes / --nproc_per_node; train_batch_size "
+                      f"x{k} keeps the samples per GPU)", t.world * k,
+                      {"train_batch_size": cfg.train_batch_size * k,
+                       "actor.ppo_mini_batch_size": cfg.actor.ppo_mini_batch_size * k}))
     for k in (2, 4, 8):
         tries.append((f"rollout.n={max(1, cfg.rollout.n // k)}", t.world, {"rollout.n": max(1, cfg.rollout.n // k)}))
         length = max(1, cfg.rollout.response_length // k)
@@ -117,8 +118,8 @@ def report(cfg, t: Target) -> str:
         flags = changes(cfg, best)
         out.append(f"[plan] fastest that fits {t.says(best_plan.beside)}: "
                    + (" ".join(flags) if flags else "the configuration as given")
-                   + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB device-level, "
-                   f"step ~{best_plan.seconds:.1f} s)")
+                   + f" (peak {best_plan.peak / GB:.1f} GB allocated, {best_plan.device_peak / GB:.1f} GB "
+                   f"device-level, step ~{best_plan.seconds:.1f} s)")
     suggestion = async_suggestion(cfg, t, best_plan)
     return "\n".join(out + ([suggestion] if suggestion else []))
 
@@ -129,7 +130,8 @@ def assumed(cfg, engine: str) -> str:
     A ValueError where the run would refuse the options (FP8 on HF generate, liger for a model not Qwen2)."""
     rollout.check_fp8(cfg.rollout, engine)
     used, why = kernel_choice.planned(cfg.kernels, model_config(cfg.model).model_type)
-    how = "as given" if cfg.rollout.engine != "auto" else "auto: a GPU node with vLLM; --rollout.engine=hf plans HF generate"
+    how = "as given" if cfg.rollout.engine != "auto" else \
+        "auto: a GPU node with vLLM; --rollout.engine=hf plans HF generate"
     head = kernel_choice.planned_head(cfg.head_kernel)
     return f"[plan] assumed: {engine} rollout ({how}); {used} kernels ({why}); the LM head {head}" + \
         (" (auto: a GPU's; --head_kernel=eager plans the other)" if cfg.head_kernel == "auto" else " (as given)")
@@ -142,8 +144,9 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
     fits, under = what_would_fit(cfg, t), margin_fit(cfg, t)
     if under:
         m, p = under[0], under[2]
-        fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the {t.gpu_bytes / GB:.0f} "
-                f"GB GPU; the {t.margin:.0%} margin keeps {t.margin * t.gpu_bytes / GB:.1f} GB free)"] + fits
+        fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the "
+                f"{t.gpu_bytes / GB:.0f} GB GPU; the {t.margin:.0%} margin keeps "
+                f"{t.margin * t.gpu_bytes / GB:.1f} GB free)"] + fits
     room = (t.says(plan.beside) if budget > 0 else
             f"on a {t.gpu_bytes / GB:.1f} GB GPU: its {t.margin:.0%} margin, the CUDA context and "
             f"{plan.beside / GB:.1f} GB outside the trainer ({'the engine' if ro.mode == 'async' else 'vLLM'}) "
@@ -153,8 +156,8 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
     if under:
         m, best, p = under
         out.append(f"[plan] with --plan_margin={m:.2f}: {' '.join(changes(cfg, best)) or 'the configuration as given'} "
-                   f"(peak {p.peak / GB:.1f} GB allocated, {p.device_peak / GB:.1f} GB device-level, step ~{p.seconds:.1f} "
-                   f"s; near the top the allocator may have to free its cache and retry)")
+                   f"(peak {p.peak / GB:.1f} GB allocated, {p.device_peak / GB:.1f} GB device-level, "
+                   f"step ~{p.seconds:.1f} s; near the top the allocator may have to free its cache and retry)")
     return out
 
 
@@ -185,7 +188,8 @@ def templates() -> str:
             best, p = margin[1:] if margin else (best, p)
             if best is None:
                 fits = what_would_fit(cfg, target)
-                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {'; '.join(fits[:2]) or '-'} | - | - | - |")
+                would = "; ".join(fits[:2]) or "-"
+                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {would} | - | - | - |")
             else:
                 flags = ((["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
                          + ([f"--plan_margin={margin[0]:.2f}"] if margin else []))
@@ -196,7 +200,8 @@ def templates() -> str:
 
 @dataclass
 class PlanConfig:                          # plan.py's own options (everything else is a train_grpo.py option)
-    nproc: int = 1                         # GPUs (ranks) torchrun starts (async: the trainer's are nproc - rollout.gpus)
+    nproc: int = 1                         # GPUs (ranks) torchrun starts (async: the trainer's are
+                                           # nproc - rollout.gpus)
     gpu_gb: float = 80.0                   # memory of one GPU, GB
     prompt_len: int = 0                    # the longest prompt in tokens (0: read from --data, or the copy task's)
     host_gb: float = 0.0                   # host RAM per node, GB (0: pinned memory not checked)
@@ -204,7 +209,7 @@ class PlanConfig:                          # plan.py's own options (everything e
 
 
 RANGES = {"nproc": ">= 1", "gpu_gb": "> 0", "prompt_len": ">= 0", "host_gb": ">= 0", "nproc_per_node": ">= 0"}
-CHOICES = {}           # the margin (--plan_margin), the engine and the kernels are the run's options: the plan reads them
+CHOICES = {}   # the margin (--plan_margin), the engine and the kernels are the run's options: the plan reads them
 
 
 def _own(argv: list) -> tuple:
@@ -227,7 +232,8 @@ def usage() -> str:
     return "\n".join(["python plan.py [plan options] [any train_grpo.py option: python train_grpo.py --help]",
                       "  --templates  the size table (0.5B / 7B / 72B on 1x80, 8x80, 8x141 GB)",
                       "  --plot=RUN   RUN/memory.png from its metrics.jsonl",
-                      "  the margin, the engine and the kernels are the run's own: --plan_margin, --rollout.engine, --kernels",
+                      "  the margin, the engine and the kernels are the run's own: --plan_margin, --rollout.engine, "
+                      "--kernels",
                       options.usage({"": (PlanConfig(), RANGES, CHOICES)}).split("\n", 3)[3]
                       .replace("[run]", "plan.py's own options:")])
 
@@ -261,8 +267,9 @@ def main(argv=None):
     t = Target(world, prompt_len, int(own.gpu_gb * GB), cfg.plan_margin, engine,
                int(own.host_gb * GB / (own.nproc_per_node or min(own.nproc, 8))))
     relaxed = relax(cfg, world, prompt_len, engine, t.gpu_bytes, rank=1)   # the run's own config on this GPU
-    print(report(relaxed, t) + (f"\n[plan] planned as the run sets itself up on this GPU (plan.relax): {' '.join(moved)}"
-                                f"; the command line keeps what it sets" if (moved := changes(cfg, relaxed)) else ""))
+    moved = changes(cfg, relaxed)
+    print(report(relaxed, t) + (f"\n[plan] planned as the run sets itself up on this GPU (plan.relax): "
+                                f"{' '.join(moved)}; the command line keeps what it sets" if moved else ""))
 
 
 def _prompt_len(cfg) -> int:
@@ -291,7 +298,8 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     if device.type != "cuda":
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
-    target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind, ledger.host_bytes_per_rank())
+    target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind,
+                    ledger.host_bytes_per_rank())
     best, p = choose(cfg, target)
     if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
         best, p = choose(cfg, replace(target, margin=0.0), least_memory=True)
@@ -365,7 +373,8 @@ def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> s
         return None
     where = "over the GPU's" if p.device[worst] > gpu else f"inside the {cfg.plan_margin:.0%} margin of the GPU's"
     auto = ""
-    if cfg.offload != "auto":                  # what plan_auto would do: the fastest that keeps the margin, or the least
+    if cfg.offload != "auto":                  # what plan_auto would do: the fastest that keeps the margin, or the
+                                               # least
         t = Target(world, prompt_len, gpu, cfg.plan_margin, engine, ledger.host_bytes_per_rank())
         best, bp = choose(cfg, t)
         how = "choose" if best else "take the least device memory (nothing keeps the margin)"
