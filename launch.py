@@ -45,8 +45,8 @@ def init_distributed(timeout_s: float | None = None, world_size: int | None = No
         wait = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
         if "RANK" in os.environ:
             ranks = {"rank": int(os.environ["RANK"]), "world_size": world_size} if world_size else {}
-            dist.init_process_group(backend, device_id=device if cuda else None, **wait,
-                                    **{**ranks, **restart_store(timeout_s, world_size)})   # torchrun restarted us: a fresh store
+            store = restart_store(timeout_s, world_size)   # torchrun restarted us: a fresh store
+            dist.init_process_group(backend, device_id=device if cuda else None, **wait, **{**ranks, **store})
         else:
             one_process_group(device, **wait)
     return dist.get_rank(), dist.get_world_size(), device

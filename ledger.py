@@ -41,7 +41,8 @@ def gpu_capacity(device) -> int:
 
 def host_bytes_per_rank() -> int:
     """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // ranks
 
 
 def host_available() -> int:
@@ -83,8 +84,9 @@ def _watch():
     while True:
         time.sleep(PROGRESS_S / 4)
         name, t0, step = _now.get("name"), _now.get("t0", 0.0), _now.get("step")
-        if name and time.perf_counter() - t0 >= PROGRESS_S and said != (name, t0, int((time.perf_counter() - t0) // PROGRESS_S)):
-            said = (name, t0, int((time.perf_counter() - t0) // PROGRESS_S))
+        now = (name, t0, int((time.perf_counter() - t0) // PROGRESS_S))   # one line each PROGRESS_S
+        if name and time.perf_counter() - t0 >= PROGRESS_S and said != now:
+            said = now
             print(f"[progress] step {step}: {name} has run {time.perf_counter() - t0:.0f} s", flush=True)
 
 
@@ -143,8 +145,10 @@ def _site(frames: list) -> str:
     """Where a CUDA block was made, from its allocation's stack (innermost first): the innermost frame, then the
     first two of this project or of vLLM ("" without a stack)."""
     root = os.path.dirname(os.path.abspath(__file__))
-    ours = [f"{os.path.relpath(f['filename'], root) if f['filename'].startswith(root) else f['filename'].split('site-packages/')[-1]}"
-            f":{f['line']}" for f in frames if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
+    def where(f):
+        path = f["filename"]
+        return os.path.relpath(path, root) if path.startswith(root) else path.split("site-packages/")[-1]
+    ours = [f"{where(f)}:{f['line']}" for f in frames if f["filename"].startswith(root) or "/vllm/" in f["filename"]]
     return " < ".join([f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in frames[:1]] + ours[:2])
 
 
@@ -190,7 +194,8 @@ def peak_blocks(snapshot: dict, before: int, top: int = 12) -> dict:
             old_gone += e["size"]
     sums = {}
     for e in at.values():
-        site = _site(e.get("frames", [])) or f"no Python stack (autograd's thread): blocks of {e['size'] / 2 ** 20:.1f} MiB"
+        site = _site(e.get("frames", [])) or \
+            f"no Python stack (autograd's thread): blocks of {e['size'] / 2 ** 20:.1f} MiB"
         sums[site] = sums.get(site, 0) + e["size"]
     rows = [(n, "allocated before the stretch, still live at its peak")] if (n := before - old_gone) else []
     rows += sorted(((n, s) for s, n in sums.items()), reverse=True)[:top]
@@ -280,13 +285,15 @@ def throughput(m: dict, flops: dict, peak: float, decode: tuple | None = None) -
 
 def perf_line(m: dict, peak: float) -> str | None:
     """The step's throughput in one line (the set-up report's, after the first step)."""
-    stages = [f"{k[5:-7]} {m[k]:.3g} TFLOP/s" + (f" ({100 * m[k[:-7] + '_mfu']:.0f} % MFU)" if k[:-7] + "_mfu" in m else "")
+    stages = [f"{k[5:-7]} {m[k]:.3g} TFLOP/s" + (f" ({100 * m[k[:-7] + '_mfu']:.0f} % MFU)"
+                                                 if k[:-7] + "_mfu" in m else "")
               for k in m if k.startswith("perf/") and k.endswith("_tflops")]
     if "perf/generate_tokens_per_s" in m:
         bound = f", weight-read bound {m['perf/decode_bound_ms']:.2f} ms" if "perf/decode_bound_ms" in m else ""
+        bracket = f", the bracket {100 * m['perf/bracket_frac']:.0f} % of the stage" \
+            if "perf/bracket_frac" in m else ""
         stages.append(f"generate {m['perf/generate_tokens_per_s'] / 1e3:.1f}k tokens/s, decode step "
-                      f"{m['perf/decode_step_ms']:.2f} ms{bound}" + (f", the bracket {100 * m['perf/bracket_frac']:.0f} %"
-                      f" of the stage" if "perf/bracket_frac" in m else ""))
+                      f"{m['perf/decode_step_ms']:.2f} ms{bound}{bracket}")
     return ("[perf] " + "; ".join(stages) + (f" (MFU against the measured bf16 matmul peak, {peak / 1e12:.0f} TFLOP/s; "
                                              f"model FLOPs: 6 x params a token trained, 2 forward)" if peak else "")) \
         if stages else None

@@ -180,8 +180,8 @@ def start(run, engine: rollout.Engine, *, model, prompt_len: int, dp: int, dp_ra
         transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
         engine_dir = os.path.join(run.out_dir, "vllm_config", "engine")
         where = rollout.model_dir(run.model, config, engine_dir) if device.type == "cuda" else None
-        spec = rollout_engine.Spec(cfg, config, where, req, pad_id, eos_id, layout, bucket_bytes, transport, (_host(), 0),
-                                   run.dist_timeout_s)
+        spec = rollout_engine.Spec(cfg, config, where, req, pad_id, eos_id, layout, bucket_bytes, transport,
+                                   (_host(), 0), run.dist_timeout_s)
         _connect(s, spec)
     push(s, model, stashes, version, {})
     return s
@@ -256,8 +256,8 @@ def _accept(listener, k: int, timeout_s: float, procs: list) -> list:
     while not done.wait(0.5):
         dead = [p for p in procs if not p.is_alive()]
         if dead:
-            raise rollout_engine.EngineDied(f"rollout engine process {dead[0].pid} exited with code {dead[0].exitcode} before it "
-                             f"connected (its output above says why)")
+            raise rollout_engine.EngineDied(f"rollout engine process {dead[0].pid} exited with code "
+                                            f"{dead[0].exitcode} before it connected (its output above says why)")
         if time.time() - t0 > timeout_s:
             raise rollout_engine.EngineDied(f"{k - len(conns)} rollout engine(s) did not connect within "
                                             f"--dist_timeout_s={timeout_s:g} s")
@@ -312,7 +312,8 @@ def _order(s: Stream, step: int, prompts_of):
     per = rollout_engine.prompts_per_engine(s.cfg, len(prompts))
     for i in range(s.engines):
         _send(s, i, ("order", {"step": step, "prompts": prompts[i * per:(i + 1) * per],
-                               "seed": rollout.sample_seed(s.seed, step, i, s.engines), "min_version": step - s.cfg.max_staleness}))
+                               "seed": rollout.sample_seed(s.seed, step, i, s.engines),
+                               "min_version": step - s.cfg.max_staleness}))
 
 
 def take(s: Stream, step: int, prompts_of, metrics: dict) -> list:
@@ -350,7 +351,8 @@ def _taken(s: Stream, step: int, prompts_of) -> tuple:
     engine = {k: max(p["stats"][k] for p in parts) for k in parts[0]["stats"]}
     return [samples[r * per:(r + 1) * per] for r in range(s.dp)], {
         "rollout/staleness_max": max(staleness), "rollout/staleness_mean": sum(staleness) / len(staleness),
-        "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting, "rollout/buffer_ordered": s.buffer.ordered,
+        "rollout/wait_s": waited, "rollout/buffer_samples": s.buffer.waiting,
+        "rollout/buffer_ordered": s.buffer.ordered,
         "rollout/buffer_gb": s.buffer.nbytes / offload.GB, **{f"rollout/engine_{k}": v for k, v in engine.items()}}
 
 

@@ -223,7 +223,8 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
     eta = (time.time() - t_start) / (step + 1 - first) * (steps - step - 1)
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step} ({step + 1}/{steps}) [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
-    keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm", "response_length", "time/step",
+    keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm",
+            "response_length", "time/step",
             "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
             "rollout/logp_diff_max", "critic/vf_loss"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]
@@ -284,7 +285,8 @@ def series(rows: list[dict]) -> tuple[dict, dict]:
     for k in keys:                         # offload/<group>/<copy>_gb (+ _gbps; a background prefetch: _gb only)
         m = re.fullmatch(r"offload/(.+)/([a-z]+)_gb", k)
         if m:
-            copies[f"{m.group(1)} {m.group(2)}"] = {"gb": col(k), "gbps": col(f"offload/{m.group(1)}/{m.group(2)}_gbps")}
+            gbps = col(f"offload/{m.group(1)}/{m.group(2)}_gbps")
+            copies[f"{m.group(1)} {m.group(2)}"] = {"gb": col(k), "gbps": gbps}
     return memory, copies
 
 

@@ -36,9 +36,10 @@ def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, core_pr
     torch.cuda.empty_cache()                 # vLLM counts cached-but-free blocks as taken
     share = start_share(cfg, kv, need, *torch.cuda.mem_get_info())
     budget = {"kv_cache_memory_bytes": kv} if kv else {}
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy", tensor_parallel_size=cfg.tensor_parallel_size,
-              dtype=req.dtype, enforce_eager=cfg.enforce_eager, max_model_len=req.length, max_num_seqs=req.seqs,
-              seed=seed, logprobs_mode="processed_logprobs", gpu_memory_utilization=share, kv_cache_dtype=cfg.kv_cache_dtype,
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, load_format="dummy",
+              tensor_parallel_size=cfg.tensor_parallel_size, dtype=req.dtype, enforce_eager=cfg.enforce_eager,
+              max_model_len=req.length, max_num_seqs=req.seqs, seed=seed, logprobs_mode="processed_logprobs",
+              gpu_memory_utilization=share, kv_cache_dtype=cfg.kv_cache_dtype,
               quantization=None if cfg.quantization == "none" else cfg.quantization, **budget, **engine_args)
     torch.set_rng_state(rng[0]), torch.cuda.set_rng_state(rng[1])   # LLM() reseeds the global RNGs
     # vLLM's engine core and worker gc.freeze() the whole heap once started (a server's start-up objects are
@@ -54,7 +55,8 @@ def check_allocator():
     before anything is built (`rollout.resolve_engine`, the pre-flight of a colocated run) and at the build."""
     if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         raise ValueError("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True conflicts with vLLM's sleep pool in this "
-                         "process: unset it (--rollout.mode=async sets it for the trainer, whose process holds no engine)")
+                         "process: unset it (--rollout.mode=async sets it for the trainer, whose process holds no "
+                         "engine)")
 
 
 @contextlib.contextmanager
