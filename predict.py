@@ -53,7 +53,7 @@ MICRO_LAYER = 4.5e-3         # seconds per micro-batch and layer of an update (l
 TP_ALLREDUCE = 15e-6         # a tensor-parallel engine's all-reduce, twice per layer per decoding step
 FITTED_SEQS = 128            # the sequences of DECODE_STEP's fit; an async engine's beyond them add their KV reads
 EMPTY_S_PER_GB = 0.9e-3      # vLLM asleep: the bracket's first empty_cache, s a GiB of the reserve it gives back; and
-SLEEP_WAKE_S = (0.025, 0.007)  # its sleep and two wakes, s + s a GiB of its weights and KV (rounds 16-17, the 7B runs)
+SLEEP_WAKE_S = (0.025, 0.007)  # its sleep and two wakes, s + s a GiB of its weights and KV (measured on the 7B runs)
 PUSH_BPS = 25e9              # async: bytes/s of the weight push (gather, bucket copy, NCCL or CUDA IPC); a
                              # placeholder until a 2-GPU push is measured (the 1-GPU one: 2.9 GB in 0.094 s)
 
