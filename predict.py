@@ -268,8 +268,8 @@ def checkpoint_bytes(r: Run, st: dict) -> int:
 def freed_windows(r: Run, st: dict) -> dict:
     """A streamed step's reserve beyond its update's slack: one more of its largest window (the embeddings' at
     Qwen2.5), measured, not yet explained (the backward's cached blocks too small for a window are the likely
-    cause; `bench_offload.py --empty_before_step` tests it). Round 13, 7B GRPO with the 1 x 80 GB template: 74.96
-    GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; round 11's 1.5B: 25.96 against 25.79."""
+    cause; `bench_offload.py --empty_before_step` tests it). Measured at 7B, GRPO with the 1 x 80 GB template: 74.96
+    GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; at 1.5B: 25.96 against 25.79."""
     out = {"update": actor.predicted_windows(r.cfg.actor, r.z, st, max)}   # each role's: 0 when it does not stream
     if r.separate:
         out["critic_update"] = critic.predicted_windows(r.cfg.critic, r.z, max)
@@ -323,7 +323,7 @@ def _device_levels(plan: Plan, r: Run, between: int, freed: dict) -> dict:
 
 def _grads_apart(st: Stage, r: Run) -> int:
     """A checkpointed update reserves its fp32 grads beside the layer inputs its backward frees (smaller than a layer's
-    grads: never reused for them): on a peak before the grads, the grads; on the last layer's (round 19), the inputs."""
+    grads: never reused for them): on a peak before the grads, the grads; on the last layer's (at 1.5B), the inputs."""
     group = "activations (layer inputs)" if "LM head weight grad" in st.terms else "actor grads"   # last_layer_backward
     return st.held(group) if r.cfg.actor.gradient_checkpointing and group not in st.terms else 0
 

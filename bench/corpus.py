@@ -157,7 +157,8 @@ def table(corpus: dict) -> str:
         n = [sum(lv == level for _, lv, *_ in held) for level in ("allocator", "device")]
         lines.append(f"| {size} | {len(by[size])} | {n[0]} / {n[1]} | {cols[0]} | {cols[1]} |")
     template = next(r for r in corpus["rows"] if r["name"].startswith("qwen2.5-7b the 1 x 80 GB template"))
-    lines += ["", f"{template['name']} ({template['gpu']}, {template['source']}), GB:", "",
+    where = f"{template['gpu']}, at {template['commit']}, `{template['source'].split(' (')[0]}`"
+    lines += ["", f"{template['name']} ({where}), GB:", "",
               "| stage | allocator measured | plan | device measured | plan |", "|---|---|---|---|---|"]
     got = {(s, lv): (m, p) for s, lv, m, p, *_ in replay(template)}
     for s in template["peak_gb"]:

@@ -142,7 +142,7 @@ def test_choose_finds_the_flags_that_fit_or_says_what_would():
     margin). 7B full fine-tuning keeps 5 % of one 80 GB GPU free only with Adam streamed from the host
     (the whole-state offload brings all of Adam back for the step: 114 GiB of fp32 params, grads and
     moments at the update), checkpoints every 50 steps included (the stream's Adam is written and read on
-    the host), and not 10 % (round 13 measured 76.1 GB at the streamed update, planned 75.9); the
+    the host), and not 10 % (measured at 7B on one H200: 76.1 GB at the streamed update, planned 75.9); the
     least-memory choice streams it too. Below that device level (64 GB) nothing fits; 72B
     on one 80 GB GPU fits with nothing, and the planner names more GPUs."""
     cfg = _cfg("--model=random:qwen2.5-3b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
@@ -240,7 +240,7 @@ TRUTH = os.path.join(HERE, "bench", "results", "corpus.json")
 def test_the_fused_kernels_updates_within_2_percent_and_their_forwards_within_5():
     """The update peaks recorded with Liger or compiled layers and checkpointing off (0.5B and 1.5B, 32 and 128
     samples a micro-batch: the defaults' `plan.relax` choice) within 2 % of the plan, their ref forwards within
-    5 %: the issue's bar for the defaults is 5 % at the allocator level (round 14 measured 7-8 % before the
+    5 %: the bar for the defaults is 5 % at the allocator level (measured 7-8 % off before the
     fused norms' term was fitted)."""
     with open(TRUTH) as f:
         rows = [r for r in json.load(f)["rows"] if {"--kernels=liger", "--kernels=compile"} & set(r["args"])
@@ -257,7 +257,7 @@ def test_checkpointed_updates_of_128_samples_within_5_percent():
     """With checkpointing at the micro-batch `plan.relax` grows to (128 samples), the plan was 8.5 % over the
     update's allocator peak with Liger at 0.5B, 4.1 % under at 1.5B, and 5.7 % under with transformers' kernels at
     1.5B: it summed the LM head's backward with the rebuilt layer (one ends before the other starts) and counted
-    none of the rebuilt layer's gradients. Then 5.3 % under with Adam streamed at 1.5B: a snapshot (round 19) put
+    none of the rebuilt layer's gradients. Then 5.3 % under with Adam streamed at 1.5B: a snapshot (1.5B, H200) put
     the peak at the last layer's backward, every layer's grads reduced and the LM head's weight grad unsharded;
     that moment (actor.last_layer_backward) is now the 1.5B rows' peak, and every row is within 5 %, at the
     allocator and (where recorded) at the device level: its reserve also holds the layer inputs the backward freed."""
@@ -811,7 +811,7 @@ def test_a_checkpoint_that_cannot_fit_is_planned_and_refused_at_start():
 
 
 def test_a_streamed_update_reserves_its_largest_window_beyond_the_slack():
-    """Round 13 on one H200 (bench/README.md, Adam streamed): 7B GRPO with the 1 x 80 GB template's flags reserved
+    """Measured on one H200 (bench/README.md, Adam streamed): 7B GRPO with the 1 x 80 GB template's flags reserved
     74.96 GB at the streamed update for 65.05 allocated, the update's 9 % slack and one more of its largest Adam
     window (the embeddings': 4.06 GB), a device level of 76.06 GB. The plan's device level is that, within 1 %;
     the same run with Adam brought in whole has no window beyond the slack, nor has a critic that streams nothing.
