@@ -89,7 +89,8 @@ def sampler(llm, prompts: list, size: str) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(seeded, logprobs), use_tqdm=False)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        lps = [vllm_engine.sampled_logprobs(o.token_ids, o.logprobs) for r in outs for o in r.outputs] if logprobs else None
+        lps = ([vllm_engine.sampled_logprobs(o.token_ids, o.logprobs) for r in outs for o in r.outputs]
+               if logprobs else None)
         return seconds, [list(o.token_ids) for r in outs for o in r.outputs], lps
 
     variants = {"seed a request, log-probs": (True, "dict"), "seed a request, flat log-probs": (True, "flat"),
@@ -124,8 +125,9 @@ def build(cfg, req, config, core: str, device) -> tuple:
     import vllm_engine
     assert core in ("inline", "process"), f"--engine_core={core}: inline or process"
     kv = rollout.kv_bytes(cfg, config, req)
-    return vllm_engine.new_llm(cfg, model_dir=rollout.model_dir(None, config, "/tmp/bench_engine"), req=req, seed=0, kv=kv,
-                               need=rollout_engine.predicted(cfg, config, req), core_process=core == "process"), kv
+    return vllm_engine.new_llm(cfg, model_dir=rollout.model_dir(None, config, "/tmp/bench_engine"), req=req, seed=0,
+                               kv=kv, need=rollout_engine.predicted(cfg, config, req),
+                               core_process=core == "process"), kv
 
 
 def decode(llm, prompts: list, size: str, out_dir: str, profile: bool = True) -> dict:

@@ -91,7 +91,8 @@ def main():
             del r[k]
     res = {"hidden": a.hidden, "tokens": n, "chunk": a.chunk, "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "rows": rows,
-           "speedup_update": e["update_s"] / rows["compiled"]["update_s"], "speedup_ref": e["ref_s"] / rows["compiled"]["ref_s"]}
+           "speedup_update": e["update_s"] / rows["compiled"]["update_s"],
+           "speedup_ref": e["ref_s"] / rows["compiled"]["ref_s"]}
     print(json.dumps(res, indent=1))
     if a.out:
         with open(a.out, "w") as f:

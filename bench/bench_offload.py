@@ -194,7 +194,8 @@ def copy_levers(stash, device) -> dict:
             (lambda: [v.copy_(h, non_blocking=True) for v, h in zip(views, fresh)])
         yield "pinned_persistent_sync_per_copy", (lambda: [h.copy_(v) for v, h in zip(views, persistent)]), \
             (lambda: [v.copy_(h) for v, h in zip(views, persistent)])
-        yield "pinned_persistent_one_sync", (lambda: [h.copy_(v, non_blocking=True) for v, h in zip(views, persistent)]), \
+        yield "pinned_persistent_one_sync", \
+            (lambda: [h.copy_(v, non_blocking=True) for v, h in zip(views, persistent)]), \
             (lambda: [v.copy_(h, non_blocking=True) for v, h in zip(views, persistent)])
 
     for name, d2h, h2d in ways():

@@ -50,9 +50,11 @@ KINDS = [  # kernel name -> kind, first match wins
 
 
 def workload(args, extra: list) -> list:
-    micro = [f"--actor.ppo_micro_batch_size_per_gpu={args.micro}", f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
-             f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}"] if args.micro else []   # 0: the run's (plan.relax)
-    return [f"--model={args.model}", f"--train_batch_size={args.prompts}", f"--actor.ppo_mini_batch_size={args.prompts}",
+    micro = [f"--actor.ppo_micro_batch_size_per_gpu={args.micro}",
+             f"--actor.log_prob_micro_batch_size_per_gpu={args.micro}",
+             f"--ref.log_prob_micro_batch_size_per_gpu={args.micro}"] if args.micro else []   # 0: plan.relax picks
+    return [f"--model={args.model}", f"--train_batch_size={args.prompts}",
+            f"--actor.ppo_mini_batch_size={args.prompts}",
             f"--rollout.n={args.n}", f"--rollout.response_length={args.response_len}", "--logger=none",
             "--save=false", "--save_freq=0",       # timed steps only: no checkpoint, and no disk check refuses it
             *micro, "--actor.kl_loss_coef=0.04",
@@ -312,13 +314,15 @@ KEEP = ("time/step", "time/generate", "time/ref_logp", "time/update", "perf/upda
         "mem/update/peak_gb", "plan/update/predicted_gb", "mem/ref_logp/peak_gb", "plan/ref_logp/predicted_gb",
         "bench/left_allocated_gb", "perf/generate_tokens_per_s", "rollout/generate_device_gb", "rollout/logp_diff_mean",
         "bench/gc_s", "bench/gc_full", "rollout/generate_s", "perf/decode_step_ms", "perf/bracket_frac",
-        "bench/gen_num_device_alloc", "bench/gen_num_alloc_retries", "bench/gen_reserved_before_gb")   # a variant's line
+        "bench/gen_num_device_alloc", "bench/gen_num_alloc_retries",
+        "bench/gen_reserved_before_gb")   # a variant's line
 
 
 def say(name: str, run: dict, stage: str):
     """A variant's line (KEEP's figures, or its error), and with --peak_stage what was live at the stage's peak."""
     m = run.get("metrics", {})
-    print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in m.items() if k in KEEP}), run.get("error", ""), flush=True)
+    print(f"[{name}]", json.dumps({k: round(v, 4) for k, v in m.items() if k in KEEP}), run.get("error", ""),
+          flush=True)
     if peak := m.get("bench/peak"):
         print(f"[{name}] {stage}: {peak['peak_gb']:.3f} GB at its peak ({peak['before_gb']:.3f} at its start):\n  "
               + "\n  ".join(peak["live_at_peak"]) + f"\n  the plan's terms (GB): {json.dumps(peak['plan_terms'])}",
@@ -336,7 +340,8 @@ def main():
         for variant in args.variants.split(";"):
             flags = MODES[mode] + ([] if variant == "default" else variant.split())
             name = f"{mode} {variant}"
-            name += f" #{sum(k.startswith(name) for k in res['runs']) + 1}" if name in res["runs"] else ""   # repeats kept
+            repeat = sum(k.startswith(name) for k in res["runs"]) + 1
+            name += f" #{repeat}" if name in res["runs"] else ""   # repeats kept
             try:
                 m, table, engine = run_variant(args, flags, engine, args.profile)
                 res["runs"][name] = {"ok": True, "metrics": m, "profile": table}

@@ -17,9 +17,10 @@ def figures(out: str, run: str) -> dict | None:
     path = os.path.join(out, run, "metrics.jsonl")
     if not os.path.exists(path):
         return None
-    rows = [r for r in map(json.loads, open(path)) if "optimizer_steps" in r]   # training steps (not the last validation's)
+    rows = [r for r in map(json.loads, open(path)) if "optimizer_steps" in r]   # training steps (not validation's)
     rows = rows[2:] or rows
-    return {k: statistics.median(r[k] for r in rows if k in r) for k in rows[-1] if isinstance(rows[-1][k], (int, float))}
+    return {k: statistics.median(r[k] for r in rows if k in r)
+            for k in rows[-1] if isinstance(rows[-1][k], (int, float))}
 
 
 def cell(m, key, fmt="{:.3f}"):
@@ -47,8 +48,8 @@ def plan_rows(out: str, runs: list) -> list:
         if not m:
             continue
         stages = [k.split("/")[1] for k in m if k.startswith("plan/") and k.endswith("/predicted_gb")]
-        lines.append(f"- {run}: " + ", ".join(f"{s} {m.get(f'mem/{s}/peak_gb', 0):.2f} / {m[f'plan/{s}/predicted_gb']:.2f}"
-                                              for s in stages))
+        pairs = [f"{s} {m.get(f'mem/{s}/peak_gb', 0):.2f} / {m[f'plan/{s}/predicted_gb']:.2f}" for s in stages]
+        lines.append(f"- {run}: " + ", ".join(pairs))
     return lines + [""]
 
 
@@ -64,14 +65,16 @@ def main(out: str):
         lines += [f"The update's activation peak per GPU (its peak less what is held between stages): k=2 / k=1 = "
                   f"{act(k2) / act(k1):.3f} (goal: at most 0.55).", ""]
     lines += table(out, "Async 1 + 1 against colocated on 2 GPUs", ["async_colocated", "async_1plus1"],
-                   ["time/step", "time/generate", "time/rollout_wait", "time/update", "time/push", "rollout/staleness_max",
-                    "rollout/push_s", "rollout/push_gb", "rollout/push_transient_gb", "mem/update/peak_gb"])
+                   ["time/step", "time/generate", "time/rollout_wait", "time/update", "time/push",
+                    "rollout/staleness_max", "rollout/push_s", "rollout/push_gb", "rollout/push_transient_gb",
+                    "mem/update/peak_gb"])
     lines += [f"Step time async / colocated: {ratio(out, 'async_colocated', 'async_1plus1', 'time/step')} "
               f"(goal: throughput at least 1.3x, i.e. at most 0.77)."]
     push = figures(out, "async_1plus1")
     if push and push.get("rollout/push_s"):
         lines += [f"The NCCL push: {push['rollout/push_gb']:.2f} GB in {push['rollout/push_s']:.3f} s = "
-                  f"{push['rollout/push_gb'] * 2 ** 30 / push['rollout/push_s'] / 1e9:.1f} GB/s (predict.PUSH_BPS's fit)."]
+                  f"{push['rollout/push_gb'] * 2 ** 30 / push['rollout/push_s'] / 1e9:.1f} GB/s "
+                  f"(predict.PUSH_BPS's fit)."]
     lines += [""]
     lines += table(out, "Scaling 1 -> 2 GPUs, the same work per rank", ["scaling_1gpu", "scaling_2gpu"],
                    ["time/step", "time/generate", "time/ref_logp", "time/update", "perf/update_mfu"])

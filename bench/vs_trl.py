@@ -65,7 +65,8 @@ class Steps:
         TIMES.update({k: 0.0 for k in TIMES})
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info()
-            row.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / 2 ** 30, device_used_gb=(total - free) / 2 ** 30)
+            row.update(peak_allocated_gb=torch.cuda.max_memory_allocated() / 2 ** 30,
+                       device_used_gb=(total - free) / 2 ** 30)
             torch.cuda.reset_peak_memory_stats()
         self.rows.append(row)
         self._write()
@@ -140,7 +141,8 @@ def speed_prompts(tok, n: int, length: int) -> list[str]:
     to itself), so the text re-tokenizes to the same count; the JSON records the mean."""
     import re
     words = [i for i in range(len(tok)) if re.fullmatch(r" [a-z]{3,}", tok.decode([i]))]
-    words = [i for i in words if tok(tok.decode([i]), add_special_tokens=False)["input_ids"] == [i]] or list(range(3, len(tok)))
+    words = [i for i in words if tok(tok.decode([i]), add_special_tokens=False)["input_ids"] == [i]] \
+        or list(range(3, len(tok)))
     rng = random.Random(0)
     return [tok.decode([rng.choice(words) for _ in range(length)]) for _ in range(n)]
 
@@ -173,8 +175,8 @@ def gsm8k_rows(path: str, limit: int = 0) -> list[dict]:
     import data
     rows = data.read_rows(path)
     key = data.prompt_key_of(rows[0], data.PROMPT_KEYS[0])
-    out = [{"prompt": data.with_instruction([{"role": "user", "content": r[key]}] if isinstance(r[key], str) else r[key],
-                                            INSTRUCTION), "answer": str(r["answer"])} for r in rows]
+    chat = [[{"role": "user", "content": r[key]}] if isinstance(r[key], str) else r[key] for r in rows]
+    out = [{"prompt": data.with_instruction(c, INSTRUCTION), "answer": str(r["answer"])} for c, r in zip(chat, rows)]
     return out[:limit] if limit else out
 
 
@@ -339,8 +341,9 @@ def plot(runs: dict, path: str, what: str = "held-out accuracy, greedy"):
 def reward(a):
     """The training reward (strict, the sampled batch's mean) against training minutes, TRL's runs beside ours:
     each run's mean over blocks of --block generation steps, and the minutes each run took to first reach the
-    lowest of the TRL runs' last-block means (so that every TRL run reaches it). A proxy for the held-out curve when TRL's checkpoints were not evaluated;
-    per step it compares what each side's samples earned, not the greedy answers."""
+    lowest of the TRL runs' last-block means (so that every TRL run reaches it). A proxy for the held-out curve
+    when TRL's checkpoints were not evaluated; per step it compares what each side's samples earned, not the greedy
+    answers."""
     runs = {**{name: trl_reward(d) for name, d in named(a.trl, "TRL")},
             **{name: ours_reward(d) for name, d in named(a.ours, "ours")}}
     blocks = {name: [(pts[i + a.block - 1][0], pts[i + a.block - 1][1],
@@ -384,7 +387,8 @@ def trl_reward(folder: str) -> list:
     """(generation step from 1, training minutes, the batch's mean reward), logged at each generation's first step."""
     d = json.load(open(os.path.join(folder, "steps.json")))
     per, wall = d["optimizer_steps_per_step"], trl_training_s(d)
-    return [((r["step"] + per - 1) // per, wall[r["step"]] / 60, r["reward"]) for r in d["steps"] if "reward" in r and "train_runtime" not in r]
+    return [((r["step"] + per - 1) // per, wall[r["step"]] / 60, r["reward"])
+            for r in d["steps"] if "reward" in r and "train_runtime" not in r]
 
 
 def ours_reward(out_dir: str) -> list:
@@ -429,16 +433,20 @@ def grad_batch(B: int, R: int) -> dict:
     import tiny
     from model import build_mesh, compute_log_probs, make_layout, shard
     device, g = launch.init_distributed()[2], torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, 16, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
-    resps = [torch.randint(2, 16, (int(torch.randint(4, R + 1, (1,), generator=g)),), generator=g).tolist() for _ in range(B)]
+    prompts = [torch.randint(2, 16, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(B)]
+    resps = [torch.randint(2, 16, (int(torch.randint(4, R + 1, (1,), generator=g)),), generator=g).tolist()
+             for _ in range(B)]
     resps = [r[:-1] + [1] if i % 3 == 0 else r for i, r in enumerate(resps)]     # EOS (id 1) inside the mask
-    batch = {**rollout.make_batch(prompts, resps, R, pad_id=0, eos_id=1, device=device), "advantages": torch.randn(B, generator=g)}
+    batch = {**rollout.make_batch(prompts, resps, R, pad_id=0, eos_id=1, device=device),
+             "advantages": torch.randn(B, generator=g)}
     ref = tiny.build_tiny_model(0)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
     layout = make_layout(actor.ActorConfig(), B, 32768)
-    return {**batch, "ref_log_probs": compute_log_probs(shard(ref, build_mesh(device, 1, -1), device), batch, layout, 1.0)}
+    ref_logp = compute_log_probs(shard(ref, build_mesh(device, 1, -1), device), batch, layout, 1.0)
+    return {**batch, "ref_log_probs": ref_logp}
 
 
 def ours_grad(batch: dict, beta: float):
@@ -526,7 +534,8 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-6)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0, help="task: the data order (our --data_seed's randperm)")
-    ap.add_argument("--sample_seed", type=int, default=-1, help="task: the engine's seed (-1: TRL's, the process index)")
+    ap.add_argument("--sample_seed", type=int, default=-1,
+                    help="task: the engine's seed (-1: TRL's, the process index)")
     ap.add_argument("--save_steps", type=int, default=10, help="task: a checkpoint every this many steps")
     ap.add_argument("--limit", type=int, default=0, help="eval: the first this many held-out rows (0: all)")
     ap.add_argument("--gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True)
