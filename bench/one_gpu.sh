@@ -5,22 +5,22 @@
 #   bash bench/one_gpu.sh tests_b; bash bench/one_gpu.sh tests_c  # its other two thirds, a call each
 #   bash bench/one_gpu.sh tests2                               # tests/test_vllm.py, tests/test_packing.py's GPU tests
 #   bash bench/one_gpu.sh fp8tests; bash bench/one_gpu.sh fp8long   # test_defaults' KV bytes, tests/test_fp8.py
-#   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B and 1.5B, checkpointing on / off
+#   bash bench/one_gpu.sh profile                              # the step profiled at 0.5B, 1.5B, checkpointing on/off
 #   bash bench/one_gpu.sh fp8bench                             # bf16 / FP8 KV / FP8 weights + KV at 1.5B and 7B
 #   bash bench/one_gpu.sh kernels [0.5b|1.5b]                  # --kernels torch / liger / compile: the step
-#   bash bench/one_gpu.sh rest; bash bench/one_gpu.sh rest2    # the GPU tests round 7 did not reach; the kernels' accuracy
+#   bash bench/one_gpu.sh rest; bash bench/one_gpu.sh rest2    # the other GPU tests; the kernels' accuracy
 #   bash bench/one_gpu.sh stream                               # Adam whole vs streamed: the update at 1.5B and 7B
 #   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
 #   bash bench/one_gpu.sh stream80e                            # ... with the cache emptied before the streamed step
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
-#   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: the decode step
-#   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy against wall, kernels
-#   bash bench/one_gpu.sh decode_core [0.5b|1.5b]              # the async engine's decode, vLLM's engine core inline / a process
+#   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: decode step
+#   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy vs wall, kernels
+#   bash bench/one_gpu.sh decode_core [0.5b|1.5b]              # the async engine's decode: vLLM's core inline / apart
 #   bash bench/one_gpu.sh logprobs [0.5b|1.5b]                 # the step with and without the sampled tokens' log-probs
-#   bash bench/one_gpu.sh gc                                   # the collector's time per step; the heap frozen after set-up
-#   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each generation
-#   bash bench/one_gpu.sh awake_why [1.5b|0.5b]                # ... and awake with the trainer's reserve given back, profiled
-#   bash bench/one_gpu.sh head [0.5b|1.5b]                     # the LM head compiled (the default) against eager: alone, then in the step
+#   bash bench/one_gpu.sh gc                                   # the collector's time a step; the heap frozen at set-up
+#   bash bench/one_gpu.sh awake [0.5b|1.5b]                    # the engine awake all run against asleep after each
+#   bash bench/one_gpu.sh awake_why [1.5b|0.5b]                # ... and awake with the trainer's reserve given back
+#   bash bench/one_gpu.sh head [0.5b|1.5b]                     # the LM head compiled vs eager: alone, in the step
 set -u
 OUT=${OUT:-out/one_gpu}; mkdir -p "$OUT"
 part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<name>.txt, its time and exit code after
@@ -31,25 +31,29 @@ part() {  # part <name> <seconds> <command...>: the command's output to $OUT/<na
 }
 case "${1:-}" in
   stream)     # the same steps with Adam brought in whole for the step and streamed a layer at a time, one process
-    part stream_1p5b 240 python bench/bench_offload.py --model=random:qwen2.5-1.5b --configs=optim,optim_stream,all,all_stream \
-      --steps=3 --out="$OUT/stream_1p5b.json"
+    part stream_1p5b 240 python bench/bench_offload.py --model=random:qwen2.5-1.5b \
+      --configs=optim,optim_stream,all,all_stream --steps=3 --out="$OUT/stream_1p5b.json"
     part stream_7b 340 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim,ref_optim_stream \
-      --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --save_freq=0 --out="$OUT/stream_7b.json" ;;
+      --steps=3 --prompts=8 --n=8 --micro=4 --engine=hf --actor.gradient_checkpointing=true --save_freq=0 \
+      --out="$OUT/stream_7b.json" ;;
   stream80)   # plan.py's template row "qwen2.5-7b | 1 x 80": every stage's device level against 80 GB and the plan
-    part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 --save_freq=0 \
-      --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
-      --out="$OUT/stream_7b_80.json"
+    part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
+      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
+      --actor.gradient_checkpointing=true --out="$OUT/stream_7b_80.json"
     # round 11: 65.1 GB allocated, 85.7 GB reserved at the update: the same with expandable segments
-    part stream_7b_80x 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
-      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
-      --expandable --out="$OUT/stream_7b_80x.json" ;;
+    part stream_7b_80x 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream \
+      --steps=3 \
+      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
+      --actor.gradient_checkpointing=true --expandable --out="$OUT/stream_7b_80x.json" ;;
   stream80e)  # round 13: the update reserved one embeddings' Adam window beyond its slack; does emptying go?
-    part stream_7b_80e 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
-      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 --actor.gradient_checkpointing=true \
-      --empty_before_step --out="$OUT/stream_7b_80e.json" ;;
+    part stream_7b_80e 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream \
+      --steps=3 \
+      --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
+      --actor.gradient_checkpointing=true --empty_before_step --out="$OUT/stream_7b_80e.json" ;;
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
-    part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b --sampler ;;
+    part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b \
+      --sampler ;;
   decode)     # where a decode step goes: the step at 64 and 256 sequences, profiled with and without log-probs;
               # vLLM's async scheduling off against on (0.5B)
     part decode_0p5b 200 python bench/bench_engine.py auto none "$OUT/decode_0p5b.json" --model=qwen2.5-0.5b --decode
@@ -60,8 +64,8 @@ case "${1:-}" in
   decode_core)   # the async engine's build (awake, no sleep pool), vLLM's engine core in this process against in a
                  # process of its own (its output processing beside the GPU's work): the decode step, in alternation
     for size in ${2:-0.5b 1.5b}; do for core in inline process; do
-      part "decode_${core}_${size/./p}" 180 python bench/bench_engine.py auto none "$OUT/decode_${core}_${size/./p}.json" \
-        --model=qwen2.5-$size --decode --engine_core=$core
+      part "decode_${core}_${size/./p}" 180 python bench/bench_engine.py auto none \
+        "$OUT/decode_${core}_${size/./p}.json" --model=qwen2.5-$size --decode --engine_core=$core
     done; done ;;
   logprobs)   # the loop's step with the sampled tokens' log-probs every step against none after step 0
     for size in ${2:-0.5b 1.5b}; do
@@ -71,7 +75,8 @@ case "${1:-}" in
     done ;;
   gc)         # round 14: vLLM's sleep runs a full collection each step; the collector's time a step with the
               # set-up's objects frozen (the loop's since round 14) and without (gc_thawed: round 14's first lease)
-    m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
+    m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32"
+    m32="$m32 --ref.log_prob_micro_batch_size_per_gpu=32"
     part gc_1p5b 400 python bench/bench_step.py --model=random:qwen2.5-1.5b --micro=0 --steps=6 --warmup=2 \
       --variants="${VARIANTS:-gc_thawed;$m32 gc_thawed;$m32;default;gc_thawed}" --out="$OUT/gc_1p5b.json" ;;
   awake)      # rollout.sleep_level=0 against the engine asleep after each generation (the default), one engine
@@ -92,8 +97,8 @@ case "${1:-}" in
     for size in ${2:-0.5b 1.5b}; do
       hidden=$([ "$size" = 0.5b ] && echo 896 || echo 1536)
       part "head_alone_$size" 120 python bench/bench_head.py --hidden="$hidden" --out="$OUT/head_alone_$size.json"
-      part "head_step_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
-        --variants="default;--head_kernel=eager;default" --out="$OUT/head_step_$size.json"
+      part "head_step_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 \
+        --warmup=2 --variants="default;--head_kernel=eager;default" --out="$OUT/head_step_$size.json"
     done ;;
   leak)       # issue 44's set-up leak: the GPU test, then three variants sharing an engine and what each left
     part test_twice 240 python -m pytest -q -rf -s test_memory.py -k twice
@@ -130,7 +135,8 @@ case "${1:-}" in
           --variants="--actor.lora_rank=16 --actor.lr=1e-5" --out="$OUT/fp8_7b_$mode.json"
     done ;;
   kernels)   # liger-kernel from a wheel carried beside the vLLM bundle (.vllm/liger/, no registry there)
-    ls .vllm/liger/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .vllm/liger/*.whl
+    ls .vllm/liger/*.whl > /dev/null 2>&1 \
+      && python3 -m pip install -q --no-index --no-deps --target /tmp/site .vllm/liger/*.whl
     # the timing pass, no profiler (CUPTI left on by a profiled step slows every later launch of the
     # process); torch again last: the drift of the process over the variants, beside the ratios
     for size in ${2:-0.5b 1.5b}; do
@@ -145,5 +151,8 @@ case "${1:-}" in
     part test_kernels 150 python -m pytest -q -rf -s -m gpu tests/test_packing.py -k kernels_are
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
-  *) echo "usage: bash bench/one_gpu.sh tests|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80|stream80e|leak|sampler|decode|decode_core|logprobs|gc|awake|head" >&2; exit 2 ;;
+  *) parts="tests|tests_b|tests_c|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80"
+     parts="$parts|stream80e|leak|sampler|decode|decode_core|logprobs|gc|awake|awake_why|head"
+     echo "usage: bash bench/one_gpu.sh $parts" >&2
+     exit 2 ;;
 esac
