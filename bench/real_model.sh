@@ -29,7 +29,8 @@ DATA_SEED=${DATA_SEED:-}; S=$S${DATA_SEED:+_d$DATA_SEED}
 S=$S${NAME:+_$NAME}   # NAME=lr1e5 EXTRA="--actor.lr=1e-5": a variant of grpo beside the recipe, in its own folder
 export PYTHONUNBUFFERED=1
 # TRL's colocated vLLM wants a one-process group; torchrun would read the bench's --n=8 as its own --nnodes
-TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=localhost MASTER_PORT=29517)
+TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1
+     MASTER_ADDR=localhost MASTER_PORT=29517)
 INSTRUCTION='Let'"'"'s think step by step and output the final answer after "####".'   # verl's GSM8K instruction
 # GRPO as the README's real-model section runs it, on one GPU: 32 problems x 8 samples a step, two optimizer
 # steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
@@ -41,11 +42,13 @@ pack() {  # pack <part> <run dirs...>: their small files into $OUT/<part>.tgz (r
   local part=$1; shift
   local files=(); for d in "$@"; do for f in metrics.jsonl val_samples.jsonl run_config.json log.txt; do
     [ -f "$d/$f" ] && files+=("$d/$f"); done; done
-  [ ${#files[@]} -gt 0 ] && tar czf "$OUT/$part.tgz.tmp" "${files[@]}" 2>/dev/null && mv "$OUT/$part.tgz.tmp" "$OUT/$part.tgz"
+  [ ${#files[@]} -gt 0 ] && tar czf "$OUT/$part.tgz.tmp" "${files[@]}" 2>/dev/null \
+    && mv "$OUT/$part.tgz.tmp" "$OUT/$part.tgz"
 }
 evaluate() {  # the base model first (its engine is reused), then each checkpoint TRL wrote, then our final/ if any
   timeout 540 python bench/vs_trl.py eval --val="$VAL" --response_len=512 --out="$OUT/trl_eval$S.json" \
-    "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
+    "$MODEL" $(ls -d "$RUNS"/trl$S/checkpoint-* 2>/dev/null | sort -t- -k2 -n) \
+    $(ls -d "$RUNS"/grpo$S/final 2>/dev/null) \
     > "$OUT/trl_eval$S.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
   local rc=$?
   echo "[trl_eval$S] exit $rc" | tee -a "$OUT/summary.txt"
@@ -76,20 +79,24 @@ case "${1:-}" in
     run "$RUNS/lora" "${2:-500}" "${GRPO[@]}" --actor.lora_rank=32 --actor.lr=2e-5 & jobs+=($!)
     fp8=(--val_before_train=false --val_freq=0 --steps=6)    # the engine-vs-trainer log-prob gap only
     run "$RUNS/fp8kv" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 & jobs+=($!)
-    run "$RUNS/fp8" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 --rollout.quantization=fp8 & jobs+=($!)
+    run "$RUNS/fp8" "${3:-240}" "${GRPO[@]}" "${fp8[@]}" --rollout.kv_cache_dtype=fp8 \
+      --rollout.quantization=fp8 & jobs+=($!)
     wait "${jobs[@]}"
     kill "$packer"; pack rows "$RUNS"/{ppo,lora,fp8kv,fp8} ;;
   trl_speed)   # per size (0.5b 1.5b, or the one given): ours in one process, then TRL (medians after 2 warm-up steps).
                # Ours: the defaults (plan.relax's micro-batches), TRL's micro-batch of 32, the log-probs after step 0
                # off, compiled layers, 32 again (the process's drift); VARIANTS= others, TRL_ONLY=1 TRL's alone
-    m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32 --ref.log_prob_micro_batch_size_per_gpu=32"
+    m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32"
+    m32="$m32 --ref.log_prob_micro_batch_size_per_gpu=32"
     for size in ${2:-0.5b 1.5b}; do
-      [ -n "${TRL_ONLY:-}" ] || { timeout 350 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 \
-        --warmup=2 --variants="${VARIANTS:-default;$m32;--rollout.logprobs_every=1000;--kernels=compile;$m32}" \
+      variants="${VARIANTS:-default;$m32;--rollout.logprobs_every=1000;--kernels=compile;$m32}"
+      [ -n "${TRL_ONLY:-}" ] || { timeout 350 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 \
+        --steps=6 --warmup=2 --variants="$variants" \
         --out="$OUT/ours_speed_$size.json" > "$OUT/ours_speed_$size.log" 2>&1
       echo "[ours_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"; }
       timeout "${TRL_LIMIT:-230}" "${TRL[@]}" python bench/vs_trl.py speed \
-        --size=qwen2.5-$size --tokenizer="${TOKENIZER:-$MODEL}" --steps=8 --out="$OUT/trl_speed_$size.json" > "$OUT/trl_speed_$size.log" 2>&1
+        --size=qwen2.5-$size --tokenizer="${TOKENIZER:-$MODEL}" --steps=8 --out="$OUT/trl_speed_$size.json" \
+        > "$OUT/trl_speed_$size.log" 2>&1
       echo "[trl_speed_$size] exit $? after $SECONDS s" | tee -a "$OUT/summary.txt"
     done ;;
   trl_task)    # GRPO's settings above (32 x 8, two optimizer steps of 16, 512 tokens, lr 2e-6, KL 0.001)
@@ -100,5 +107,6 @@ case "${1:-}" in
     echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json"
     [ -n "${NO_EVAL:-}" ] || evaluate ;;   # round 21 lost two runs' checkpoints to a machine that went back
   trl_eval) evaluate ;;
-  *) echo "usage: bash bench/real_model.sh grpo|grpo_async [seconds] | rows [seconds] [fp8 seconds] | trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
+  *) echo "usage: bash bench/real_model.sh grpo|grpo_async [seconds] | rows [seconds] [fp8 seconds]" \
+          "| trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;
 esac
