@@ -387,7 +387,7 @@ def test_the_reward_report_needs_no_evaluator(tmp_path):
 
 def test_the_real_model_script_reports_a_failed_runs_exit_code(tmp_path):
     """bench/real_model.sh's summary line carries the run's own exit code: a missing model folder is
-    train_grpo's exit 2 with its one-line error in the run's log (round 23's summary said 0 for a run that
+    train_grpo's exit 2 with its one-line error in the run's log (the summary once said 0 for a run that
     never started: the line's "$(basename ...)" had reset $? before it was read)."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -403,7 +403,7 @@ def test_the_real_model_script_reports_a_failed_runs_exit_code(tmp_path):
 
 @pytest.mark.parametrize("scored,keep", [(True, ""), (True, "1"), (False, "")])
 def test_the_real_model_script_drops_trls_checkpoints_once_scored_unless_kept(tmp_path, scored, keep):
-    """trl_eval removes TRL's checkpoints once the evaluator has scored them (they filled round 24's disk and
+    """trl_eval removes TRL's checkpoints once the evaluator has scored them (they once filled the disk and
     a later run's check refused it); KEEP=1 keeps them, and so does an evaluator that failed, for a second
     try on the same machine. A `python` first on PATH stands in for the evaluator (no model, no vLLM here)."""
     import subprocess
