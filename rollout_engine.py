@@ -20,6 +20,7 @@ import datetime
 import multiprocessing
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -192,13 +193,26 @@ def engine_rank(cfg: RolloutConfig) -> int:
     Cause") and a failed engine rank would be seen first. It holds no GPU memory (its engine has the GPU)."""
     nproc, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     index = rank - trainer_world(cfg, nproc)
-    address, key = ast.literal_eval(torchrun_store().get("rollout_async/address").decode())
+    try:
+        address, key = ast.literal_eval(_address(torchrun_store()).decode())
+    except KeyboardInterrupt:              # torchrun's Ctrl-C during the trainer's set-up: the trainer says it
+        return 130
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() \
         else torch.device("cpu")
     _deaf()                                # the trainer decides when the engine stops (its "stop")
     p = spawn(address, bytes.fromhex(key), index, device)
     p.join()
     return 0
+
+
+def _address(store, timeout_s: float = 1800.0) -> bytes:
+    """Where the trainer listens, once its set-up publishes it. Polled, not one blocking get: a signal (torchrun's
+    Ctrl-C) reaches Python only between calls, and a get inside C++ would hold this rank until torchrun's SIGKILL,
+    30 s after the others had gone."""
+    deadline = time.time() + timeout_s
+    while not store.check(["rollout_async/address"]) and time.time() < deadline:
+        time.sleep(0.2)
+    return store.get("rollout_async/address")
 
 
 def _die_with_parent(parent: int):
@@ -229,13 +243,18 @@ def serve(address, authkey: bytes, index: int, parent: int):
     `parent`: the process that started it (it ends with it)."""
     _deaf()
     _die_with_parent(parent)
-    conn = Client(address, authkey=authkey)
-    conn.send(("hello", index, os.getpid()))
+    try:
+        conn = Client(address, authkey=authkey)
+        conn.send(("hello", index, os.getpid()))
+    except (EOFError, ConnectionError):    # the trainer stopped before the engine reached it (Ctrl-C in its set-up)
+        return
     try:
         _serve(conn, index)
     except (EOFError, ConnectionError):    # the trainer is gone: nothing to report to
         pass
     except BaseException as e:              # noqa: BLE001 (said to the trainer, then the process ends)
+        if _trainer_gone(conn):            # e.g. the weights group's store, closed with it: no one to tell
+            return
         traceback.print_exc()              # the whole story on this process's stderr, one line to the trainer
         line = (traceback.format_exception_only(type(e), e)[-1].strip())[:500]
         try:
@@ -243,6 +262,36 @@ def serve(address, authkey: bytes, index: int, parent: int):
         except OSError:
             pass
         raise SystemExit(1)
+
+
+def _trainer_gone(conn) -> bool:
+    """The trainer closed its end of the connection (it stopped: a Ctrl-C in its set-up, an error)."""
+    try:
+        if conn.poll():
+            conn.recv()
+        return False
+    except (EOFError, OSError):
+        return True
+
+
+@contextlib.contextmanager
+def _ending_with_trainer(conn):
+    """Around the engine's build (vLLM's: a minute), when the trainer sends nothing: a connection that becomes
+    readable is a closed one, and the process ends at once rather than build an engine nobody will use (its
+    rank would hold torchrun's shutdown until the SIGKILL)."""
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            if conn.poll():
+                os._exit(0)
+    watcher = threading.Thread(target=watch, daemon=True, name="trainer-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()                     # gone before "ready": what the trainer sends next is no close
 
 
 def _serve(conn, index: int):
@@ -254,7 +303,8 @@ def _serve(conn, index: int):
     shared = conn.recv()[1] if spec.transport == "ipc" else None   # the trainer's bucket, mapped here once
     pg = group(spec, index + 1, engines(spec.cfg) + 1) if spec.transport != "ipc" else None
     t0 = time.perf_counter()
-    eng = _build(spec, device)
+    with _ending_with_trainer(conn):
+        eng = _build(spec, device)
     buf = shared if shared is not None else torch.empty(spec.bucket_bytes, dtype=torch.uint8, device=device)
     conn.send(("ready", {"build_s": time.perf_counter() - t0, "device_gb": _device_gb(device)}))
     version, pending, idle, weight_wait = -1, [], 0.0, 0.0

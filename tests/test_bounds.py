@@ -15,7 +15,7 @@ import pytest
 import data
 import ledger
 import tiny
-from conftest import launches, start
+from conftest import descendants, launches, start
 from test_checkpoint import in_process  # noqa: F401
 from test_faults import _engines
 
@@ -129,6 +129,34 @@ def test_ctrl_c_during_the_async_engines_start_up_is_one_line(tmp_path):
     assert proc.returncode == 130 and "[interrupt] Ctrl-C during set-up: stopped" in text, text[-3000:]
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     assert not any(map(_alive, engines)), "the engine outlived its run"
+
+
+@launches
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("moment", ["waiting", "engine"])
+def test_ctrl_c_during_the_async_set_up_under_torchrun_ends_every_process_at_once(tmp_path, moment):
+    """torchrun with an engine rank (--rollout.gpus=1), Ctrl-C to torchrun while that rank waits for the trainer's
+    address (`waiting`) or once its engine process runs (`engine`): the trainer's one line, no traceback from
+    the engine's side (a ConnectionRefusedError once), and every worker gone well before torchrun's SIGKILL,
+    30 s after its Ctrl-C (the engine rank once sat in a blocking store get until then)."""
+    with open(tmp_path / "log", "w") as log:
+        proc = start([f"--out_dir={tmp_path / 'run'}", "--steps=5", "--save=false", "--logger=none",
+                      "--rollout.mode=async", "--rollout.gpus=1"], 2, log=log)
+        deadline, ready = time.time() + 300, (lambda: _engines(proc.pid) if moment == "engine" else   # the set-up's
+                                              "[data] " in open(tmp_path / "log").read())   # report, before the address
+        while not ready() and time.time() < deadline:
+            assert proc.poll() is None, open(tmp_path / "log").read()[-3000:]
+            time.sleep(0.05)
+        workers = descendants(proc.pid)
+        time.sleep(0.3 if moment == "engine" else 0)
+        os.kill(proc.pid, signal.SIGINT)
+        t0 = time.time()
+        proc.wait(timeout=120)
+    text = open(tmp_path / "log").read()
+    assert time.time() - t0 < 20 and not any(map(_alive, workers)), text[-3000:]
+    assert "[interrupt] Ctrl-C during set-up: stopped" in text, text[-3000:]
+    assert "ConnectionRefusedError" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "rollout_engine.py" not in text, text[-3000:]
 
 
 def _alive(pid: int) -> bool:
