@@ -6,8 +6,9 @@ device level (a row's `bounds` widen a stage where a known term is not modelled,
 (measured before a change to what a stage holds) are listed in the corpus with the reason.
 
     python bench/corpus.py add OUT_DIR --gpu=H100 --commit=abc1234             # a run's metrics.jsonl + run_config.json
-    python bench/corpus.py add OUT_DIR --gpu=H200 --commit=X --prompt_len=300 --model_as=random:qwen2.5-0.5b \\
-        --pin=--kernels=liger --bound=upper                                     # a real model's run (answers end early)
+    python bench/corpus.py add OUT_DIR --gpu=H200 --commit=X --prompt_len=232 --log=OUT_DIR/log.txt \\
+        --model_as=bench/results/models/qwen2.5-coder-0.5b-instruct --pin=--kernels=liger --bound=upper
+                                                                # a real model's run (its answers end early)
     python bench/corpus.py table                                               # the figures bench/README.md quotes
 
 A row's device level is the stage's end (mem/<stage>/device_used_gb: the allocator's reserve only grows inside a
@@ -81,6 +82,13 @@ def _flag(key: str, value) -> str:
     return f"--{key}={str(value).lower() if isinstance(value, bool) else value}"
 
 
+def relaxed_in(log: str) -> list:
+    """The sizes and levers plan.relax set at the run's start, as flags: its set-up line `[plan] a=1 b=2: faster,
+    ...` (run_config.json keeps the command line's values)."""
+    line = next((x for x in log.splitlines() if x.startswith("[plan] ") and ": faster, and the run keeps" in x), "")
+    return [f"--{kv}" for kv in line.removeprefix("[plan] ").split(":")[0].split()] if line else []
+
+
 def row_from_run(out_dir: str, *, name: str, gpu: str, commit: str, prompt_len: int, model_as: str | None = None,
                  pins: tuple = (), bound: str = "close", source: str | None = None) -> dict:
     """A corpus row from a run's out_dir: its options (`pins` added: what the run chose on its machine and
@@ -102,7 +110,7 @@ def replay(row: dict) -> list:
     """[(stage, level, measured GB, planned GB, bound, why)] for every stage above FLOOR_GB of a row: the plan for
     its options now (predict.predict, CPU), each beside the bound it is held to (the row's own where it gives one:
     `bounds` {"stage" or "device stage": [share, why]})."""
-    p = predict.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
+    p = predict.predict(options.parse_args(local(row["args"])), row["world"], row["prompt_len"], row["engine"])
     out, wider = [], row.get("bounds", {})
     for level, figures, bound in (("allocator", row["peak_gb"], ALLOCATOR),
                                   ("device", row.get("device_gb", {}), DEVICE)):
@@ -114,6 +122,12 @@ def replay(row: dict) -> list:
             share, why = wider.get(key, (bound, ""))
             out.append((s, level, measured, planned, share, why))
     return out
+
+
+def local(args: list) -> list:
+    """A row's options with a model folder kept in the repository (bench/results/models/: a real model's
+    config.json, all the plan reads of it) made absolute, so the replay runs from any directory."""
+    return [f"--model={os.path.join(HERE, a[8:])}" if a.startswith("--model=bench/") else a for a in args]
 
 
 def misses(row: dict) -> list[str]:
@@ -135,8 +149,10 @@ def load(path: str = CORPUS) -> dict:
 
 # --------------------------------------------------------------------------- what bench/README.md quotes
 def size_of(row: dict) -> str:
+    """A row's model size ("0.5b"): a random model's, or a real model's folder named for it."""
     model = next(a.split("=", 1)[1] for a in row["args"] if a.startswith("--model="))
-    return model.removeprefix("random:qwen2.5-")
+    return model.removeprefix("random:qwen2.5-").rsplit("-", 2)[-2] if "/" in model else \
+        model.removeprefix("random:qwen2.5-")
 
 
 def table(corpus: dict) -> str:
@@ -145,9 +161,10 @@ def table(corpus: dict) -> str:
     lines = ["| model | rows | stages held (allocator / device) | allocator: median, largest miss | "
              "device: median, largest miss |", "|---|---|---|---|---|"]
     by = {}
-    for row in corpus["rows"]:
-        by.setdefault(size_of(row), []).append(row)
-    for size in sorted(by, key=lambda s: float(s.rstrip("b"))):
+    for row in corpus["rows"]:                 # a real model's rows apart: the plan bounds them from above only
+        key = size_of(row) + (", real model (the plan an upper bound)" if row.get("bound") else "")
+        by.setdefault(key, []).append(row)
+    for size in sorted(by, key=lambda s: (float(s.split(",")[0].rstrip("b")), s)):
         held = [x for row in by[size] for x in replay(row)]
         cols = []
         for level in ("allocator", "device"):
@@ -178,6 +195,7 @@ def main(argv=None):
     add.add_argument("--prompt_len", type=int, default=4, help="the longest prompt in tokens (4: the copy task's)")
     add.add_argument("--model_as", default=None, help="a stand-in for a model folder not on this machine")
     add.add_argument("--pin", action="append", default=[], help="an option the run resolved on its machine")
+    add.add_argument("--log", default="", help="the run's printed output: plan.relax's choices are read from it")
     add.add_argument("--bound", choices=("close", "upper"), default="close")
     add.add_argument("--corpus", default=CORPUS)
     sub.add_parser("table", help="the figures bench/README.md quotes").add_argument("--corpus", default=CORPUS)
@@ -188,8 +206,10 @@ def main(argv=None):
         return
     if not os.path.exists(os.path.join(a.out_dir, "metrics.jsonl")):
         sys.exit(f"error: {a.out_dir} has no metrics.jsonl: pass a run's --out_dir")
+    relaxed = relaxed_in(open(a.log, errors="replace").read()) if a.log else []
     row = row_from_run(a.out_dir, name=a.name or os.path.basename(os.path.normpath(a.out_dir)), gpu=a.gpu,
-                       commit=a.commit, prompt_len=a.prompt_len, model_as=a.model_as, pins=tuple(a.pin), bound=a.bound)
+                       commit=a.commit, prompt_len=a.prompt_len, model_as=a.model_as, pins=tuple(relaxed + a.pin),
+                       bound=a.bound)
     corpus["rows"] = [r for r in corpus["rows"] if r["name"] != row["name"]] + [row]
     with open(a.corpus, "w") as f:
         json.dump(corpus, f, indent=1)

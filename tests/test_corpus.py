@@ -23,17 +23,20 @@ ROWS = corpus.load()["rows"]
 def test_the_corpus_covers_the_measured_kinds():
     """At least 100 stage measurements over many runs, 0.5B to 7B, one and two GPUs: every offload flag, LoRA, PPO
     with a separate critic and a shared one, a reward model, FP8 rollout, the streamed optimizer, the engine awake,
-    1,024-token answers, the default path, the kernels; each row with its GPU, commit and raw file; the runs left
-    out each with a reason."""
+    1,024-token answers, the default path, the kernels, the real model colocated and async (held from above: its
+    answers end early); each row with its GPU, commit and raw file; the runs left out each with a reason."""
     data = corpus.load()
     assert len(ROWS) >= 60 and sum(len(r["peak_gb"]) + len(r.get("device_gb", {})) for r in ROWS) >= 100
     args = [" ".join(r["args"]) for r in ROWS]
     for needle in ("--actor.lora_rank", "--algorithm.adv_estimator=gae", "--critic.mode=shared", "--reward_model.path",
                    "--rollout.quantization=fp8", "--actor.optimizer_stream=true", "--rollout.sleep_level=0",
-                   "--rollout.response_length=1024", "--kernels=liger", "--actor.param_offload=true"):
+                   "--rollout.response_length=1024", "--kernels=liger", "--actor.param_offload=true",
+                   "--rollout.mode=async", "--model=bench/results/models/"):   # async, and the real model's runs
         assert any(needle in a for a in args), needle
     assert {corpus.size_of(r) for r in ROWS} >= {"0.5b", "1.5b", "3b", "7b"} and {r["world"] for r in ROWS} == {1, 2}
     assert all(r["gpu"] and r["commit"] and r["source"] for r in ROWS)
+    real = {r["name"] for r in ROWS if "/models/" in r["args"][0]}
+    assert {r["name"] for r in ROWS if r.get("bound") == "upper"} == real and len(real) >= 10
     assert data["left_out"] and all(x["source"] and len(x["reason"]) > 40 for x in data["left_out"])
     assert len({r["name"] for r in ROWS}) == len(ROWS)
 
