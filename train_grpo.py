@@ -391,8 +391,8 @@ def run(cfg: Config, rank: int):
     with launch.claimed(cfg.out_dir, rank):  # one run per out_dir (rank 0's lock) before any write; gone if refused
         rundir.exit_on_sigint()              # Ctrl-C before the first step: one line, no traceback
         (data, val), start = preflight(cfg)
-    t = setup(cfg, data=data, val=val)
-    rundir.reserve_final(cfg, t.actor, t.rank)   # --save_freq=0: final/'s room, before the first step
+        t = setup(cfg, data=data, val=val)   # refused there too (host RAM, disk): the out_dir as it was found
+        rundir.reserve_final(cfg, t.actor, t.rank)   # --save_freq=0: final/'s room, before the first step
     if t.rank == 0:
         resolved = {"resolved_config": asdict(cfg), "world_size": t.world, "device": str(t.device)}
         print(json.dumps(resolved, indent=1))

@@ -32,6 +32,7 @@ import rollout
 import rollout_async
 import rollout_engine
 import rundir
+import tiny
 import tracker
 import validate
 from checks import check_model
@@ -92,6 +93,7 @@ def preflight(cfg: Config):
         critic.check_model(cfg.model)
     tokenizer = data_io.load_tokenizer(cfg.model)
     data = data_io.run_data(cfg, tokenizer)   # (training, held-out or None)
+    tiny.check_text(cfg.model, cfg.instruction, data)   # the embedded tokenizer's 14 characters: text lost, said
     data_io.load_reward(cfg.reward, cfg.data, cfg.gsm8k_format)
     tracker.resolve(cfg.logger)            # a logger asked for but not installed: one line, now
     start = rundir.plan(cfg, data_io.fingerprint(*data[0][:2]))

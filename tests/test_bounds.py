@@ -250,3 +250,12 @@ def test_text_the_embedded_tokenizer_cannot_read_is_said_or_refused(tmp_path, ca
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("[data] warning: the embedded default model has a tokenizer of 14 "
                                                "characters (digits, '=+#' and space): 13 of --instruction's 13 "), out
+
+
+def test_the_pre_flight_refuses_text_the_embedded_tokenizer_cannot_read(tmp_path, in_process, capsys):
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text(json.dumps(GSM8K_ROW) + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        in_process([f"--out_dir={tmp_path / 'run'}", f"--data={path}", "--logger=none", "--steps=1", "--save=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "98% of the prompts' characters" in err[0], err

@@ -570,6 +570,23 @@ def test_a_refused_folder_keeps_no_lock_the_run_made(tmp_path, in_process):
     assert sorted(os.listdir(out)) == [rundir.LOCK, "run_config.json"]
 
 
+def test_a_run_refused_at_set_up_leaves_no_folder(tmp_path, in_process, monkeypatch, capsys):
+    """The set-up's refusals (the host's RAM, the disk), after the pre-flight took the lock: the out_dir they
+    made, .run.lock and all, is gone, as the pre-flight's refusals leave it."""
+    import ledger
+    with monkeypatch.context() as m:
+        m.setattr(ledger, "host_available", lambda: 2 ** 20)
+        with pytest.raises(SystemExit):
+            in_process([f"--out_dir={tmp_path / 'ram'}", "--logger=none"])
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "free_bytes", lambda path: 10 * 2 ** 20)
+        with pytest.raises(SystemExit):
+            in_process([f"--out_dir={tmp_path / 'disk'}", "--logger=none", "--save_freq=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "GB of RAM free" in err[0] and "GB free but this run writes" in err[1], err
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)
+
+
 def test_help_entries_carry_only_their_own_comment():
     """A comment line at a field's indent heads the next group of fields (LoRA, packing, async
     rollout): --help gives it to none of them, while a field's own continuation lines stay its."""
