@@ -130,3 +130,30 @@ def test_sigterm_and_ctrl_c_of_a_save_freq_0_run_keep_the_weights_in_final(tmp_p
     if sig == signal.SIGINT:
         assert "[interrupt] Ctrl-C: finishing this step, then the weights to final/ (--save_freq=0)" in text
     assert "Traceback" not in text
+
+
+@pytest.mark.parametrize("error,code", [(ValueError("a bad value"), 2), (OSError("a read failed"), 2),
+                                        ("oom", 1)], ids=["ValueError", "OSError", "out of memory"])
+def test_a_one_rank_run_that_stops_on_a_plain_error_keeps_its_weights(tmp_path, in_process, monkeypatch, capsys,
+                                                                       error, code):
+    """One rank, --save_freq=0: a plain error in step 2's advantage stage (a ValueError, an OSError, an OOM that
+    the stage explains) stops the run with one line that ends saying the weights after step 2 are in final/,
+    and they are (on several ranks only an every-rank error is kept: the others may be inside a collective)."""
+    import losses
+    import torch
+    real, calls = losses.grpo_advantage, []
+
+    def advantage(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test's)") if error == "oom" else error
+        return real(*a, **k)
+    monkeypatch.setattr(losses, "grpo_advantage", advantage)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as stopped:
+        in_process([f"--out_dir={out}", "--steps=4", "--save_freq=0", "--val_freq=0", "--val_before_train=false"]
+                   + TINY)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == code and len(err) == 1, err
+    assert f"; the weights after step 2 are in {out}/final; --save_freq=0 keeps no checkpoint" in err[0], err
+    assert _final_steps(out) == 2
