@@ -150,6 +150,25 @@ def test_a_streamed_checkpoint_leaves_adam_on_the_host(tmp_path, dist_env, monke
     assert len(u.actor.adam.host) == len(saved) and all(torch.equal(x, y) for x, y in zip(saved, u.actor.adam.host))
 
 
+@pytest.mark.parametrize("stream", ["false", "true"], ids=["whole", "streamed"])
+def test_a_load_takes_this_runs_lr_and_weight_decay(tmp_path, dist_env, stream):
+    """A resume keeps the checkpoint's Adam state but this run's lr and weight decay (checkpoint.load sets them
+    on every trained role's param groups after DCP wrote the checkpoint's), whole or streamed, critic too."""
+    import checkpoint
+    from dataclasses import asdict
+    ppo = ["--algorithm.adv_estimator=gae", "--critic.optimizer_offload=true", f"--critic.optimizer_stream={stream}",
+           f"--actor.optimizer_stream={stream}"]
+    t = train_grpo.setup(options.parse_args(SMALL + ppo + [f"--out_dir={tmp_path / 'a'}", "--save_freq=1"]))
+    train_grpo.train_step(t, 0)
+    train_grpo.save(t, 1)
+    u = train_grpo.setup(options.parse_args(SMALL + ppo + [f"--out_dir={tmp_path / 'b'}", "--actor.lr=1e-5",
+                                                            "--actor.weight_decay=0.01", "--critic.lr=2e-5"]))
+    checkpoint.load(checkpoint.newest(t.cfg.out_dir), train_grpo.trained(u.actor, u.critic), asdict(u.cfg), 1)
+    for role, lr, wd in ((u.actor, 1e-5, 0.01), (u.critic, 2e-5, 0.0)):
+        assert [(g["lr"], g["weight_decay"]) for g in role.optimizer.param_groups] == [(lr, wd)]
+        assert role.optimizer.state                # the checkpoint's state came in with them
+
+
 @launches
 @pytest.mark.parametrize("first,then", [("false", "true"), ("true", "false")], ids=["whole then streamed",
                                                                                    "streamed then whole"])
