@@ -157,3 +157,34 @@ def test_a_one_rank_run_that_stops_on_a_plain_error_keeps_its_weights(tmp_path, 
     assert stopped.value.code == code and len(err) == 1, err
     assert f"; the weights after step 2 are in {out}/final; --save_freq=0 keeps no checkpoint" in err[0], err
     assert _final_steps(out) == 2
+
+
+def test_a_failed_reward_on_several_ranks_is_the_every_rank_error_that_keeps_the_weights(tmp_path, in_process,
+                                                                                         monkeypatch, capsys):
+    """On several ranks only an error that every rank raises at the same point keeps the weights (another rank
+    may be inside a collective): a failed reward must be that one (data.EveryRank, after its all-reduce), not a
+    plain ValueError. One rank that counts itself as two; the reward raises in step 2."""
+    import data
+    import train_grpo
+    real = train_grpo.setup
+
+    def two_ranks(*a, **k):
+        t = real(*a, **k)
+        t.world = 2
+        return t
+    monkeypatch.setattr(train_grpo, "setup", two_ranks)
+    calls = []
+
+    def flaky(response, answer):           # 4 responses a step: the 9th call is in step 2
+        calls.append(1)
+        if len(calls) > 8:
+            raise RuntimeError("the grader went away")
+        return 1.0
+    monkeypatch.setattr(data, "load_reward", lambda *a, **k: flaky)
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit):
+        in_process([f"--out_dir={out}", "--steps=4", "--save_freq=0", "--val_freq=0", "--val_before_train=false"]
+                   + TINY)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "raised RuntimeError: the grader went away" in err[0], err
+    assert f"; the weights after step 2 are in {out}/final" in err[0] and _final_steps(out) == 2, err
