@@ -31,7 +31,8 @@ train() {  # train <run> <nproc> <options...>: train_grpo.py as users run it, in
   local run=$1 n=$2; shift 2
   rm -rf "$OUT/$run"
   if [ "$n" = 1 ]; then python train_grpo.py --out_dir="$OUT/$run" $COMMON "$@"
-  else python -m torch.distributed.run --standalone --nproc_per_node="$n" train_grpo.py --out_dir="$OUT/$run" $COMMON "$@"; fi
+  else python -m torch.distributed.run --standalone --nproc_per_node="$n" train_grpo.py --out_dir="$OUT/$run" \
+    $COMMON "$@"; fi
 }
 case "${1:-}" in
   _train)                             # (timeout runs a command, not a shell function)
@@ -42,22 +43,28 @@ case "${1:-}" in
       part "tests_$f_name" 540 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf "$f"
     done
     part tests_vllm_tp 540 python -m pytest -q -rf -s tests/test_vllm_tp.py
-    part tests_lora 300 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf -k lora test_memory.py tests/test_vllm.py ;;
+    part tests_lora 300 python -m torch.distributed.run --standalone --nproc_per_node=2 -m pytest -q -rf -k lora \
+      test_memory.py tests/test_vllm.py ;;
   ulysses)
     SP="$M15 --train_batch_size=2 --rollout.n=1 --actor.ppo_mini_batch_size=2 --rollout.response_length=$LONG \
---actor.ppo_micro_batch_size_per_gpu=1 --actor.log_prob_micro_batch_size_per_gpu=1 --ref.log_prob_micro_batch_size_per_gpu=1 \
---steps=$STEPS"
+--actor.ppo_micro_batch_size_per_gpu=1 --actor.log_prob_micro_batch_size_per_gpu=1 \
+--ref.log_prob_micro_batch_size_per_gpu=1 --steps=$STEPS"
     [ "$DRY" = 1 ] && SP="$SP --rollout.engine=hf"
-    for k in 1 2; do part "ulysses_k$k" 280 bash "$0" _train "ulysses_k$k" 2 $SP --actor.ulysses_sequence_parallel_size=$k; done ;;
+    for k in 1 2; do
+      part "ulysses_k$k" 280 bash "$0" _train "ulysses_k$k" 2 $SP --actor.ulysses_sequence_parallel_size=$k
+    done ;;
   async)
     part async_colocated 280 bash "$0" _train async_colocated 2 $M15 $(trl $P) --steps=$STEPS
-    part async_1plus1 280 bash "$0" _train async_1plus1 2 $M15 $(trl $P) --steps=$STEPS --rollout.mode=async --rollout.gpus=1 ;;
+    part async_1plus1 280 bash "$0" _train async_1plus1 2 $M15 $(trl $P) --steps=$STEPS --rollout.mode=async \
+      --rollout.gpus=1 ;;
   scaling)
     part scaling_1gpu 280 bash "$0" _train scaling_1gpu 1 $M15 $(trl $P) --steps=$STEPS
-    part scaling_2gpu 280 bash "$0" _train scaling_2gpu 2 $M15 $(trl $((2 * P))) --steps=$STEPS --profile_steps=$((STEPS - 1)) ;;
+    part scaling_2gpu 280 bash "$0" _train scaling_2gpu 2 $M15 $(trl $((2 * P))) --steps=$STEPS \
+      --profile_steps=$((STEPS - 1)) ;;
   layouts)
     if [ "$DRY" = 1 ]; then echo "[layouts] TP needs vLLM: HSDP only on the CPU" >> "$OUT/summary.txt"
-    else part layouts_tp2 280 bash "$0" _train layouts_tp2 2 $M15 $(trl $((2 * P))) --steps=$STEPS --rollout.tensor_parallel_size=2; fi
+    else part layouts_tp2 280 bash "$0" _train layouts_tp2 2 $M15 $(trl $((2 * P))) --steps=$STEPS \
+      --rollout.tensor_parallel_size=2; fi
     part layouts_tp1 280 bash "$0" _train layouts_tp1 2 $M15 $(trl $((2 * P))) --steps=$STEPS
     part layouts_hsdp 280 bash "$0" _train layouts_hsdp 2 $M15 $(trl $((2 * P))) --steps=$STEPS --fsdp_size=1 ;;
   report)
