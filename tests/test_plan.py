@@ -244,7 +244,8 @@ def test_the_fused_kernels_updates_within_2_percent_and_their_forwards_within_5(
     fused norms' term was fitted)."""
     with open(TRUTH) as f:
         rows = [r for r in json.load(f)["rows"] if {"--kernels=liger", "--kernels=compile"} & set(r["args"])
-                and "--actor.gradient_checkpointing=true" not in r["args"]]
+                and "--actor.gradient_checkpointing=true" not in r["args"]
+                and r.get("bound") != "upper"]    # the real model's answers end early: the plan bounds it only
     errors = {}
     for row in rows:
         p = predict.predict(options.parse_args(row["args"]), row["world"], row["prompt_len"], row["engine"])
