@@ -71,7 +71,7 @@ def sampler(llm, prompts: list, size: str) -> dict:
     """The sampling call's costs on one engine, side by side (issue 42's decode profile): a seed for every
     request (what the rollout asks today: samples independent of how requests share a batch) against one
     seed for the call (vLLM's own generator), each with and without the sampled token's log-prob (a dict of
-    Logprob objects a position, or flat lists: `flat_logprobs`, what the rollout asks since round 11), twice in
+    Logprob objects a position, or flat lists: `flat_logprobs`, what the rollout asks), twice in
     alternation; the decode step against the weight-read bound (bf16 params / the H200's 4.8 TB/s); and
     whether the one-seed call gives the same samples twice from the same CUDA RNG state, and whether asking
     for log-probs changes a seeded request's samples."""

@@ -190,7 +190,7 @@ def one_step(t, s: int, last: bool, args, profile: bool, peak: dict) -> tuple:
 def run_variant(args, flags: list, engine, profile: bool) -> tuple:
     """(medians of the measured steps' figures, the profile or None, the engine) for one variant. Its steps run
     with the set-up's objects frozen, as train_grpo.run's do (vllm_engine.frozen_heap); the flag `gc_thawed`
-    (not a train_grpo option): without, as before round 14; the others in PSEUDO: `generation_as`."""
+    (not a train_grpo option): without, the heap thawed; the others in PSEUDO: `generation_as`."""
     thawed = "gc_thawed" in flags
     cfg = options.parse_args(workload(args, [f for f in flags if f not in PSEUDO]))
     vocab = 151936 if cfg.model and cfg.model.startswith("random:qwen") else 16
@@ -291,7 +291,7 @@ def parse():
     ap.add_argument("--modes", default="bf16", help=f"the rollout engine's modes, comma-separated: {', '.join(MODES)}")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--prompt_len", type=int, default=64, help="0: the copy task's 4-token prompts (round 7's runs)")
+    ap.add_argument("--prompt_len", type=int, default=64, help="0: the copy task's 4-token prompts")
     ap.add_argument("--response_len", type=int, default=256)
     ap.add_argument("--micro", type=int, default=32, help="samples per micro-batch (TRL's); 0: the run's own choice")
     ap.add_argument("--warmup", type=int, default=2)

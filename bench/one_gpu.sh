@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# This round's one-H200 runs, in parts that each fit one device call (at most 10 minutes); every part writes
+# The one-H200 runs, in parts that each fit one command of at most 10 minutes; every part writes
 # its raw output under $OUT (the device tool brings it back) and never stops the next one.
 #   source .vllm/env.sh && bash bench/one_gpu.sh tests       # GPU tests: a third of test_memory.py (one call);
 #   bash bench/one_gpu.sh tests_b; bash bench/one_gpu.sh tests_c  # its other two thirds, a call each
@@ -40,12 +40,12 @@ case "${1:-}" in
     part stream_7b_80 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
       --actor.gradient_checkpointing=true --out="$OUT/stream_7b_80.json"
-    # round 11: 65.1 GB allocated, 85.7 GB reserved at the update: the same with expandable segments
+    # measured at 7B: 65.1 GB allocated, 85.7 GB reserved at the update: the same with expandable segments
     part stream_7b_80x 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream \
       --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
       --actor.gradient_checkpointing=true --expandable --out="$OUT/stream_7b_80x.json" ;;
-  stream80e)  # round 13: the update reserved one embeddings' Adam window beyond its slack; does emptying go?
+  stream80e)  # the update reserved one embeddings' Adam window beyond its slack (7B): does emptying free it?
     part stream_7b_80e 560 python bench/bench_offload.py --model=random:qwen2.5-7b --configs=ref_optim_stream \
       --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
@@ -73,20 +73,19 @@ case "${1:-}" in
         --variants="--rollout.logprobs_every=1;--rollout.logprobs_every=1000;--rollout.logprobs_every=1" \
         --out="$OUT/logprobs_$size.json"
     done ;;
-  gc)         # round 14: vLLM's sleep runs a full collection each step; the collector's time a step with the
-              # set-up's objects frozen (the loop's since round 14) and without (gc_thawed: round 14's first lease)
+  gc)         # vLLM's sleep runs a full collection each step; the collector's time a step with the
+              # set-up's objects frozen (as the loop runs) and without (gc_thawed, the heap thawed)
     m32="--actor.ppo_micro_batch_size_per_gpu=32 --actor.log_prob_micro_batch_size_per_gpu=32"
     m32="$m32 --ref.log_prob_micro_batch_size_per_gpu=32"
     part gc_1p5b 400 python bench/bench_step.py --model=random:qwen2.5-1.5b --micro=0 --steps=6 --warmup=2 \
       --variants="${VARIANTS:-gc_thawed;$m32 gc_thawed;$m32;default;gc_thawed}" --out="$OUT/gc_1p5b.json" ;;
   awake)      # rollout.sleep_level=0 against the engine asleep after each generation (the default), one engine
-              # shared by the variants, the first again for the process's drift (round 17 ran it with plan.relax
-              # picking level 0 for "default": the same three runs)
+              # shared by the variants, the first again for the process's drift
     for size in ${2:-0.5b}; do
       part "awake_$size" 300 python bench/bench_step.py --model=random:qwen2.5-$size --micro=0 --steps=6 --warmup=2 \
         --variants="--rollout.sleep_level=0;default;--rollout.sleep_level=0" --out="$OUT/awake_$size.json"
     done ;;
-  awake_why)  # why the awake engine generates slower at 1.5B (round 27): asleep, awake, awake with the trainer's
+  awake_why)  # whether the awake engine generates slower at 1.5B: asleep, awake, awake with the trainer's
               # reserve given back after the sync, awake with generation's tensors in a pool of their own, then the
               # first two again (the drift); each variant's last step profiled (the host's CUDA calls by name)
     part "awake_why_${2:-1.5b}" 560 python bench/bench_step.py --model=random:qwen2.5-${2:-1.5b} --micro=0 --steps=3 \
@@ -106,7 +105,7 @@ case "${1:-}" in
       --variants="--memory_history=true;--memory_history=true;--memory_history=true" \
       --steps=2 --warmup=1 --out="$OUT/leak_0p5b.json" ;;
   tests|tests_b|tests_c)   # test_memory.py's collected tests, every third from the first, second or third: the
-                           # whole file (26 tests) outgrew one call's 560 s in round 26
+                           # whole file (26 tests) takes longer than one 560 s call
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
     k=$(case $1 in tests) echo 1;; tests_b) echo 2;; *) echo 0;; esac)
     ids=$(python -m pytest -q --collect-only test_memory.py | grep '::' | awk -v k="$k" 'NR % 3 == k')
@@ -143,7 +142,7 @@ case "${1:-}" in
       part "kernels_$size" 330 python bench/bench_step.py --model=random:qwen2.5-$size --warmup=2 --steps=3 \
           --variants="--kernels=torch;--kernels=liger;--kernels=compile;--kernels=torch" --out="$OUT/kernels_$size.json"
     done ;;
-  rest)      # what round 7's call limits cut off
+  rest)      # the GPU tests the calls above leave out
     part test_memory_rest 300 python -m pytest -q -rf test_memory.py \
         -k "reward_model_stage or oom or plan_predicts or checkpoint_leaves"
     part test_defaults_kv 100 python -m pytest -q -rf -s tests/test_defaults.py -k kv_bytes ;;

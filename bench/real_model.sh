@@ -52,7 +52,7 @@ evaluate() {  # the base model first (its engine is reused), then each checkpoin
     > "$OUT/trl_eval$S.log" 2>&1       # our final/ last: the evaluator against our run's own last validation
   local rc=$?
   echo "[trl_eval$S] exit $rc" | tee -a "$OUT/summary.txt"
-  # scored, TRL's checkpoints go (2.5 GB each in fp32; they filled round 24's disk for a later run); KEEP=1 keeps them
+  # scored, TRL's checkpoints go (2.5 GB each in fp32; they can fill the disk for a later run); KEEP=1 keeps them
   [ "$rc" != 0 ] || [ -n "${KEEP:-}" ] || rm -rf "$RUNS"/trl$S/checkpoint-*
 }
 keep_packing() { (while sleep 30; do pack "$@"; done) > /dev/null 2>&1 & echo $!; }
@@ -105,7 +105,7 @@ case "${1:-}" in
       --lr=2e-6 --steps=50 --save_steps="${VAL_FREQ:-10}" --seed="${DATA_SEED:-$SEED}" \
       ${DATA_SEED:+--sample_seed=$SEED} --out="$RUNS/trl$S" > "$OUT/trl_task$S.log" 2>&1
     echo "[trl_task$S] exit $?" | tee -a "$OUT/summary.txt"; cp "$RUNS/trl$S/steps.json" "$OUT/trl_steps$S.json"
-    [ -n "${NO_EVAL:-}" ] || evaluate ;;   # round 21 lost two runs' checkpoints to a machine that went back
+    [ -n "${NO_EVAL:-}" ] || evaluate ;;   # in the same call: the checkpoints are on this machine's /tmp
   trl_eval) evaluate ;;
   *) echo "usage: bash bench/real_model.sh grpo|grpo_async [seconds] | rows [seconds] [fp8 seconds]" \
           "| trl_speed [size] | trl_task [seconds] | trl_eval" >&2; exit 2 ;;

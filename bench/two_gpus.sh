@@ -7,7 +7,7 @@
 #   bash bench/two_gpus.sh layouts      # TP=2 x 1 engine against TP=1 x 2 engines; HSDP (fsdp_size=1)
 #   bash bench/two_gpus.sh report       # $OUT/report.md from the runs' metrics (and the plan beside them)
 # DRY=1 runs the same commands on the CPU (gloo, the tiny model, HF generate, 2 steps): the script itself,
-# tested before a lease (tests/test_two_gpus.py). Raw files: $OUT/<run>/metrics.jsonl, $OUT/<part>.txt.
+# tested before GPUs are spent on it (tests/test_two_gpus.py). Raw files: $OUT/<run>/metrics.jsonl, $OUT/<part>.txt.
 set -u
 OUT=${OUT:-out/two_gpus}; mkdir -p "$OUT"
 DRY=${DRY:-0}

@@ -1,4 +1,4 @@
-"""TRL beside this project on one GPU, in one lease (TRL is not a dependency: its wheels travel to the GPU
+"""TRL beside this project on one GPU, in one machine's calls (TRL is not a dependency: its wheels travel to the GPU
 machine for this bench only). Three parts, each a process of its own:
 
     # TRL's GRPO workload on a random Qwen2.5 shape (16 prompts x 8, 64-token prompts, 256-token answers,
@@ -17,7 +17,7 @@ machine for this bench only). Three parts, each a process of its own:
 
 `speed` and `task` write each optimizer step's wall-clock time, TRL's own step_time, reward, KL and
 completion length to JSON as they come (a call cut short keeps its steps). DRY=1 runs `speed` and `task`
-without vLLM (HF generate) on the CPU with a small local model: the plumbing, checked before a lease.
+without vLLM (HF generate) on the CPU with a small local model: the plumbing, checked before a GPU is spent on it.
 """
 import argparse
 import json
