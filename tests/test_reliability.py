@@ -877,3 +877,18 @@ def test_a_reward_module_that_calls_sys_exit_is_one_line_naming_it(tmp_path, mon
     err = capsys.readouterr().err.strip().splitlines()
     assert stopped.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: reward exits_inside:fn called sys.exit(0) for the response "), err
+
+
+def test_a_fresh_streamed_adam_state_leaves_the_weights_as_they_were():
+    """The streamed optimizer's fresh state (a resume, or a first checkpoint: adam.born_on_host) comes from a step
+    at learning rate 0; at the run's rate AdamW's decoupled weight decay (p -= lr x wd x p) would move each
+    group's smallest param before the first update, on every resume. The rate is the run's again after."""
+    import torch
+    import adam
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1)
+    before = [p.detach().clone() for p in net.parameters()]
+    adam.born_on_host(opt, adam.optimizer_stash("adam", opt), adam.optimizer_windows(net, opt, 1))
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before))
+    assert opt.param_groups[0]["lr"] == 0.1 and all(s["step"] == 1 for s in opt.state.values())
