@@ -60,8 +60,8 @@ class RolloutConfig:
     tensor_parallel_size: int = 1          # vLLM: ranks per engine (must divide the world size)
     sync_bucket_mb: int = 512              # weight sync: max bytes gathered before one load_weights
     logprobs_every: int = 0                # vLLM, colocated: the sampled tokens' log-probs on every k-th step only;
-                                           # ~27 % of the decode step (bench/README.md, "The sampling call's
-                                           # costs"). Read by the rollout correction (every step: k must be 1)
+                                           # ~27 % of the decode step (bench/README.md, "Where a decode
+                                           # step goes"). Read by the rollout correction (every step: k must be 1)
                                            # and the rollout/logp_diff_* metrics (on the steps that have them).
                                            # 0: 1 with the correction, else LOGPROBS_EVERY (options.check_config)
     dtype: str = "auto"                    # vLLM weights: auto = the actor's compute dtype
