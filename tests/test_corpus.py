@@ -76,7 +76,8 @@ def test_bench_readme_quotes_the_corpus_table():
 def test_add_makes_the_row_the_replay_reads(tmp_path):
     """`bench/corpus.py add OUT_DIR --gpu --commit` on a fresh two-step CPU run: the row it writes is
     row_from_run's, with the run's options (the differences from the defaults), its world and each stage's
-    medians; the replay reads it (a CPU run's figures are the host's: only the plumbing is checked here)."""
+    medians; the replay reads it (a CPU run's figures are the host's: only the plumbing is checked here); with
+    --log, plan.relax's choices from the run's output join its options; adding it again replaces it."""
     out = tmp_path / "run"
     r = run(["--steps=2", f"--out_dir={out}", "--logger=none", "--val_data=", "--rollout.response_length=16"],
             timeout=120)
@@ -92,5 +93,12 @@ def test_add_makes_the_row_the_replay_reads(tmp_path):
     assert want["peak_gb"]["update"] == [m["mem/update/peak_gb"] for m in steps if m["step"] == 1][0]   # after step 0
     replayed = corpus.replay({**want, "peak_gb": {s: 2.0 for s in want["peak_gb"]}})   # each above FLOOR_GB
     assert {s for s, *_ in replayed} == set(want["peak_gb"])
+    log = tmp_path / "log.txt"                 # plan.relax's choices are in the run's output, not in run_config.json
+    log.write_text("[data] ...\n[plan] actor.gradient_checkpointing=false actor.ppo_micro_batch_size_per_gpu=64: "
+                   "faster, and the run keeps 10% of the 140 GB GPU free by the plan (pass ...)\n")
+    corpus.main(["add", str(out), "--gpu=H200", "--commit=x", "--name=tiny", f"--log={log}", f"--corpus={path}"])
+    relaxed = json.loads(path.read_text())["rows"]
+    assert len(relaxed) == 1 and relaxed[0]["args"][-2:] == ["--actor.gradient_checkpointing=false",
+                                                             "--actor.ppo_micro_batch_size_per_gpu=64"]
     with pytest.raises(SystemExit, match="has no metrics.jsonl"):
         corpus.main(["add", str(tmp_path), "--gpu=cpu", "--commit=x", f"--corpus={path}"])
