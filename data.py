@@ -205,18 +205,24 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
         prompts.append(ids)
         answers.append(answer)
         chats.append(msgs)
-    if not prompts and instruction and tokens(tokenizer, instruction, max_prompt_length) is None:
-        raise ValueError(f"--instruction ({len(instruction):,} characters) is longer than max_prompt_length="
-                         f"{max_prompt_length} tokens by itself, before any prompt; shorten it (prompt and instruction "
-                         f"together must fit {max_prompt_length} tokens) or raise --max_prompt_length")
     if not prompts:
-        raise ValueError(f"none of the {len(rows)} prompts of {path or 'the built-in task'} fits "
-                         f"max_prompt_length={max_prompt_length}" + (f" with --instruction ({len(instruction):,} "
-                         f"characters) appended; shorten it or raise" if instruction else "; raise it"))
+        raise ValueError(none_fit(len(rows), path, tokenizer, instruction, max_prompt_length))
     if dropped and int(os.environ.get("RANK", 0)) == 0:   # every rank loads the data: said once
         print(f"[data] dropped {dropped} {'held-out ' if held_out else ''}prompts of "
               f"{path or 'the built-in task'} longer than max_prompt_length={max_prompt_length}")
     return prompts, answers, chats
+
+
+def none_fit(rows: int, path, tokenizer, instruction: str, limit: int) -> str:
+    """Why no prompt of `path` fits `limit` tokens: the instruction alone (said with the limit, not the data's
+    fault), or the prompts with it appended, or the prompts."""
+    if instruction and tokens(tokenizer, instruction, limit) is None:
+        return (f"--instruction ({len(instruction):,} characters) is longer than max_prompt_length={limit} tokens "
+                f"by itself, before any prompt; shorten it (prompt and instruction together must fit {limit} tokens) "
+                f"or raise --max_prompt_length")
+    return (f"none of the {rows} prompts of {path or 'the built-in task'} fits max_prompt_length={limit}"
+            + (f" with --instruction ({len(instruction):,} characters) appended; shorten it or raise"
+               if instruction else "; raise it"))
 
 
 def data_seed(cfg) -> int:
