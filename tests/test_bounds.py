@@ -1,7 +1,10 @@
 """No input without a bound, and Ctrl-C at any moment (CPU): what the run cannot do in the host's memory is
-refused at start in one line (the planner's sizes against the RAM free now), a huge data line is dropped
-without tokenizing it whole, a long stage says it is still running, SIGTERM is answered at once, and a
-Ctrl-C during the async engine's start-up is one line with no traceback from any process.
+refused at start in one line (the planner's sizes against the RAM free now), and so is a step no rank could
+finish (rollout.n=100000), an --instruction longer than any prompt may be, and text the embedded tokenizer
+cannot read; a huge data line is dropped without tokenizing it whole, a long stage says it is still running,
+SIGTERM is answered at once, and a Ctrl-C during the async engine's start-up (plain python, or torchrun with an
+engine rank) is one line with no traceback from any process, every process gone at once. Beside them: the step
+line's numbers, copy_set.py's command line, and the planner on a folder with config.json alone.
 
     python -m pytest -q tests/test_bounds.py
 """

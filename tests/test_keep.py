@@ -1,5 +1,6 @@
 """Whatever stops a run, the weights trained so far are kept and its last line says where (CPU): a full
-disk at a write other than the final save, SIGTERM and Ctrl-C, a reward that fails after the first update;
+disk at a write other than the final save, SIGTERM and Ctrl-C, a reward that fails after the first update (on
+several ranks too: the every-rank error), a plain error or a stage's OOM on one rank;
 with --save_freq=0 in final/ (its room was set aside at the start), else in a checkpoint; and a finished or
 stopped --save_freq=0 run is called what it is when the same command meets it again.
 
@@ -102,8 +103,8 @@ def test_a_stop_in_the_last_step_keeps_its_checkpoint(tmp_path, in_process, monk
     assert "[preempt] SIGTERM: finishing this step, then a checkpoint" in lines, lines[-20:]
     assert os.path.isdir(os.path.join(out, "checkpoints", "step_000002")) and len(metrics(out)) == 2
     kept = f"its checkpoint in {out}/checkpoints/step_000002"
-    assert lines[-1] == "[done] finished: 2 steps; " + (f"the policy in {out}/final, " if save == "--save=true" else "") \
-        + kept, lines[-1]
+    policy = f"the policy in {out}/final, " if save == "--save=true" else ""
+    assert lines[-1] == "[done] finished: 2 steps; " + policy + kept, lines[-1]
     with pytest.raises(SystemExit):
         in_process(args)
     assert f"{out} holds a finished run (2 steps done" in capsys.readouterr().err
