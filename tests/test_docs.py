@@ -259,7 +259,8 @@ def test_the_codes_comments_and_docstrings_speak_of_the_project_not_of_how_the_w
 
 
 def test_the_process_words_reader_knows_rounding_from_a_round():
-    """What it finds and what it leaves: a round trip, rounding, all-round, pytest's session, a release, a copy landed."""
+    """What it finds and what it leaves: a round trip, rounding, all-round, pytest's session, a release, a copy
+    that landed."""
     assert process_words("(round 11: 18.7 GB outlived the update) in rounds 21-24, Round 9's run") == \
         ["round 11", "rounds 21", "Round 9"]
     assert process_words("one lease, as on CI at the last landing; the session's device time") == \
