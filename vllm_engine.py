@@ -45,7 +45,7 @@ def new_llm(cfg, *, model_dir: str, req, seed: int, kv: int, need: dict, core_pr
     # vLLM's engine core and worker gc.freeze() the whole heap once started (a server's start-up objects are
     # never scanned again). In this process that heap holds the trainer built before the engine: a cycle
     # in it (modules, FSDP state, offload stashes) would never be collected, and a dropped run would keep
-    # its GPU params (round 11: the actor's 1,889 MiB at 0.5B, allocated by its last reload). Unfrozen here.
+    # its GPU params (measured: the actor's 1,889 MiB at 0.5B, allocated by its last reload). Unfrozen here.
     gc.unfreeze()
     return llm
 
@@ -64,7 +64,7 @@ def frozen_heap():
     """The steps of a run with the objects its set-up made frozen (gc.freeze), as vLLM freezes its own after
     start-up, and thawed after (a run dropped in a notebook is then collected: `new_llm`). vLLM's sleep runs a
     full collection each step (its cumem allocator calls gc.collect()); over the ~1.1 M objects of a 1.5B run
-    with the engine in this process that took 0.6 s a step, frozen 0.02 s (bench/README.md, round 14)."""
+    with the engine in this process that took 0.6 s a step, frozen 0.02 s (bench/README.md)."""
     gc.collect()
     gc.freeze()
     try:
@@ -77,7 +77,7 @@ def refreeze(steps_run: int):
     """After each of a run's first two steps, inside `frozen_heap`: what they made and kept (torch.compile's graphs
     and guards: the LM head compiled at the first update, again with dynamic shapes at the second) frozen beside
     the set-up's. Unfrozen, vLLM's collection in each sleep walked them: 0.026 s a step at 1.5B with the head
-    compiled against 0.012 eager (round 19, bench/gc_s). What a later step drops is freed by its count as before."""
+    compiled against 0.012 eager (bench/gc_s). What a later step drops is freed by its count as before."""
     if steps_run < 2 and gc.get_freeze_count():
         gc.collect()
         gc.freeze()
