@@ -82,20 +82,25 @@ def resolve(cfg: options.Config) -> tuple[options.Config, str | None, int, dict]
         return replace(cfg, model=run.get("model"), actor=actor.ActorConfig(**known)), path, meta["step"], run
     run = {}
     if is_dir(path) and os.path.isfile(os.path.join(path, "run_config.json")):   # a run's final/
-        with open(os.path.join(path, "run_config.json")) as f:
-            run = json.load(f)
+        try:
+            with open(os.path.join(path, "run_config.json")) as f:
+                run = json.load(f)
+        except (OSError, ValueError):      # only the step count and the notes read it: without them
+            run = {}
+    run = run if isinstance(run, dict) else {}
     return cfg, None, int(run.get("steps_done", 0)), run
 
 
-def differs(cfg: options.Config, run: dict) -> list[str]:
-    """The held-out-shaping options the folder's run set otherwise: its validation and this evaluation differ there."""
+def differs(cfg: options.Config, run: dict, folder: str) -> list[str]:
+    """The held-out-shaping options that `folder`'s run set otherwise: its validation and this evaluation differ
+    there."""
     if not run:                            # a base model, or none: no run's validation to differ from
         return []
     length = run.get("val_response_length") or run.get("rollout", {}).get("response_length")
     flat = {**run, "val_response_length": length}
     here = {**asdict(cfg), "val_response_length": validate.response_length(cfg)}
     changed = [f"--{k}={flat[k]!r} (here {here[k]!r})" for k in SHAPING if k in flat and flat[k] != here[k]]
-    return [f"[eval] note: the run that wrote {cfg.model} validated with {', '.join(changed)}: its validation and "
+    return [f"[eval] note: the run that wrote {folder} validated with {', '.join(changed)}: its validation and "
             f"this evaluation answer other prompts or score them otherwise"] if changed else []
 
 
@@ -156,7 +161,7 @@ def report(cfg: options.Config, folder: str | None, step: int, kind: str, run: d
     """What was evaluated and how, what it scored (val/*, as the run's validation line), and the answer forms."""
     where = f"{folder or 'the embedded default'}" + (f" (after {step} updates)" if step else "")
     engine = {"vllm": "vLLM", "hf": "HF generate"}[kind]
-    lines = differs(cfg, run) + validate.not_held_out(cfg)
+    lines = differs(cfg, run, folder) + validate.not_held_out(cfg)
     lines.append(f"[eval] {where}: {m['val/prompts']:.0f} held-out prompts of {cfg.val_data or 'the built-in task'}, "
                  f"greedy through {engine}, at most {validate.response_length(cfg)} tokens; scored by {reward}")
     if "val/strict" in m:
