@@ -99,9 +99,10 @@ def _without_checkpoint(out: str, earlier: list) -> str:
         return (f"--out_dir={q} holds an earlier run ({', '.join(earlier)}) but no checkpoint to resume from: "
                 f"pass another --out_dir, or remove {q}")
     what = f"a finished run ({done} steps" if done >= steps else f"a run stopped after {done} of {steps} steps ("
-    return (f"--out_dir={q} holds {what}{', ' if done >= steps else ''}the policy in {out}/final; it kept no checkpoint, "
-            f"--save_freq=0): to train it further start from it, --model={shlex.quote(os.path.join(out, 'final'))} "
-            f"with another --out_dir; to start anew pass another --out_dir, or remove {q}")
+    return (f"--out_dir={q} holds {what}{', ' if done >= steps else ''}the policy in {out}/final; "
+            f"it kept no checkpoint, --save_freq=0): to train it further start from it, "
+            f"--model={shlex.quote(os.path.join(out, 'final'))} with another --out_dir; "
+            f"to start anew pass another --out_dir, or remove {q}")
 
 
 # what a run writes over in out_dir after run_config.json, besides metrics.jsonl, checkpoints/ and final/
@@ -173,8 +174,8 @@ def _check_resumable(cfg, path: str, latest: str | None, data_fingerprint: str):
                          "changed") + "): its position would mean nothing; resume with the same ones, or start a "
                          "new run in another --out_dir")
     if export:
-        checkpoint.say_once(f"[resume] {path} is at --steps={cfg.steps} but {final} was never written (a final save that "
-             f"failed): writing it from the checkpoint")
+        checkpoint.say_once(f"[resume] {path} is at --steps={cfg.steps} but {final} was never written "
+                            f"(a final save that failed): writing it from the checkpoint")
 
 
 # --------------------------------------------------------------------------- disk space
@@ -364,7 +365,8 @@ def keep(cfg, n: int, saved: int, updating: bool, *, checkpoint_at, final_at) ->
     if cfg.save_freq and not updating:
         try:
             checkpoint_at(n)
-            return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} (the same command resumes there)"
+            return f"the weights after step {n} are in {checkpoint.newest(cfg.out_dir)} " \
+                   f"(the same command resumes there)"
         except OSError as e:
             why = " (no room for their checkpoint)" if checkpoint.no_space(e) or "no space left" in str(e) \
                 else f" (no checkpoint: {e})"
