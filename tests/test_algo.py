@@ -191,7 +191,8 @@ def test_batch_size_checks():
 def test_chat_template_is_applied():
     import tiny
     tok = tiny.build_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}#{% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}#{% endif %}")
     import data
     prompts, _, _ = data.load_data(None, tok)
     assert prompts[0][-1] == tok.convert_tokens_to_ids("#")      # the generation prompt was added

@@ -57,7 +57,8 @@ def test_buffer_limit_defaults_to_staleness_steps_and_gpus_leave_a_trainer():
     with pytest.raises(ValueError) as e:   # plain python: what to run instead, not "use at most 0"
         rollout_engine.check(RolloutConfig(mode="async", gpus=1), 1, 16)
     assert "(torchrun --nproc_per_node=2 train_grpo.py ...: 1 trainer rank(s) and 1 engine(s)), or pass " \
-        "--rollout.gpus=0 (one engine process beside rank 0, sharing its GPU)" in str(e.value) and "at most" not in str(e.value)
+        "--rollout.gpus=0 (one engine process beside rank 0, sharing its GPU)" in str(e.value) \
+        and "at most" not in str(e.value)
     with pytest.raises(ValueError, match="tensor_parallel_size=1"):
         rollout_engine.check(RolloutConfig(mode="async", tensor_parallel_size=2), 4, 16)
     with pytest.raises(ValueError, match=r"--rollout.gpus=1 is for --rollout.mode=async"):
@@ -220,7 +221,8 @@ def test_expandable_segments_stop_a_colocated_vllm_run_in_the_preflight(monkeypa
     so in the pre-flight (`rollout.resolve_engine`), not after its models load; the async trainer, whose process
     holds no engine, and other allocator settings go on. (A GPU node with vLLM, as resolve_engine sees it.)"""
     find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
     gpu = torch.device("cuda")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     with pytest.raises(ValueError, match="expandable_segments:True conflicts with vLLM's sleep pool in this process"):

@@ -364,7 +364,8 @@ def test_bad_model_folders_are_one_line_in_the_preflight(tmp_path):
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
     with pytest.raises(ValueError, match=rf"^--model {d}: config.json does not describe these weights \(12 shapes "
-                                         rf"differ: model.layers.0.mlp.gate_proj.weight is \[768, 256\], the config's "):
+                                         rf"differ: model.layers.0.mlp.gate_proj.weight is \[768, 256\], "
+                                         rf"the config's "):
         preflight()
     (d / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))   # (transformers 5: 4 layer_types)
     with pytest.raises(ValueError, match=rf"^--model {d}: (transformers builds no causal LM from its config.json \(|"
@@ -406,7 +407,8 @@ def test_an_unwritable_logger_folder_is_one_line_in_the_preflight(tmp_path, monk
                 raise PermissionError(13, "Permission denied")
             return mkstemp(dir=dir, **kw)
         monkeypatch.setattr(tracker.tempfile, "mkstemp", denied)
-    with pytest.raises(ValueError, match=r"is not a writable folder \(Permission denied\); fix it, or pass --logger=none"):
+    with pytest.raises(ValueError,
+                       match=r"is not a writable folder \(Permission denied\); fix it, or pass --logger=none"):
         train_grpo.preflight(cfg())
 
 

@@ -69,7 +69,8 @@ def test_default_path_runs_and_the_plan_holds(tmp_path, model, case, offload):
         # pinned host memory on a 128 GB host: it cannot run on one H200, and must say so in one line: as
         # given, an OOM naming the stage and the change; with auto, before building anything, what would fit
         out = run([f"--model=random:{model}", "--rollout.engine=vllm", "--steps=1", "--save=false", "--save_freq=0",
-                   f"--out_dir={tmp_path / 'run'}", f"--offload={offload}", *SIZES, *CASES[case]], gpu=True, timeout=900)
+                   f"--out_dir={tmp_path / 'run'}", f"--offload={offload}", *SIZES, *CASES[case]],
+                  gpu=True, timeout=900)
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         want = ("error: out of GPU memory in stage", 1) if offload == "manual" else \
             ("error: --offload=auto: the plan finds no combination", 2)

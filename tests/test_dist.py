@@ -55,7 +55,8 @@ def _rollout_collectives(out_path: str):
     group = tensor_parallel.tp_group(2)
     prompts = [[rank, i] for i in range(rank + 1)]
     parts, me = tensor_parallel.gather(group, (prompts, 100 + rank))
-    mine = (me, parts, tensor_parallel.requests(parts, 3, greedy=True), tensor_parallel.requests(parts, 3, greedy=False))
+    mine = (me, parts, tensor_parallel.requests(parts, 3, greedy=True),
+            tensor_parallel.requests(parts, 3, greedy=False))
     seen = [None] * world
     torch.distributed.all_gather_object(seen, mine)
     mesh = build_mesh(device, world, -1)
