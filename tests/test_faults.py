@@ -26,7 +26,8 @@ ASYNC = ["--rollout.mode=async"]
 def _wait_for_steps(out: str, n: int, proc, limit: float = 300):
     path, t0 = os.path.join(out, "metrics.jsonl"), time.time()
     while not (os.path.exists(path) and len(open(path).readlines()) >= n):
-        assert proc.poll() is None and time.time() - t0 < limit, open(os.path.join(os.path.dirname(out), "log")).read()[-3000:]
+        assert proc.poll() is None and time.time() - t0 < limit, \
+            open(os.path.join(os.path.dirname(out), "log")).read()[-3000:]
         time.sleep(0.3)
 
 
@@ -94,7 +95,8 @@ def test_a_killed_engine_is_the_documented_line_once(tmp_path, nproc):
     text = open(tmp_path / "log").read()
     lines = [x for x in text.splitlines() if x.startswith("error:")]   # (torchrun's summary quotes it: its root cause)
     assert proc.returncode != 0 and len(lines) == 1, text[-3000:]
-    assert re.search(rf"error: rollout engine 0 \(pid {engine}\) exited with code -9: its connection closed", lines[0]) \
+    assert re.search(rf"error: rollout engine 0 \(pid {engine}\) exited with code -9: "
+                     rf"its connection closed", lines[0]) \
         or (nproc and re.search(r"error: rollout engine 0 \(its rank\) exited: its connection closed", lines[0])), lines
     kept = re.search(r"; the weights after step (\d+) are in (\S+) \(the same command resumes there\)$", lines[0])
     assert kept, text[-4000:]
@@ -113,7 +115,8 @@ def test_layouts_that_cannot_run_are_one_line_before_any_rank_leaves(tmp_path):
     process (it was KeyError: 'WORLD_SIZE'), rollout.gpus without async (it was ignored), a buffer below
     one step: each one `error:` line, exit 2, within seconds."""
     cases = [(2, ASYNC + ["--rollout.gpus=2"], "--rollout.gpus=2 leaves no trainer among the 2 rank(s)"),
-             (0, ASYNC + ["--rollout.gpus=1"], "--rollout.gpus=1 leaves no trainer among the 1 rank(s) started (plain python is one"),
+             (0, ASYNC + ["--rollout.gpus=1"],
+              "--rollout.gpus=1 leaves no trainer among the 1 rank(s) started (plain python is one"),
              (0, ["--rollout.gpus=1"], "--rollout.gpus=1 is for --rollout.mode=async"),
              (0, ASYNC + ["--rollout.buffer_limit=5"], "--rollout.buffer_limit=5 is below one step's 16 samples")]
     for nproc, extra, expect in cases:
@@ -149,7 +152,8 @@ def test_an_async_run_killed_and_resumed_trains_each_steps_own_prompts(tmp_path)
 def test_the_rollout_correction_refuses_a_truncated_sampler():
     """vLLM's log-probs under top-p / top-k are the renormalised truncated distribution's: with the
     correction on (async, FP8, or asked for) such a sampler is one line; without it, allowed."""
-    for extra in (["--rollout.mode=async", "--rollout.top_p=0.8"], ["--rollout.kv_cache_dtype=fp8", "--rollout.top_k=20"],
+    for extra in (["--rollout.mode=async", "--rollout.top_p=0.8"],
+                  ["--rollout.kv_cache_dtype=fp8", "--rollout.top_k=20"],
                   ["--actor.rollout_is=token", "--rollout.top_p=0.9"]):
         with pytest.raises(ValueError, match=r"with the rollout correction .* off by the kept probability mass"):
             options.parse_args(extra)
@@ -171,7 +175,8 @@ def test_fp8_on_hf_generate_is_refused_at_start_in_one_line(tmp_path, in_process
     engine and what to change; no step runs, so no correction without a quantizing engine."""
     import importlib.util
     auto_is_hf = not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None
-    for extra in [["--rollout.engine=hf", "--rollout.quantization=fp8"]] + [["--rollout.kv_cache_dtype=fp8"]] * auto_is_hf:
+    for extra in ([["--rollout.engine=hf", "--rollout.quantization=fp8"]]
+                  + [["--rollout.kv_cache_dtype=fp8"]] * auto_is_hf):
         out = tmp_path / extra[-1].split("=")[0][2:]
         with pytest.raises(SystemExit) as e:
             in_process([f"--out_dir={out}", "--steps=1", *S, *extra])
@@ -179,7 +184,8 @@ def test_fp8_on_hf_generate_is_refused_at_start_in_one_line(tmp_path, in_process
         how = "--rollout.engine=hf" if "--rollout.engine=hf" in extra else "--rollout.engine=auto found no vLLM"
         assert e.value.code == 2 and len(err) == 1, err
         assert err[0].startswith(f"error: {extra[-1]} needs the vLLM engine, and this run generates with HF generate "
-                                 f"({how}") and err[0].endswith("use --rollout.engine=vllm on a GPU with vLLM, or drop the flag")
+                                 f"({how}") \
+            and err[0].endswith("use --rollout.engine=vllm on a GPU with vLLM, or drop the flag")
         assert not os.path.exists(out / "metrics.jsonl")
 
 
