@@ -93,14 +93,16 @@ def test_picture_from_a_run_folder(resumed, tmp_path):
     r = run(["--plot", out], script="plan.py", timeout=120)         # and val.png: the run validated
     assert r.returncode == 0 and r.stdout.split() == [os.path.join(out, "memory.png"), os.path.join(out, "val.png")], \
         r.stderr
-    assert os.path.getsize(os.path.join(out, "memory.png")) > 20_000 and os.path.getsize(os.path.join(out, "val.png")) > 20_000
+    assert os.path.getsize(os.path.join(out, "memory.png")) > 20_000 \
+        and os.path.getsize(os.path.join(out, "val.png")) > 20_000
 
 
 def test_picture_draws_offload_copies_and_vllm_device_use(tmp_path):
     """A GPU run's keys, written by hand: the offload copies' GB and GB/s, vLLM's device use inside
     generate, the plan's device-level figure."""
     rows = [{"step": s, "mem/generate/peak_gb": 10.0 + s, "mem/generate/device_used_gb": 12.0,
-             "rollout/generate_device_gb": 60.0 + s, "plan/generate/predicted_gb": 11.0, "plan/generate/device_gb": 70.0,
+             "rollout/generate_device_gb": 60.0 + s, "plan/generate/predicted_gb": 11.0,
+             "plan/generate/device_gb": 70.0,
              "mem/update/peak_gb": 30.0, "plan/update/predicted_gb": 31.0,
              "offload/actor.params/offload_gb": 3.0, "offload/actor.params/offload_s": 0.1,
              "offload/actor.params/offload_gbps": 32.2, "offload/actor.adam/prefetch_gb": 6.0,
@@ -112,7 +114,8 @@ def test_picture_draws_offload_copies_and_vllm_device_use(tmp_path):
     assert memory["generate"]["device"] == [60.0, 61.0, 62.0]          # vLLM's pool counted
     assert memory["generate"]["plan_device"] == [70.0] * 3
     assert copies["actor.params offload"] == {"gb": [3.0] * 3, "gbps": [32.2] * 3}
-    assert copies["actor.adam prefetch"]["gb"] == [6.0] * 3 and all(map(math.isnan, copies["actor.adam prefetch"]["gbps"]))
+    assert copies["actor.adam prefetch"]["gb"] == [6.0] * 3 \
+        and all(map(math.isnan, copies["actor.adam prefetch"]["gbps"]))
     assert set(copies) == {"actor.params offload", "actor.adam prefetch"}
     path = tracker.picture(str(tmp_path))
     assert path == str(tmp_path / "memory.png") and os.path.getsize(path) > 20_000
@@ -136,8 +139,8 @@ def test_logger_none_writes_nothing(tmp_path):
     out = str(tmp_path / "run")
     r = run([f"--out_dir={out}", "--steps=1", "--save_freq=0", "--logger=none"] + SMALL)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert sorted(os.listdir(out)) == [".run.lock", "metrics.jsonl", "run_config.json", "val.png",   # the lock: launch.py
-                                       "val_samples.jsonl"]
+    assert sorted(os.listdir(out)) == [".run.lock", "metrics.jsonl", "run_config.json",   # the lock: launch.py
+                                       "val.png", "val_samples.jsonl"]
     assert "[logger]" not in r.stdout
 
 
