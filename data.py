@@ -183,15 +183,7 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
         rows = read_rows(path, option)
     prompts, answers, chats, dropped = [], [], [], 0
     for i, row in enumerate(rows, 1):
-        key = prompt_key_of(row, prompt_key)
-        for k in (key, answer_key):
-            if k not in row:
-                raise ValueError(f"{option} {path} row {i} has no {k!r} field (it has {sorted(row)}); set "
-                                 f"--prompt_key / --answer_key" + (", which name the fields of --data and "
-                                                                   "--val_data alike" if option != "--data" else ""))
-        if i == 1 and key != prompt_key and int(os.environ.get("RANK", 0)) == 0:
-            print(f"[data] {path}: no {prompt_key!r} field: the prompts are its {key!r} field "
-                  f"(--prompt_key names another)", flush=True)
+        key = row_fields(row, i, path, prompt_key, answer_key, option)
         where = f"{path} row {i}"
         raw = with_instruction(row[key], instruction)
         p, answer = prompt_text(raw, tokenizer, where), answer_text(row[answer_key], where)
@@ -211,6 +203,21 @@ def load_data(path, tokenizer, prompt_key=PROMPT_KEYS[0], answer_key="answer", m
         print(f"[data] dropped {dropped} {'held-out ' if held_out else ''}prompts of "
               f"{path or 'the built-in task'} longer than max_prompt_length={max_prompt_length}")
     return prompts, answers, chats
+
+
+def row_fields(row: dict, i: int, path, prompt_key: str, answer_key: str, option: str) -> str:
+    """Row i's prompt field (`prompt_key`; at its default, the first of PROMPT_KEYS the row has, said once
+    at row 1), or one line naming the options to set when the row lacks it or `answer_key`."""
+    key = prompt_key_of(row, prompt_key)
+    for k in (key, answer_key):
+        if k not in row:
+            raise ValueError(f"{option} {path} row {i} has no {k!r} field (it has {sorted(row)}); set "
+                             f"--prompt_key / --answer_key" + (", which name the fields of --data and "
+                                                               "--val_data alike" if option != "--data" else ""))
+    if i == 1 and key != prompt_key and int(os.environ.get("RANK", 0)) == 0:
+        print(f"[data] {path}: no {prompt_key!r} field: the prompts are its {key!r} field "
+              f"(--prompt_key names another)", flush=True)
+    return key
 
 
 def none_fit(rows: int, path, tokenizer, instruction: str, limit: int) -> str:

@@ -1,10 +1,10 @@
 """The planner's prediction: every stage's peak GPU memory per rank (allocator and device level) and the step's
 time, before anything is built. Each role predicts its own state groups and stages (the `predicted` section of
-actor.py, ref.py, critic.py, reward_model.py, rollout.py, rollout_async.py, rollout_engine.py); this file walks
-them in train_grpo.train_step's order, adds what every other group holds between its uses, and calibrates the
-device level and the time on bench/results/corpus.json's H200 runs. It names no role's flags, moves nothing
-and builds no model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command line), and
-watch.py reads it beside each step's measurement.
+actor.py, ref.py, critic.py, reward_model.py, rollout.py, rollout_async.py, rollout_buffer.py, rollout_engine.py);
+this file walks them in train_grpo.train_step's order, adds what every other group holds between its uses, and
+calibrates the device level and the time on bench/results/corpus.json's H200 runs. It names no role's flags,
+moves nothing and builds no model; plan.py fits the prediction to a GPU (the search, --offload=auto, the command
+line), and watch.py reads it beside each step's measurement.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80    # the table, and what fits (plan.py)
     python -m pytest -q tests/test_plan.py tests/test_corpus.py        # the terms against the model and the GPU runs
@@ -27,6 +27,7 @@ import ref
 import reward_model
 import rollout
 import rollout_async
+import rollout_buffer
 import rollout_engine
 import validate
 
@@ -228,7 +229,7 @@ def predict(cfg, world: int, prompt_len: int, engine: str = "vllm") -> Plan:
     if r.asynchronous:
         eng = {**rollout_engine.predicted(cfg.rollout, model_config(cfg.model), r.req), "CUDA context": CUDA_CONTEXT}
         plan = Plan(stages, {}, pinned, _async_seconds(r, st), engine_device=eng,
-                    buffer_host=rollout_async.buffer_bytes(cfg.rollout, cfg.train_batch_size, prompt_len),
+                    buffer_host=rollout_buffer.buffer_bytes(cfg.rollout, cfg.train_batch_size, prompt_len),
                     beside=0 if cfg.rollout.gpus else sum(eng.values()))
     else:
         vllm = rollout.predicted_awake(cfg.rollout, r.z, model_config(cfg.model), r.req) if engine == "vllm" else {}

@@ -1,4 +1,4 @@
-"""Async rollout, the trainer's side: the bounded host buffer, the orders, the weight push.
+"""Async rollout, the trainer's side: the orders into the bounded host buffer (rollout_buffer.py), the weight push.
 
     python train_grpo.py --rollout.mode=async                  # CPU: HF generate in a child process
     torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
@@ -17,9 +17,9 @@ while the trainer trains on batch t:
 Staleness: batch j may be sampled by any policy version >= j - max_staleness; the trainer at step j
 holds version j (one update per step), so a batch is at most max_staleness updates old. The update
 corrects the lag with truncated importance weights against the engine's log-probs
-(actor.rollout_is). Memory: the buffer holds at most buffer_limit samples, ordered or waiting (the
-engine has no order beyond it: it waits, `rollout/engine_idle_s`); its bytes, the samples waiting
-and the engine's device use are in the metrics. Faults: an engine that dies stops the run with one
+(actor.rollout_is). Memory: the buffer (rollout_buffer.py) holds at most buffer_limit samples, ordered
+or waiting (the engine has no order beyond it: it waits, `rollout/engine_idle_s`); its bytes, the
+samples waiting and the engine's device use are in the metrics. Faults: an engine that dies stops the run with one
 line; a resume pushes the checkpoint's weights and samples its batches again (the buffer is not
 saved: a checkpoint records the policy version, and buffered samples are regenerated).
 """
@@ -38,22 +38,12 @@ import torch.distributed as dist
 
 import offload
 import rollout
+import rollout_buffer
 import rollout_engine
 import weights
 from rollout import RolloutConfig
 
 ALIGN = 64                                  # bytes: every tensor in a bucket starts at a multiple
-
-
-def buffer_limit(cfg: RolloutConfig, train_batch_size: int) -> int:
-    """Samples ordered or waiting at most: buffer_limit, or max_staleness steps' worth (at least one
-    step's: rollout_engine.check refuses less)."""
-    return cfg.buffer_limit or cfg.max_staleness * train_batch_size * cfg.n
-
-
-def sample_bytes(prompt: int, response: int) -> int:
-    """Host bytes of one buffered sample: int32 token ids of prompt and response, fp32 log-probs."""
-    return 4 * (prompt + 2 * response)
 
 
 def weight_layout(model, dtype: torch.dtype, bucket_bytes: int) -> tuple[list, int]:
@@ -71,61 +61,6 @@ def weight_layout(model, dtype: torch.dtype, bucket_bytes: int) -> tuple[list, i
         off += -(-nbytes // ALIGN) * ALIGN
     buckets.append(cur)
     return buckets, max(b[-1][2] + b[-1][3] for b in buckets)
-
-
-# --------------------------------------------------------------------------- the host buffer
-class Buffer:
-    """Samples ordered or finished but not yet taken, at most `limit` (thread-safe: the engines'
-    receiver threads put, the trainer takes). An order reserves its samples, so the engines never
-    produce past the bound and host memory stays bounded."""
-
-    def __init__(self, limit: int):
-        self.limit, self.cv = limit, threading.Condition()
-        self.parts: dict = {}              # step -> {engine: its payload}
-        self.ordered = self.waiting = self.nbytes = 0   # samples
-        self.error: str | None = None
-        self.handled = threading.Event()   # the trainer said the error: the watchdog need not
-
-    def reserve(self, samples: int) -> bool:
-        with self.cv:
-            if self.ordered + self.waiting + samples > self.limit:
-                return False
-            self.ordered += samples
-            return True
-
-    def put(self, step: int, engine: int, payload: dict):
-        with self.cv:
-            self.parts.setdefault(step, {})[engine] = payload
-            n = len(payload["responses"])
-            self.ordered, self.waiting = self.ordered - n, self.waiting + n
-            self.nbytes += payload["nbytes"]
-            self.cv.notify_all()
-
-    def fail(self, message: str):
-        with self.cv:
-            self.error = self.error or message
-            self.cv.notify_all()
-
-    def died(self, fallback: str, wait_s: float = 5.0) -> "rollout_engine.EngineDied":
-        """The error to stop with when a send to an engine failed: the receiver thread's line (it says
-        which engine exited and how; given `wait_s` to see the closed connection), or `fallback`."""
-        with self.cv:
-            self.cv.wait_for(lambda: self.error is not None, timeout=wait_s)
-            self.handled.set()
-            return rollout_engine.EngineDied(self.error or fallback)
-
-    def take(self, step: int, parts: int) -> list:
-        """The `parts` payloads of `step`, waiting for them; EngineDied when an engine failed."""
-        with self.cv:
-            while len(self.parts.get(step, {})) < parts:
-                if self.error:
-                    self.handled.set()
-                    raise rollout_engine.EngineDied(self.error)
-                self.cv.wait(timeout=1.0)
-            got = self.parts.pop(step)
-            self.waiting -= sum(len(p["responses"]) for p in got.values())
-            self.nbytes -= sum(p["nbytes"] for p in got.values())
-            return [got[i] for i in sorted(got)]
 
 
 # --------------------------------------------------------------------------- the trainer's side
@@ -146,7 +81,7 @@ class Stream:
     prompt_len: int
     conns: list = field(default_factory=list)
     procs: list = field(default_factory=list)   # the engine processes rank 0 started (k=0)
-    buffer: Buffer | None = None
+    buffer: rollout_buffer.Buffer | None = None
     acks: list = field(default_factory=list)    # per engine: a queue of ("ack", bucket) from its thread
     vals: list = field(default_factory=list)    # per engine: a queue of its held-out answers (`greedy`)
     pg: object = None                       # the weights group: rank 0 and the engines (nccl / gloo)
@@ -174,8 +109,9 @@ def start(run, engine: rollout.Engine, *, model, prompt_len: int, dp: int, dp_ra
     torch_dtype = getattr(torch, req.dtype)  # on the CPU, fp32: as the trainer computes there
     layout, bucket_bytes = weight_layout(model, torch_dtype, cfg.sync_bucket_mb * 2 ** 20)
     step_samples = train_batch_size * cfg.n
-    s = Stream(cfg, rank, device, torch_dtype, layout, k, buffer_limit(cfg, train_batch_size), step_samples, dp,
-               dp_rank, prompt_len, seed=run.seed, version=version, next_order=version, pad_id=pad_id, eos_id=eos_id)
+    limit = rollout_buffer.buffer_limit(cfg, train_batch_size)
+    s = Stream(cfg, rank, device, torch_dtype, layout, k, limit, step_samples, dp, dp_rank, prompt_len,
+               seed=run.seed, version=version, next_order=version, pad_id=pad_id, eos_id=eos_id)
     if rank == 0:
         transport = "gloo" if device.type == "cpu" else "ipc" if cfg.gpus == 0 else "nccl"
         engine_dir = os.path.join(run.out_dir, "vllm_config", "engine")
@@ -192,9 +128,10 @@ def describe(s: Stream) -> list[str]:
     c, where = s.cfg, (f"on {s.cfg.gpus} GPU(s) of their own" if s.cfg.gpus else "one process beside rank 0")
     built = "; ".join(f"engine {i}: built in {v['build_s']:.1f} s, device {v['device_gb']:.2f} GB"
                       for i, v in sorted(s.engine_stats.items()))
+    mb = s.limit * rollout_buffer.sample_bytes(s.prompt_len, c.response_length) / 2 ** 20
     return [f"[rollout] async: {s.engines} engine(s) {where}; a batch at most {c.max_staleness} update(s) older "
             f"than the policy it trains; the host buffer holds at most {s.limit} samples (ordered or waiting, "
-            f"{s.limit * sample_bytes(s.prompt_len, c.response_length) / 2 ** 20:.1f} MB); weights pushed after each "
+            f"{mb:.1f} MB); weights pushed after each "
             f"update in {len(s.layout)} bucket(s) of up to {c.sync_bucket_mb} MB; {built}; the trainer's allocator: "
             f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF') or 'PyTorch default'} (rollout_engine.trainer_allocator)"]
 
@@ -231,7 +168,7 @@ def _connect(s: Stream, spec: rollout_engine.Spec):
         s.conns[0].send(("bucket", s.bucket))
     else:
         s.pg = rollout_engine.group(spec, 0, s.engines + 1, store)
-    s.buffer = Buffer(s.limit)
+    s.buffer = rollout_buffer.Buffer(s.limit)
     s.acks = [queue.Queue() for _ in range(s.engines)]
     s.vals = [queue.Queue() for _ in range(s.engines)]
     for i, conn in enumerate(s.conns):     # "ready" (or an error) comes back after each engine is built
@@ -274,7 +211,8 @@ def _receive(s: Stream, i: int):
             msg = conn.recv()
             if msg[0] == "samples":
                 p = msg[2]
-                p["nbytes"] = sum(sample_bytes(len(x), len(r)) for x, r in zip(p["prompts"], p["responses"]))
+                p["nbytes"] = sum(rollout_buffer.sample_bytes(len(x), len(r))
+                                  for x, r in zip(p["prompts"], p["responses"]))
                 s.buffer.put(msg[1], i, p)
             elif msg[0] == "ack":
                 s.acks[i].put(msg[1])
@@ -510,8 +448,3 @@ def predicted_push(cfg: RolloutConfig, z, policy: dict, req, lora: bool) -> list
     bucket = {"push bucket": bucket_bytes(cfg, z, req)} if cfg.gpus else {}
     merge = {"LoRA merge (fp32)": 4 * s.hidden * s.ffn} if lora else {}
     return [{**policy, **bucket, "gathered tensor": w * s.largest, **merge}]
-
-
-def buffer_bytes(cfg: RolloutConfig, train_batch_size: int, prompt_len: int) -> int:
-    """The host's rollout buffer at its fullest."""
-    return buffer_limit(cfg, train_batch_size) * sample_bytes(prompt_len, cfg.response_length)

@@ -1,5 +1,6 @@
 """Async rollout, the engine's side: where the engines run, the trainer's share of torchrun's ranks,
-and the engine process itself (rollout_async.py is the trainer's side: the buffer, orders, the push).
+and the engine process itself (rollout_async.py is the trainer's side: orders, the push; rollout_buffer.py the
+buffer between them).
 
     torchrun --nproc_per_node=2 train_grpo.py --rollout.mode=async --rollout.gpus=1 --model=/models/Qwen2.5-1.5B
     python -m pytest -q tests/test_async.py

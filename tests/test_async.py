@@ -16,13 +16,14 @@ import actor
 import losses
 import rollout
 import rollout_async
+import rollout_buffer
 import rollout_engine
 from conftest import launches, metrics, run
 from rollout import RolloutConfig
 
 
 def test_buffer_reserves_up_to_its_bound_and_hands_each_step_once():
-    b = rollout_async.Buffer(limit=16)
+    b = rollout_buffer.Buffer(limit=16)
     assert b.reserve(8) and b.reserve(8) and not b.reserve(1)       # ordered samples count against the bound
     b.put(0, 0, {"responses": [[1]] * 8, "nbytes": 80})
     assert (b.ordered, b.waiting, b.nbytes) == (8, 8, 80)
@@ -45,12 +46,12 @@ def test_buffer_reserves_up_to_its_bound_and_hands_each_step_once():
 
 def test_buffer_limit_defaults_to_staleness_steps_and_gpus_leave_a_trainer():
     cfg = RolloutConfig(mode="async", n=8, max_staleness=2)
-    assert rollout_async.buffer_limit(cfg, 16) == 2 * 16 * 8
+    assert rollout_buffer.buffer_limit(cfg, 16) == 2 * 16 * 8
     cfg.buffer_limit = 10                  # below one step: refused, naming the value and the step's samples
     with pytest.raises(ValueError, match=r"--rollout.buffer_limit=10 is below one step's 128 samples"):
         rollout_engine.check(cfg, 2, 16)
     cfg.buffer_limit = 128
-    assert rollout_async.buffer_limit(cfg, 16) == 128
+    assert rollout_buffer.buffer_limit(cfg, 16) == 128
     assert rollout_engine.trainer_world(RolloutConfig(mode="async", gpus=1), 3) == 2
     with pytest.raises(ValueError, match="leaves no trainer"):
         rollout_engine.check(RolloutConfig(mode="async", gpus=2), 2, 16)

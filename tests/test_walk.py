@@ -18,6 +18,7 @@ import plan
 import predict
 import rollout
 import rollout_async
+import rollout_buffer
 import rollout_engine
 import train_grpo
 
@@ -162,5 +163,5 @@ def test_a_buffer_below_one_step_is_refused_by_the_run_and_the_planner(capsys):
         plan.main(bad + ["--nproc=2", "--prompt_len=64"])
     assert "buffer_limit=1 is below one step's 16 samples" in capsys.readouterr().err
     ok = options.parse_args(bad[:-1] + ["--rollout.buffer_limit=16"])
-    assert predict.predict(ok, 1, 64).buffer_host == 16 * rollout_async.sample_bytes(64, ok.rollout.response_length)
-    assert math.isclose(rollout_async.buffer_limit(ok.rollout, 4), 16)
+    assert predict.predict(ok, 1, 64).buffer_host == 16 * rollout_buffer.sample_bytes(64, ok.rollout.response_length)
+    assert math.isclose(rollout_buffer.buffer_limit(ok.rollout, 4), 16)
