@@ -117,8 +117,8 @@ def test_offload_flags_and_off_policy_path_run(tmp_path):
 @launches
 def test_copy_levers_change_no_number_and_save_a_copy(tmp_path):
     """prefetch_update, defer_param_offload and optimizer_load_at_step only move copies in time:
-    the same run with them off gives the same numbers. On: per step one param copy in (prefetched during the ref forward, so
-    the update has nothing left to reload) and one out (after the next sync), not two in and one out."""
+    the same run with them off gives the same numbers. On: per step one param copy in (prefetched during the ref
+    forward, so the update has nothing left to reload) and one out (after the next sync), not two in and one out."""
     runs = {}
     for on in ("true", "false", "at_step"):      # at_step: levers off, Adam in just before the step
         out = str(tmp_path / on)
@@ -321,7 +321,8 @@ def bad_dir(tmp_path_factory):
     (d / "table.csv").write_text("prompt,answer\n1=,1\n")
     (d / "otherkeys.jsonl").write_text(json.dumps({"question": "1=", "final": "1"}) + "\n")
     (d / "array.json").write_text(json.dumps([{"prompt": "1=", "answer": "1"}]))
-    for name, file in (("arun/final", "config.json"), ("anadapter", "adapter_config.json"), ("acheckpoint", "meta.json")):
+    for name, file in (("arun/final", "config.json"), ("anadapter", "adapter_config.json"),
+                       ("acheckpoint", "meta.json")):
         (d / name).mkdir(parents=True)
         (d / name / file).write_text("{}")
     (d / "afile").write_text("x")
@@ -360,8 +361,10 @@ BAD = [   # (options, what the one line says); {d}: the bad_dir fixture
                                        "of the embedded model (max_position_embeddings); use at most 63"),
     (["--model={d}/noweights"], "no weights there"),
     (["--model={d}/arun"], "arun is a run's out_dir (no config.json); its policy is in "),
-    (["--model={d}/anadapter"], "anadapter is a LoRA adapter (no config.json); pass the folder actor.save_merged wrote"),
-    (["--model={d}/acheckpoint"], "acheckpoint is a training checkpoint (no config.json; --resume takes it); pass its "),
+    (["--model={d}/anadapter"], "anadapter is a LoRA adapter (no config.json); pass the folder "
+                                "actor.save_merged wrote"),
+    (["--model={d}/acheckpoint"], "acheckpoint is a training checkpoint (no config.json; --resume takes it); "
+                                  "pass its "),
     (["--model={d}/afile"], "afile is a file; pass the folder that holds it and its config.json"),
     (["--model={d}/gpt2"], "GPT2LMHeadModel has no model.model.layers / model.model.norm; supported: decoder-only"),
     (["--model={d}/bert"], "BertLMHeadModel has no model.model.layers"),
@@ -527,7 +530,8 @@ def _local_model(d):
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>", "<unk>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %} A:{% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %} A:{% endif %}")
     torch.manual_seed(0)
     Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
@@ -599,8 +603,9 @@ def test_host_memory_flat_over_many_steps(tmp_path):
 def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeypatch):
     """--rollout.logprobs_every=k: the engine is asked for the sampled tokens' log-probs on steps 0, k, 2k, ...
     (bench/README.md: ~27 % of vLLM's decode step); a batch without them trains, and the correction that
-    reads them every step refuses k > 1 in one line; the default (0) is 1 where the correction is on, else 10. vLLM's outputs read as the rollout reads them: the
-    sampled token's log-prob a position, from flat lists (flat_logprobs) or Logprob dicts."""
+    reads them every step refuses k > 1 in one line; the default (0) is 1 where the correction is on, else 10.
+    vLLM's outputs read as the rollout reads them: the sampled token's log-prob a position, from flat lists
+    (flat_logprobs) or Logprob dicts."""
     import rollout
     import vllm_engine
     asked, real = [], rollout.generate
@@ -617,7 +622,8 @@ def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeyp
     assert options.parse_args([]).rollout.logprobs_every == rollout.LOGPROBS_EVERY == 10   # else each 10th
     assert options.parse_args(["--rollout.kv_cache_dtype=fp8"]).rollout.logprobs_every == 1
     # vLLM's outputs as the rollout reads them: no log-probs asked, none in the batch
-    out = lambda lp: type("Out", (), {"outputs": [type("S", (), {"token_ids": [5, 6], "logprobs": lp})()]})()  # noqa: E731
+    sample = lambda lp: type("S", (), {"token_ids": [5, 6], "logprobs": lp})()  # noqa: E731
+    out = lambda lp: type("Out", (), {"outputs": [sample(lp)]})()  # noqa: E731
     lp = [{5: type("L", (), {"logprob": -0.5})()}, {6: type("L", (), {"logprob": -1.5})()}]
     assert vllm_engine.vllm_samples([([1, 2], out(lp))])[2] == [[-0.5, -1.5]]
     flat = type("Flat", (), {"start_indices": [0, 1], "token_ids": [5, 6], "logprobs": [-0.5, -1.5]})()  # flat_logprobs
