@@ -114,7 +114,7 @@ def use(kind: str, device: torch.device, model_type: str, head: str = "eager", r
 # The LM head chunk's bytes per (token, vocab) element at its peak, no-grad forward / backward (model.Shapes.head):
 # eager's (packing.HEAD_*); compiled, the bf16 logits its matmul writes (test_memory.py's plan test's ref stage,
 # 6.92 GB measured, 7.00 planned), in backward with their gradient and the chunk's weight gradient (bench_head.py:
-# 0.58 GB a 512-token chunk at 1.5B, 0.44 at 0.5B; round 19)
+# 0.58 GB a 512-token chunk at 1.5B, 0.44 at 0.5B, measured)
 HEAD_BYTES = {"eager": (packing.HEAD_FORWARD, packing.HEAD_BACKWARD), "compile": (2, 8)}
 
 
@@ -148,7 +148,7 @@ def _padded(compiled, rows: int, h, w, ids, temperature: float, entropy: str):
     """`compiled` on h's rows padded to a multiple of `rows` (the chunk: every chunk one shape, a batch's last
     one too, none padded beyond its chunk), the padding dropped from what it returns. While the CUDA allocator
     records stacks (--memory_history, test_memory.py's leak test) the chunk runs eager: torch 2.11's compiled
-    autograd function fails there ("SystemError: ... returned NULL without setting an exception", round 20)."""
+    autograd function fails there ("SystemError: ... returned NULL without setting an exception")."""
     if _recording(h):
         return packing._head_chunk(h, w, ids, temperature, entropy)
     n = h.shape[0]

@@ -137,10 +137,10 @@ def group(spec: Spec, rank: int, size: int, store=None):
 
 
 # --------------------------------------------------------------------------- the trainer's allocator
-# Async rollout, 0.5B on one H200 (bench/README, round 23): with PyTorch's default allocator the trainer reserved
+# Async rollout, 0.5B on one H200 (bench/README.md): with PyTorch's default allocator the trainer reserved
 # 97-131 GB for an update whose allocated peak was 59-62 GB (six runs; the device at 103-137 GB of 140 with the
 # engine beside it, against a 113 GB plan). With expandable segments: 63 GB reserved, the device at 70 GB, the
-# engine-trainer log-prob gap the same (0.012; 0.011-0.015); round 24, set here: 60-66 GB for a 56-63 GB peak
+# engine-trainer log-prob gap the same (0.012; 0.011-0.015); set here, measured: 60-66 GB for a 56-63 GB peak
 TRAINER_ALLOC_CONF = "expandable_segments:True"
 
 

@@ -143,8 +143,8 @@ def test_optimizer_offload_frees_adam_state(env):
 def test_ref_offload_frees_its_shard(env):
     """A reference built with param_offload holds its shard bytes less than one without (within 10 %:
     a tiny model), and its bracket gives the same log-probs and leaves the shards on the host, their
-    blocks given back to the driver (the reserve after the bracket holds no more than before it: round 11
-    found 18.7 GB of them cached and unused through the 7B update)."""
+    blocks given back to the driver (the reserve after the bracket holds no more than before it: measured
+    at 7B, 18.7 GB of them stayed cached and unused through the update)."""
     device, mesh = env
     before = _allocated()
     where = dict(model_path=None, mesh=mesh, device=device, actor_cfg=actor.ActorConfig())
@@ -260,8 +260,8 @@ def test_offload_changes_no_loss(env, deterministic):
 def test_the_streamed_step_reserves_a_few_windows_not_adam(env):
     """optimizer_stream at the allocator's reserve, not only its allocated bytes: a window's freed state is
     reused by the next windows only once its copy out has finished (the host runs ahead of the GPU), so
-    the step waits for the window before last. Without that wait, round 10 measured 65 GB allocated but
-    121 GB reserved for the 7B update: nearly all of Adam reserved again. Here the second streamed step
+    the step waits for the window before last. Without that wait, the 7B update measured 65 GB allocated but
+    121 GB reserved: nearly all of Adam reserved again. Here the second streamed step
     (the first one makes the state) grows the reserve by at most the planner's window peak plus one
     window of rounding, and by less than half of Adam."""
     import adam as adam_lib
@@ -665,7 +665,7 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
     before the first set-up, within 64 MiB (kernels' caches are made once; cuBLAS's workspaces are freed
     before each count, with vLLM only after its last generate), vLLM's sleep pool taken out; the second drop
     leaves no more than the first. The
-    blocks still held are printed with the line that allocated each. (Round 11, before the fix in
+    blocks still held are printed with the line that allocated each. (Measured before the fix in
     vllm_engine.new_llm: vLLM left 1,953 MiB after each drop, 1,889 of them the first run's actor params,
     kept by vLLM's gc.freeze() of the heap; hf left nothing.)"""
     import gc
@@ -679,7 +679,7 @@ def test_a_run_built_and_dropped_twice_returns_the_allocator_to_its_start(env, o
             "--actor.optimizer_offload=true", "--ref.param_offload=true"]
     def held(last):                        # cuBLAS's workspaces (one a stream, made once) are not the run's;
         if engine == "hf" or last:         # vLLM's CUDA graphs replay into them: freed before a later
-            torch._C._cuda_clearCublasWorkspaces()   # generate, its replay faults (round 11)
+            torch._C._cuda_clearCublasWorkspaces()   # generate, its replay faults
         return _allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)   # each block's stack: the leak's line
     start, shared, left = held(True), None, []

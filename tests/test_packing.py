@@ -104,7 +104,7 @@ def test_a_compiled_heads_chunks_are_padded_to_the_chunk_and_no_further(monkeypa
     assert seen == [5, 5, 5, 512]
     assert all(torch.allclose(o, eager, atol=1e-6) for o in out.values())
     monkeypatch.setattr(kernel_choice, "_recording", lambda h: True)   # the allocator records stacks: eager
-    try:                                   # (torch 2.11's compiled autograd function fails there, round 20)
+    try:                                   # (torch 2.11's compiled autograd function fails there)
         kernel_choice.compile_head(True, rows=5)
         assert torch.equal(packing.head_logprobs(h, w, ids, 0.7, 5, "log"), eager) and seen == [5, 5, 5, 512]
     finally:

@@ -648,7 +648,7 @@ def test_torchrun_restart_after_a_dead_rank_resumes_by_itself(tmp_path, uninterr
 def test_an_engine_built_in_this_process_leaves_the_heap_collectable(monkeypatch):
     """vLLM's engine core and worker gc.freeze() the whole heap once started. In this process the trainer
     built before the engine is on that heap: a cycle of it (a model and its hooks) would never be collected,
-    and a dropped run kept its GPU params (round 11: 1,889 MiB at 0.5B). A stand-in LLM freezes as vLLM
+    and a dropped run kept its GPU params (measured: 1,889 MiB at 0.5B). A stand-in LLM freezes as vLLM
     0.26 does (gc_utils.freeze_gc_heap); after new_llm the trainer's cycle goes with its last reference."""
     import gc
     import sys
@@ -688,7 +688,7 @@ def test_an_engine_built_in_this_process_leaves_the_heap_collectable(monkeypatch
 
 def test_a_runs_steps_skip_the_set_ups_objects_in_full_collections_and_a_dropped_run_still_goes(monkeypatch, tmp_path):
     """vLLM's sleep runs gc.collect() each step; over the set-up's ~1.1 M objects (trainer and engine, collectable
-    since new_llm unfreezes them) that took 0.6 s a step at 1.5B (round 14). train_grpo.run's steps run with
+    since new_llm unfreezes them) that took 0.6 s a step, measured at 1.5B. train_grpo.run's steps run with
     them frozen (vllm_engine.frozen_heap): a cycle made by the set-up is not collected during the steps, the
     heap is thawed after them (and after a step that raised), and a run's cycle then goes with its reference."""
     import gc
@@ -756,7 +756,7 @@ def test_what_the_first_two_steps_keep_joins_the_frozen_heap(monkeypatch, tmp_pa
 
 def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
     """Once vLLM's heap is collectable, gc lists its compile's FakeTensors; bench_step's listing of what a dropped
-    variant left asked each for its storage's address, which raises on torch 2.11 (round 13: every variant of
+    variant left asked each for its storage's address, which raises on torch 2.11 (measured: every variant of
     `one_gpu.sh logprobs` failed, the first with that error, the others building a second engine). A fake CUDA
     tensor of 32 MiB is neither an error nor counted."""
     import sys
@@ -773,7 +773,7 @@ def test_the_benchs_leak_listing_skips_the_engines_fake_tensors():
 
 
 def test_the_benchs_profile_splits_a_step_by_stage_and_its_pseudo_flags_wrap_generation_only(tmp_path, monkeypatch):
-    """bench_step's profile table (round 27 read the awake engine's generation from it): a kernel counts in
+    """bench_step's profile table (the awake engine's generation is read from it): a kernel counts in
     the stage it starts in, by kind; the host gap is the wall time no kernel covers (overlapping kernels
     once); the host's CUDA calls are summed by name per stage. The pseudo-flags wrap the sync and the sampling
     call only while a variant runs, `empty_after_sync` empties the cache after the sync, and are not options."""

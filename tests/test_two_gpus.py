@@ -1,5 +1,6 @@
 """The 2-GPU script, dry (CPU): bench/two_gpus.sh's every part with DRY=1 (gloo, the tiny model, HF generate,
-2 steps) runs to its end and the report has each table's figures, so a lease of two GPUs is spent measuring.
+2 steps) runs to its end and the report has each table's figures, so a GPU machine's call on two GPUs is spent
+measuring.
 
     python -m pytest -q tests/test_two_gpus.py
 """
