@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import metrics, HERE, launches, run
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
-                                                  reason="needs a CUDA GPU and vLLM")]
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+                                 reason="needs a CUDA GPU and vLLM")]
 
 # A child process: the 0.5B-shape policy (random weights, seed 0) saved as a bf16 checkpoint, then either an
 # engine of ours (random weights, asleep) that gets the policy by a weight sync, or a fresh vLLM engine built
@@ -31,7 +32,8 @@ if not os.path.isdir(ckpt):
 cfg = rollout.RolloutConfig(engine="vllm", n=1, response_length=16, temperature=0.0, kv_cache_dtype=kv,
                             quantization=quant, enforce_eager=True)
 req = rollout.request(cfg, prompts=8, prompt_len=48, param_dtype="bfloat16")
-prompts = [[int(x) for x in torch.randint(2, 150000, (12,), generator=torch.Generator().manual_seed(i))] for i in range(8)]
+prompts = [[int(x) for x in torch.randint(2, 150000, (12,), generator=torch.Generator().manual_seed(i))]
+           for i in range(8)]
 if kind == "synced":
     sharded = M.shard(policy, M.build_mesh(device, 1, -1), device)
     engine = rollout.build(cfg, device=device, model_path=None, config=sharded.config, out_dir=out, req=req, seed=0,
@@ -80,7 +82,8 @@ def test_fp8_weights_after_a_sync_equal_a_fresh_fp8_engines(tmp_path):
     assert synced["params"].keys() == fresh["params"].keys()
     differ = [n for n, p in synced["params"].items()
               if not torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p,
-                                 fresh["params"][n].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else fresh["params"][n])]
+                                 fresh["params"][n].view(torch.uint8) if p.dtype == torch.float8_e4m3fn
+                                 else fresh["params"][n])]
     assert differ == [], differ[:8]
     assert synced["tokens"] == fresh["tokens"]
     config = json.load(open(tmp_path / "ckpt" / "config.json"))
@@ -93,7 +96,8 @@ def test_fp8_weights_after_a_sync_equal_a_fresh_fp8_engines(tmp_path):
 
 def _run(tmp_path, name: str, args: list) -> list:
     out = str(tmp_path / name)
-    r = run([f"--out_dir={out}", "--save=false", "--logger=none", "--rollout.engine=vllm", *args], gpu=True, timeout=600)
+    r = run([f"--out_dir={out}", "--save=false", "--logger=none", "--rollout.engine=vllm", *args],
+            gpu=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return metrics(out)
 
@@ -107,15 +111,18 @@ def test_the_embedded_default_learns_with_fp8_as_with_bf16(tmp_path):
     """The tiny default on the GPU with vLLM, 40 steps each: FP8 weights + KV learn (reward up by 0.1) and
     end within 0.15 of bf16's; the rollout correction is on (its weights logged) and the log-prob mismatch
     is logged in both modes (bf16 asks for it every step: its default is each 10th)."""
-    bf16, fp8 = (_run(tmp_path, n, ["--steps=40", *a]) for n, a in (("bf16", ["--rollout.logprobs_every=1"]), ("fp8", FP8)))
+    bf16, fp8 = (_run(tmp_path, n, ["--steps=40", *a])
+                 for n, a in (("bf16", ["--rollout.logprobs_every=1"]), ("fp8", FP8)))
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
     for rows in (bf16, fp8):
         assert mean(rows[-10:], "reward_mean") > mean(rows[:10], "reward_mean") + 0.1
         assert all("rollout/logp_diff_mean" in r for r in rows)
     assert abs(mean(fp8[-10:], "reward_mean") - mean(bf16[-10:], "reward_mean")) < 0.15
     assert all("rollout_is/weight_mean" in r for r in fp8) and not any("rollout_is/weight_mean" in r for r in bf16)
-    print(f"\n[fp8] reward last 10: bf16 {mean(bf16[-10:], 'reward_mean'):.3f}, fp8 {mean(fp8[-10:], 'reward_mean'):.3f}; "
-          f"mismatch mean bf16 {mean(bf16, 'rollout/logp_diff_mean'):.4f}, fp8 {mean(fp8, 'rollout/logp_diff_mean'):.4f}")
+    print(f"\n[fp8] reward last 10: bf16 {mean(bf16[-10:], 'reward_mean'):.3f}, "
+          f"fp8 {mean(fp8[-10:], 'reward_mean'):.3f}; "
+          f"mismatch mean bf16 {mean(bf16, 'rollout/logp_diff_mean'):.4f}, "
+          f"fp8 {mean(fp8, 'rollout/logp_diff_mean'):.4f}")
 
 
 @launches
@@ -137,6 +144,7 @@ def test_fp8_at_0p5b_keeps_kl_and_grad_norm_and_the_plan(tmp_path):
         peak, pred = last[f"mem/{stage}/peak_gb"], last[f"plan/{stage}/predicted_gb"]
         if peak > 1:
             assert abs(pred / peak - 1) <= 0.10, (stage, peak, pred)
-    print(f"\n[fp8] 0.5B: grad norm {med(bf16, 'grad_norm'):.3f} / {med(fp8, 'grad_norm'):.3f}, kl {med(bf16, 'kl'):.5f} / "
-          f"{med(fp8, 'kl'):.5f}; generate device {last['rollout/generate_device_gb']:.2f} GB; mismatch "
+    print(f"\n[fp8] 0.5B: grad norm {med(bf16, 'grad_norm'):.3f} / {med(fp8, 'grad_norm'):.3f}, "
+          f"kl {med(bf16, 'kl'):.5f} / {med(fp8, 'kl'):.5f}; "
+          f"generate device {last['rollout/generate_device_gb']:.2f} GB; mismatch "
           f"{last['rollout/logp_diff_mean']:.4f} / max {last['rollout/logp_diff_max']:.3f}")
