@@ -23,7 +23,8 @@ import lora
 from model import build_mesh, compute_log_probs, shard
 from conftest import launches, layout, metrics, mid_model, run
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None,
                                  reason="needs a CUDA GPU and vLLM"),
               pytest.mark.usefixtures("clean_gpu")]     # the LoRA test's actor must not leave mid-measurement
 GB = offload.GB
@@ -179,7 +180,8 @@ def test_an_engine_that_never_sleeps_samples_as_a_sleeping_one_and_forgets_the_o
         assert not engine.llm.llm_engine.is_sleeping()
         tokens, clear = _first_tokens(model, prompts, device)
         print(f"[vllm] new weights: first greedy token equal on "
-              f"{(new['responses'][::cfg.n, 0] == tokens)[clear].float().mean():.3f} of {int(clear.sum())} clear prompts")
+              f"{(new['responses'][::cfg.n, 0] == tokens)[clear].float().mean():.3f} of {int(clear.sum())} "
+              f"clear prompts")
         assert clear.sum() >= 8 and torch.equal(new["responses"][::cfg.n, 0][clear], tokens[clear])
     finally:
         with torch.no_grad():

@@ -102,8 +102,8 @@ def test_no_kl_param_offload_has_no_ref_stage_and_no_prefetch():
     p = predict.predict(_cfg("--actor.use_kl_loss=false", "--actor.param_offload=true"), 1, 128)
     assert "ref_logp" not in [s.name for s in p.stages]
     assert p.stage("advantage").held("actor_params") == 0
-    q = predict.predict(_cfg("--actor.use_kl_loss=false", "--actor.param_offload=true", "--actor.prefetch_update=false"),
-                        1, 128)
+    q = predict.predict(_cfg("--actor.use_kl_loss=false", "--actor.param_offload=true",
+                             "--actor.prefetch_update=false"), 1, 128)
     assert q.seconds == p.seconds and q.stage("update").total == p.stage("update").total
 
 
