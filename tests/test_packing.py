@@ -303,7 +303,8 @@ def test_torch_kernels_put_back_what_liger_replaced(monkeypatch):
         monkeypatch.setattr(m, name, obj)      # put back whatever this test leaves
     stand_in = (type("StandInNorm", (m.Qwen2RMSNorm,), {}), type("StandInMLP", (m.Qwen2MLP,), {}), lambda *a, **k: None)
     monkeypatch.setattr(kernel_choice, "_liger", lambda: (stand_in, ""))
-    assert kernel_choice.use("liger", torch.device("cuda"), "qwen2")[0] == "liger"   # resolve only reads the device's type
+    # resolve only reads the device's type
+    assert kernel_choice.use("liger", torch.device("cuda"), "qwen2")[0] == "liger"
     assert (m.Qwen2RMSNorm, m.Qwen2MLP, m.apply_rotary_pos_emb) == stand_in
     assert type(load_model(None).model.norm).__name__ == "StandInNorm"
     assert kernel_choice.use("torch", torch.device("cpu"), "qwen2")[0] == "torch"

@@ -24,8 +24,8 @@ def test_the_two_gpu_script_runs_dry_and_reports(tmp_path):
     summary = open(tmp_path / "summary.txt").read()
     assert summary.count("exit 0") == 8 and "exit 1" not in summary, summary   # 2 + 2 + 2 + 2 runs (no TP on the CPU)
     report = open(tmp_path / "report.md").read()
-    for line in (r"The update's activation peak per GPU .* = \d", r"Step time async / colocated: \d", r"The NCCL push: \d",
-                 r"Scaling efficiency \(1-GPU step / 2-GPU step\): \d", "Where the 2-GPU step spends its time",
-                 "- layouts_hsdp: generate"):
+    for line in (r"The update's activation peak per GPU .* = \d", r"Step time async / colocated: \d",
+                 r"The NCCL push: \d", r"Scaling efficiency \(1-GPU step / 2-GPU step\): \d",
+                 "Where the 2-GPU step spends its time", "- layouts_hsdp: generate"):
         assert re.search(line, report), (line, report[-3000:])
     assert "| layouts_tp2 (not run, or failed) |" in report   # TP needs vLLM: a GPU only
