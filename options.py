@@ -57,8 +57,8 @@ class Config:
                                            # verl's GSM8K one: Let's think step by step and output the final
                                            # answer after "####".
     gsm8k_format: str = "strict"           # what the built-in GSM8K reward reads: strict (the last `#### N`, the form
-                                           # GSM8K's own answers end with) | flexible (the number in the last \boxed{},
-                                           # else the last number: what instruct models write)
+                                           # GSM8K's own answers end with) | flexible (the value of the last
+                                           # \boxed{}, else of #### N, else the last number: answer_value.py)
     # validation: greedy answers to held-out prompts, through the run's own engine, scored by the run's reward
     val_data: str | None = None            # held-out prompts, .jsonl / .parquet as --data; None: none (without --data
                                            # either: the built-in task's 100 held-out items)

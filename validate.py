@@ -163,5 +163,5 @@ def first_line(m: dict, reward: str, lead: str = "the run trains on") -> str:
     pct = lambda k: f"{100 * m[f'val/{k}']:.1f} %"  # noqa: E731
     return (f"[val] the held-out answers end with `#### N` in {pct('found_strict')}, hold a \\boxed{{}} in "
             f"{pct('found_boxed')} and a number in {pct('found_number')}; right by the strict form (the last #### N) "
-            f"{pct('strict')}, by the flexible one (the last \\boxed{{}}, else the last number) {pct('flexible')}; "
+            f"{pct('strict')}, by the flexible one (the answer's value) {pct('flexible')}; "
             f"{lead} {reward} (--gsm8k_format)")

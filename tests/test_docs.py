@@ -270,3 +270,10 @@ def test_the_process_words_reader_knows_rounding_from_a_round():
                          "history/2026-12-04-round16-decode.md, start_new_session=True") == []
     lines = prose(os.path.join("tests", "test_docs.py"))
     assert any("a round trip" in text for _, text in lines)          # this docstring is read, and passes
+
+
+def test_the_bench_page_holds_current_figures_only():
+    """bench/README.md is the one home of the current figures: a section a mechanism, each its latest table, and no
+    more than 300 lines; earlier tables and the stories of how they were found live in bench/history/."""
+    lines = open(os.path.join(HERE, "bench", "README.md")).read().splitlines()
+    assert len(lines) <= 300, f"bench/README.md is {len(lines)} lines: move what is not current to bench/history/"
