@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from operator import attrgetter
 
 import actor
+import fit
 import kernel_choice
 import ledger
 import ref
@@ -349,9 +350,10 @@ def relaxations(cfg, world: int, prompt_len: int) -> list:
     a, given, dp = cfg.actor, getattr(cfg, "_given", ()), world // cfg.actor.ulysses_sequence_parallel_size
     off = {f"actor.{k}": False for k in actor.LIFTED if getattr(a, k) and f"actor.{k}" not in given}
     rows, cap = cfg.train_batch_size * cfg.rollout.n // dp, FORWARD_TOKENS // (prompt_len + cfg.rollout.response_length)
-    grow = {"actor.ppo_micro_batch_size_per_gpu": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows)}
-    grow.update({k: (rows, cap) for k, runs in (("actor.log_prob_micro_batch_size_per_gpu", not actor.on_policy(
-        a, cfg.train_batch_size)), ("ref.log_prob_micro_batch_size_per_gpu", ref.needed(a))) if runs})
+    bound = {"update": (a.ppo_mini_batch_size * cfg.rollout.n // dp, rows), "forward": (rows, cap)}
+    runs = {"actor": not actor.on_policy(a, cfg.train_batch_size), "ref": ref.needed(a)}   # whose forward runs
+    grow = {k: bound[kind] for k, kind in fit.sizes().items()         # the roles' SIZES of these two kinds
+            if kind == "update" or (kind == "forward" and runs[k.partition(".")[0]])}
     sizes = []                                 # each key's m, 2m, 4m, ... (m itself always)
     for key, (n, top) in grow.items():
         m = attrgetter(key)(cfg)
