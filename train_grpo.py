@@ -232,17 +232,20 @@ def policy_update(t: Trainer, batch: dict, temperature: float, step: int, m: dic
 
 
 def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
-    """The step's reward mean, response length, share of groups with equal rewards, and a checksum of the
-    prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same prompts), over all
-    ranks."""
+    """The step's reward mean, response length, the share of responses cut at the length cap
+    (`response/clipped_frac`: no EOS within --rollout.response_length), share of groups with equal rewards, and
+    a checksum of the prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same
+    prompts), over all ranks."""
     groups, mask = scores.view(-1, t.cfg.rollout.n), batch["response_mask"]
     flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
     prompts = batch["input_ids"][:, :-mask.shape[1]] * batch["attention_mask"][:, :-mask.shape[1]]   # left pads as 0
     crc = zlib.crc32(prompts.cpu().numpy().tobytes()) / t.cfg.actor.ulysses_sequence_parallel_size   # k copies
-    sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups), crc],
+    capped = (mask.sum(-1) >= t.cfg.rollout.response_length).sum().item()
+    sums = all_sum(torch.tensor([scores.sum().item(), len(scores), mask.sum().item(), flat, len(groups), crc, capped],
                                 device=t.device, dtype=torch.float64)).tolist()
     return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": ledger.host_rss_gb(),
-            "reward/equal_groups_frac": sums[3] / sums[4], "data/prompt_crc": sums[5]}
+            "response/clipped_frac": sums[6] / sums[1], "reward/equal_groups_frac": sums[3] / sums[4],
+            "data/prompt_crc": sums[5]}
 
 
 def perf(t: Trainer, batch: dict, m: dict) -> dict:

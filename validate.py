@@ -127,10 +127,12 @@ def held_out(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn
     scores, errors = data_io.score(reward_fn, name, texts, truth)
     failed = data_io.reward_errors(errors, cfg.reward_error, warned, device)
     forms = data_io.answer_forms(texts, truth) if data_io.builtin_gsm8k(cfg.reward, scored_as) else {}
-    sums = all_sum(torch.tensor([sum(scores), len(scores), sum(len(r) for _, r in mine), *forms.values()],
+    capped = sum(len(r) >= response_length(cfg) for _, r in mine)   # cut at the length cap, not ended by EOS
+    sums = all_sum(torch.tensor([sum(scores), len(scores), sum(len(r) for _, r in mine), capped, *forms.values()],
                                 dtype=torch.float64, device=device)).tolist()
     m = {"val/reward_mean": sums[0] / sums[1], "val/response_length": sums[2] / sums[1], "val/prompts": sums[1],
-         "val/reward_errors": failed, **{f"val/{k}": v / sums[1] for k, v in zip(forms, sums[3:])}}
+         "val/clipped_frac": sums[3] / sums[1], "val/reward_errors": failed,
+         **{f"val/{k}": v / sums[1] for k, v in zip(forms, sums[4:])}}
     if "rollout/generate_s" in bracket:   # a colocated vLLM engine's bracket
         m.update({"val/generate_s": bracket["rollout/generate_s"],
                   "val/device_peak_gb": bracket["rollout/device_peak_gb"]})
