@@ -26,7 +26,7 @@ REFERENCE = OFFLOAD + SMALL + MIXED        # the uninterrupted run's flags: a ru
 # what a step computed (not how long it took or where its bytes were)
 NUMBERS = ("reward_mean", "response_length", "pg_loss", "kl", "entropy", "pg_clipfrac", "ppo_kl", "grad_norm",
            "optimizer_steps", "skipped_steps", "delta_w_abs_mean", "reward/equal_groups_frac", "critic/vf_loss",
-           "critic/vf_clipfrac", "critic/grad_norm")
+           "critic/vf_clipfrac", "critic/grad_norm", "response/clipped_frac")
 
 
 def numbers(rows):
