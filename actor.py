@@ -40,7 +40,7 @@ import packing
 import ulysses
 import weights
 from adam import (born_on_host, build_optimizer, clipped_step, holding, optimizer_stash, optimizer_windows,
-                  update_phases, window_peak)
+                  row_slices, update_phases, window_peak, window_sizes)
 from losses import (IS_STATS, KL_TYPES, LOSS_AGG_MODES, STATS, actor_loss, global_counts, logprob_mismatch, probe,
                     split)
 from model import ForwardSettings, all_sum, compute_log_probs, forward, in_use, load_model, make_layout, shard, state
@@ -81,6 +81,10 @@ class ActorConfig:
                                            # window's state in and out on side streams: the step's peak holds ~3
                                            # windows of Adam instead of all of it (8 bytes a param), same numbers
     optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
+    optimizer_row_windows: bool = False    # with optimizer_stream: the embeddings and an untied LM head step in row
+                                           # slices no larger than a window of layers (adam.Rows): their 8 bytes a
+                                           # param (4.06 GB at 7B) no longer set the step's peak, a layers' window
+                                           # does (1.86 GB at 7B); the same numbers. Off until measured on a GPU
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = True    # recompute each layer's activations in backward: at 0.5B, micro-batch 32 x
                                            # 320 tokens, the update's peak 25 -> 12 GB for +0.2 s (verl's and TRL's
@@ -200,7 +204,8 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
               params=offload.param_stash("actor_params", *groups, trainable=True if adapters else None, enabled=on),
               base=offload.param_stash("actor_base", *(groups if adapters else []), trainable=False, enabled=on),
               adam=optimizer_stash("actor_optimizer", optimizer, enabled=cfg.optimizer_offload),
-              device=device, lora=adapters, windows=optimizer_windows(model, optimizer, cfg.optimizer_window_layers)
+              device=device, lora=adapters, windows=optimizer_windows(
+                  model, optimizer, cfg.optimizer_window_layers, cfg.optimizer_row_windows)
               if cfg.optimizer_stream else None)
     offload.offload(a.base)                # frees the shard bytes until their first use (flags off: no-ops)
     offload.offload(a.params)
@@ -231,7 +236,7 @@ def describe(a: Actor, ppo: bool = False) -> list[str]:
                       + ("" if not early else " and stay after the ref forward (adapter off) for the update"
                          if a.lora else " and return during the ref forward"))
     if a.windows:                          # the largest window's Adam (both moments, fp32), ~3 of them at the step
-        w = max(sum(8 * p.to_local().numel() for p in w) for w in a.windows) / offload.GB
+        w = 8 * max(window_sizes(a.windows)) / offload.GB   # a row-windowed embeddings' slice, or layers'
         timing.append(f"Adam steps in {len(a.windows)} windows (by {c.optimizer_window_layers} layer(s)), in and out "
                       f"on side streams: ~3 x {w:.3f} GB at the step, not {adam_bytes / offload.GB:.3f} GB"
                       + (" (optimizer_load_at_step: superseded)" if c.optimizer_load_at_step else ""))
@@ -424,14 +429,17 @@ def last_layer_backward(cfg: ActorConfig, z, n: int, grads: int, gathered: int) 
 
 def predicted_windows(cfg: ActorConfig, z, states: dict, over=window_peak) -> int:
     """Adam's bytes on a rank at a streamed step's worst moment (0: not streamed): `over` (adam.window_peak; max:
-    the largest) the windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head)."""
+    the largest) the windows of optimizer_windows (the embeddings, k layers each, the final norm, an untied LM head;
+    optimizer_row_windows: the embeddings and the head in row slices no larger than k layers, adam.row_slices)."""
     if not (cfg.optimizer_stream and cfg.optimizer_offload):
         return 0
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
     if cfg.lora_rank:
         return over([states["actor_optimizer"][0] * k // s.layers] * -(-s.layers // k))
     layers = [k * s.layer_params] * (s.layers // k) + ([s.layers % k * s.layer_params] if s.layers % k else [])
-    sizes = [s.vocab * s.hidden] + layers + [s.hidden] + ([] if s.tied else [s.vocab * s.hidden])
+    table = [(b - a) * s.hidden for a, b in row_slices(s.vocab, s.hidden, layers[0])] if cfg.optimizer_row_windows \
+        else [s.vocab * s.hidden]
+    sizes = table + layers + [s.hidden] + ([] if s.tied else table)
     return over([z.shard(n, 8) for n in sizes])
 
 

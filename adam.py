@@ -87,18 +87,53 @@ def clipped_step(model, optimizer, grad_clip: float, adam: offload.Stash | None,
     return norm
 
 
-def optimizer_windows(model, optimizer, layers: int) -> list[list]:
+def optimizer_windows(model, optimizer, layers: int, rows: bool = False) -> list[list]:
     """The streamed step's windows (`streamed_step`): the optimizer's params by decoder layer, `layers`
     layers at a time, and each param outside the layers in a window of its own: the first of those (the
     embeddings) before the layers, the rest (the final norm, the LM head, a value head) after them, so the
-    two largest windows are never side by side (the step holds about three neighbours at once)."""
+    two largest windows are never side by side (the step holds about three neighbours at once). `rows`
+    (optimizer_row_windows): a 2-D param larger than the largest layers' window steps in row slices no larger
+    than it (`Rows`), so that window sets the step's peak, not the embeddings' (4.06 GB of Adam at 7B)."""
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     blocks = getattr(getattr(model, "model", None), "layers", [])   # a bare value head has none
     windows = [[p for b in blocks[i:i + layers] for p in b.parameters() if id(p) in ids]
                for i in range(0, len(blocks), layers)]
     inside = {id(p) for w in windows for p in w}
     rest = [[p] for g in optimizer.param_groups for p in g["params"] if id(p) not in inside]
+    cap = max((sum(offload.local(p).numel() for p in w) for w in windows), default=0)
+    if rows and cap:
+        rest = [_rows(w[0], cap) for w in rest]
     return rest[:1] + [w for w in windows if w] + rest[1:]
+
+
+class Rows(list):
+    """A window of one 2-D param stepped in row slices of its local shard (`bounds`: [start, stop) rows along
+    dim 0), each slice's moments in, stepped and out before the next: AdamW is elementwise, so the numbers are
+    the whole tensor's (the step count is the param's, the same for every slice)."""
+
+    def __init__(self, params: list, bounds: list):
+        super().__init__(params)
+        self.bounds = bounds
+
+
+def row_slices(rows: int, row: int, cap: int) -> list:
+    """[start, stop) row ranges of a `rows` x `row` tensor, each at most `cap` elements (at least one row)."""
+    per = max(1, cap // max(row, 1))
+    return [(a, min(a + per, rows)) for a in range(0, rows, per)]
+
+
+def _rows(p, cap: int) -> list:
+    """[p], or a Rows window of it when its local shard is 2-D and larger than `cap` elements."""
+    t = offload.local(p)
+    if t.dim() != 2 or t.numel() <= cap:
+        return [p]
+    return Rows([p], row_slices(t.shape[0], t.shape[1], cap))
+
+
+def window_sizes(windows: list) -> list:
+    """Each stepping unit's local elements, in order: a window's params, or a Rows window's slices."""
+    return [n for w in windows for n in ([(b - a) * offload.local(w[0]).shape[1] for a, b in w.bounds]
+                                         if isinstance(w, Rows) else [sum(offload.local(p).numel() for p in w)])]
 
 
 def window_peak(sizes: list) -> int:
@@ -127,8 +162,11 @@ def streamed_step(optimizer, stash: offload.Stash, windows: list) -> dict:
     for k, w in enumerate(windows):
         if pending is not None:
             torch.cuda.current_stream(stash.device).wait_event(pending)
-        with _only(optimizer, w):
-            optimizer.step()
+        if isinstance(w, Rows):            # a slice at a time (optimizer_row_windows): never its whole state
+            peak = max(peak, _rows_step(optimizer, stash, w))
+        else:
+            with _only(optimizer, w):
+                optimizer.step()
         if stash.source.spare:             # the first step: take in the state it just made
             _host_room(stash, w)
         if out is not None:     # a freed window's blocks wait for its copy out (unwaited, 7B reserved 121 GB)
@@ -170,6 +208,9 @@ def born_on_host(optimizer, stash: offload.Stash, windows: list):
             q.grad, st = None, optimizer.state.pop(q)
             made.update({id(p): st for p in g["params"]})
     for w in windows:
+        if isinstance(w, Rows):            # its moments never whole on the device: zeros on the host
+            _hollow_state(optimizer, stash, w[0], made[id(w[0])])
+            continue
         for q in w:                        # the moments zeros like the param, the step as made
             optimizer.state[q] = {k: (torch.zeros_like(q) if v.dim() else v.clone()) if torch.is_tensor(v) else v
                                   for k, v in made[id(q)].items()}
@@ -194,7 +235,95 @@ def _host_room(stash: offload.Stash, window: list):
 
 
 def _indices(stash: offload.Stash, window: list) -> list:
-    return [i for p in window for i in stash.source.slots.get(id(p), [])]
+    """A window's storages in the stash (none for a Rows window: `_rows_step` moves its slices itself)."""
+    return [] if isinstance(window, Rows) else [i for p in window for i in stash.source.slots.get(id(p), [])]
+
+
+# --------------------------------------------------------------------------- a large param stepped in row slices
+def _rows_step(optimizer, stash: offload.Stash, w: Rows) -> int:
+    """optimizer.step() over a Rows window's param a row slice at a time: each slice's moments copied in from
+    the host mirrors, stepped as a param of its own (the param's group, a copy of its step count), copied back
+    out; then the param's step count is the slices' (each made the same +1). Returns the most bytes of Adam on
+    the device meanwhile (the stash's storages and one slice's moments)."""
+    p, peak = w[0], 0
+    if p.grad is None:                     # optimizer.step() skips a param without a grad: so do its slices
+        return 0
+    if p not in optimizer.state:           # the first step: AdamW's fresh state, its moments zeros on the host
+        _hollow_state(optimizer, stash, p, _fresh(optimizer, p))
+    state, idx = optimizer.state[p], stash.source.slots[id(p)]
+    keys = [k for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0]
+    t, g = offload.local(p).detach(), offload.local(p.grad)
+    for a, b in w.bounds:
+        host = [_host_rows(stash.host[i], offload.local(state[k]), a, b) for k, i in zip(keys, idx)]
+        moments = {k: torch.empty_like(h, device=t.device).copy_(h, non_blocking=True) for k, h in zip(keys, host)}
+        v = t[a:b]                         # a view: the step writes the param's rows in place
+        v.grad = g[a:b]
+        optimizer.state[v] = {k: moments[k] if k in moments else x.clone() if torch.is_tensor(x) else x
+                              for k, x in state.items()}
+        with _only(optimizer, [p], stand_in=v):
+            optimizer.step()
+        done = optimizer.state.pop(v)
+        peak = max(peak, sum(st.nbytes() for st in stash.storages) + sum(m.nbytes for m in moments.values()))
+        for k, h in zip(keys, host):
+            h.copy_(done[k])               # blocking: the host rows are complete before the slice's memory is reused
+        v.grad = None
+    for k, x in state.items():             # every slice's count: the param's +1
+        if torch.is_tensor(x) and k not in keys:
+            x.copy_(done[k])
+    return peak
+
+
+def _host_rows(host: torch.Tensor, like: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of a state tensor shaped `like` (contiguous) inside its uint8 host mirror."""
+    row = like.stride(0) * like.element_size()
+    return host[a * row:b * row].view(like.dtype).view(b - a, *like.shape[1:])
+
+
+def _fresh(optimizer, p) -> dict:
+    """What AdamW's first step makes for `p` (its lazy init): a zero step count and moments like `p`."""
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    on = group.get("fused") or group.get("capturable")   # AdamW keeps the count on the param's device then
+    step = torch.zeros((), dtype=_scalar_dtype(on), device=p.device if on else "cpu")
+    return {"step": step, "exp_avg": p, "exp_avg_sq": p, **({"max_exp_avg_sq": p} if group.get("amsgrad") else {})}
+
+
+def _scalar_dtype(fused) -> torch.dtype:
+    from torch.optim.optimizer import _get_scalar_dtype   # torch's own choice of the count's dtype
+    return _get_scalar_dtype(is_fused=bool(fused))
+
+
+def _hollow_state(optimizer, stash: offload.Stash, p, made: dict):
+    """`p`'s Adam state as `made` (the step count copied, each moment like `p`) whose moments have empty device
+    storages, in the stash with the next host views carved, zeroed: a Rows window's state, never whole on the
+    device (the embeddings' 4.06 GB at 7B)."""
+    optimizer.state[p] = {k: (_hollow(p) if v.dim() else v.clone()) if torch.is_tensor(v) else v
+                          for k, v in made.items()}
+    before = len(stash.storages)
+    for v in optimizer.state[p].values():
+        if torch.is_tensor(v) and v.dim():
+            loc = offload.local(v)
+            st = loc.untyped_storage()
+            stash.storages.append(st)
+            stash.views.append(torch.empty(0, dtype=torch.uint8, device=loc.device).set_(st, 0, (loc.nbytes,), (1,)))
+            st.resize_(0)                  # (set_ sized it to fit)
+    stash.source.slots[id(p)] = list(range(before, len(stash.storages)))
+    _host_room(stash, [])
+    for i in stash.source.slots[id(p)]:
+        stash.host[i].zero_()
+
+
+def _hollow(p) -> torch.Tensor:
+    """A tensor like `p` (a DTensor like it, its local shard's shape) over an emptied storage: no device bytes.
+    torch sizes a storage to fit any shape set on it, so its bytes exist for a moment, in the caching
+    allocator's pool after (a streamed step's next windows reuse them; the whole-state step held them for good)."""
+    t = offload.local(p)
+    e = torch.empty(0, dtype=t.dtype, device=t.device).set_(torch.UntypedStorage(0, device=t.device), 0,
+                                                             t.shape, t.stride())
+    e.untyped_storage().resize_(0)
+    if not hasattr(p, "to_local"):
+        return e
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(e, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _window_in(stash: offload.Stash, window: list, cuda: bool):
@@ -234,11 +363,12 @@ def _window_out(stash: offload.Stash, window: list, cuda: bool):
 
 
 @contextlib.contextmanager
-def _only(optimizer, params: list):
-    """The optimizer's param groups cut to `params` for one step (every group's other settings kept)."""
+def _only(optimizer, params: list, stand_in=None):
+    """The optimizer's param groups cut to `params` for one step (every group's other settings kept);
+    `stand_in`: stepped in their place (a row slice of the one param: `_rows_step`)."""
     ids, kept = {id(p) for p in params}, [g["params"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
-        g["params"] = [p for p in g["params"] if id(p) in ids]
+        g["params"] = [p if stand_in is None else stand_in for p in g["params"] if id(p) in ids]
     try:
         yield
     finally:

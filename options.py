@@ -289,7 +289,7 @@ def warnings(cfg: Config) -> list[str]:
             (not a.use_dynamic_bsz, budgets, "without actor.use_dynamic_bsz=true (micro-batches count samples)"),
             (cfg.rollout.mode != "async", _changed("rollout", cfg.rollout, ("max_staleness", "buffer_limit")),
              "without rollout.mode=async"),
-            (not a.optimizer_stream, _changed("actor", a, ("optimizer_window_layers",)),
+            (not a.optimizer_stream, _changed("actor", a, ("optimizer_window_layers", "optimizer_row_windows")),
              "without actor.optimizer_stream=true (Adam steps whole)"),
             (gae and not cfg.critic.optimizer_stream, _changed("critic", cfg.critic, ("optimizer_window_layers",)),
              "without critic.optimizer_stream=true (Adam steps whole)")]

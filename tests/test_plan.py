@@ -881,6 +881,33 @@ def test_a_wider_stream_window_is_planned_above_by_what_it_holds():
     assert [s.total for s in four.stages if s.name != "update"] == [s.total for s in one.stages if s.name != "update"]
 
 
+def test_row_windows_plan_a_layers_window_not_the_embeddings():
+    """--actor.optimizer_row_windows at 7B, one GPU: the embeddings and the untied LM head (151,936 x 3,584, 4.06 GiB
+    of Adam each) are planned as row slices of at most a layer's params, so the three neighbouring windows at the
+    step are three layers' (8 bytes x (vocab x hidden - 233 M) less than the embeddings' and two layers'): the step's
+    moment and the checkpoint's bracket drop by that difference, exactly, the largest (freed) window is a layer's,
+    the update's peak moves to its backward; the other stages stay."""
+    import adam
+    s = predict.shapes("random:qwen2.5-7b")
+    off, on = (predict.predict(_cfg(*TEMPLATE_7B, f"--actor.optimizer_row_windows={v}"), 1, 512)
+               for v in ("false", "true"))
+    emb, layer = s.vocab * s.hidden, s.layer_params
+    slices = [(b - a) * s.hidden for a, b in adam.row_slices(s.vocab, s.hidden, layer)]
+    assert len(slices) == 3 and max(slices) <= layer and sum(slices) == emb and not s.tied
+    rest = [layer] * s.layers + [s.hidden]
+    drop = 8 * (adam.window_peak([emb] + rest + [emb]) - adam.window_peak(slices + rest + slices))
+    assert drop == 8 * (emb - layer) and drop > 2 * 2 ** 30
+    term = "Adam windows (in, stepping, out)"
+    assert off.stage("update").held(term) - on.stage("update").held(term) == drop            # at the step
+    assert off.checkpoint - on.checkpoint == pytest.approx(drop * predict.ALLOC_SLACK, rel=1e-6)
+    freed = [predict.freed_windows(r, predict.states(r))["update"] for r in (predict.run(_cfg(*TEMPLATE_7B), 1, 512),
+             predict.run(_cfg(*TEMPLATE_7B, "--actor.optimizer_row_windows=true"), 1, 512))]
+    assert freed == [8 * emb, 8 * layer]     # the largest window: the embeddings', then a layer's
+    step = [max(sum(m.values()) for m in p.stage("update").moments if term in m) for p in (off, on)]
+    assert step[0] - step[1] == drop and off.stage("update").total == int(step[0] * predict.ALLOC_SLACK)
+    assert on.stage("update").total < off.stage("update").total                 # the step is no longer its peak
+    assert [s.total for s in off.stages if s.name != "update"] == [s.total for s in on.stages if s.name != "update"]
+
 def test_a_separate_critics_checkpoint_is_in_the_bracket():
     """PPO with a separate critic whose Adam is offloaded, not streamed, beside an actor whose Adam is: the checkpoint's
     bracket is the critic's (its fp32 params, all of its Adam and a load's zero grads, 16 bytes a parameter), above

@@ -66,6 +66,65 @@ def test_the_streamed_step_equals_the_whole_step(tmp_path, dist_env, extra):
     assert "offload/actor_optimizer/reload_gb" not in m     # never the whole state at once
 
 
+class _Tiny(torch.nn.Module):
+    """An embedding table larger than a decoder layer, two layers, an untied head as large (a 7B's shape, small)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed = torch.nn.Embedding(50, 16)
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(2)])
+        self.head = torch.nn.Linear(16, 50, bias=False)
+
+    def forward(self, x):
+        h = self.model.embed(x)
+        for layer in self.model.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["tensors", "fsdp2 dtensors"])
+def test_row_windows_step_as_the_whole_tensor_and_the_plain_step(request, sharded):
+    """optimizer_row_windows: the embeddings and the head (50 x 16, more than a layer's 272 params) step in three
+    row slices of at most 17 rows; over four steps (the first makes the state) the weights and Adam's state (both
+    moments, the step count, its keys) equal the whole-tensor streamed step's and the plain AdamW step's bit for
+    bit, with weight decay on the embeddings' group only; the state stays on the host between steps. Plain
+    tensors, and FSDP2's DTensors (a row-windowed param's state is a DTensor over an emptied storage)."""
+    if sharded:
+        request.getfixturevalue("dist_env")
+        from torch.distributed.fsdp import fully_shard
+
+    def build(stream, rows):
+        torch.manual_seed(0)
+        net = _Tiny()
+        if sharded:
+            for layer in net.model.layers:
+                fully_shard(layer)
+            fully_shard(net)
+        table = [net.model.embed.weight, net.head.weight]
+        groups = [{"params": table, "weight_decay": 0.1},
+                  {"params": [p for p in net.parameters() if all(p is not q for q in table)], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=0.05, fused=True)
+        return net, opt, adam.optimizer_stash("adam", opt), adam.optimizer_windows(net, opt, 1, rows) if stream else None
+    runs = [build(True, True), build(True, False), build(False, False)]
+    rows = [w for w in runs[0][3] if isinstance(w, adam.Rows)]
+    assert [w.bounds for w in rows] == [[(0, 17), (17, 34), (34, 50)]] * 2 and len(runs[0][3]) == len(runs[1][3])
+    assert adam.window_sizes(runs[0][3])[:3] == [17 * 16, 17 * 16, 16 * 16]
+    for step in range(4):
+        for net, opt, stash, windows in runs:
+            net.zero_grad()
+            net(torch.arange(40).view(4, 10) * (step + 1) % 50).pow(2).mean().backward()
+            adam.clipped_step(net, opt, 1.0, stash if windows else None, {}, "test", windows)
+    (a, a_opt, a_adam, _), (b, b_opt, b_adam, _), (c, c_opt, _, _) = runs
+    assert all(torch.equal(_full(x), _full(y)) and torch.equal(_full(x), _full(z))
+               for x, y, z in zip(a.parameters(), b.parameters(), c.parameters()))
+    assert all(st.nbytes() == 0 for st in a_adam.storages) and len(a_adam.host) == len(b_adam.host)
+    with adam.holding([a_adam, b_adam], loading=False):
+        for p, q, r in zip(a.parameters(), b.parameters(), c.parameters()):
+            assert list(a_opt.state[p]) == list(c_opt.state[r]) == list(b_opt.state[q])
+            assert all(torch.equal(_full(x), _full(z)) and torch.equal(_full(y), _full(z)) for x, y, z in zip(
+                a_opt.state[p].values(), b_opt.state[q].values(), c_opt.state[r].values()))
+
 def test_a_non_finite_norm_skips_the_streamed_step_and_the_host_state_stays():
     """A non-finite grad norm: no window steps, the weights and the host's Adam state stay as they were;
     then a finite one steps as optimizer.step() over every param does."""
