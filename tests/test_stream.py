@@ -105,7 +105,8 @@ def test_row_windows_step_as_the_whole_tensor_and_the_plain_step(request, sharde
         groups = [{"params": table, "weight_decay": 0.1},
                   {"params": [p for p in net.parameters() if all(p is not q for q in table)], "weight_decay": 0.0}]
         opt = torch.optim.AdamW(groups, lr=0.05, fused=True)
-        return net, opt, adam.optimizer_stash("adam", opt), adam.optimizer_windows(net, opt, 1, rows) if stream else None
+        windows = adam.optimizer_windows(net, opt, 1, rows) if stream else None
+        return net, opt, adam.optimizer_stash("adam", opt), windows
     runs = [build(True, True), build(True, False), build(False, False)]
     rows = [w for w in runs[0][3] if isinstance(w, adam.Rows)]
     assert [w.bounds for w in rows] == [[(0, 17), (17, 34), (34, 50)]] * 2 and len(runs[0][3]) == len(runs[1][3])
