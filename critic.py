@@ -39,7 +39,7 @@ import offload
 import packing
 import ulysses
 from adam import (born_on_host, build_optimizer, clipped_step, holding, optimizer_stash, optimizer_windows,
-                  update_phases, window_peak)
+                  row_slices, update_phases, window_peak)
 from losses import LOSS_AGG_MODES, agg_loss, global_counts, split
 from model import ForwardSettings, all_sum, in_use, is_dir, load_model, make_layout, shard, state
 
@@ -63,6 +63,8 @@ class CriticConfig:
     optimizer_stream: bool = False         # with optimizer_offload: Adam steps a window of layers at a time from
                                            # the host (as actor.optimizer_stream)
     optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
+    optimizer_row_windows: bool = False    # with optimizer_stream: the embeddings step in row slices no larger than
+                                           # a window of layers (as actor.optimizer_row_windows)
     gradient_checkpointing: bool = True    # separate mode: recompute each layer in backward (as verl's critic):
                                            # at 1.5B, micro 16 x 320 tokens, the update's activations 14.8 -> 0.8 GB
 
@@ -184,7 +186,7 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg=ForwardSetti
                optimizer_stash("critic_optimizer", optimizer, enabled=cfg.optimizer_offload and separate),
                make_layout(actor_cfg, cfg.forward_micro_batch_size_per_gpu, cfg.forward_max_token_len_per_gpu),
                make_layout(actor_cfg, cfg.ppo_micro_batch_size_per_gpu, cfg.ppo_max_token_len_per_gpu),
-               optimizer_windows(head, optimizer, cfg.optimizer_window_layers)
+               optimizer_windows(head, optimizer, cfg.optimizer_window_layers, cfg.optimizer_row_windows)
                if separate and cfg.optimizer_offload and cfg.optimizer_stream else None)
     offload.offload(c.params)              # param_offload: frees the shard bytes until the values stage
     return c
@@ -380,7 +382,9 @@ def predicted_windows(cfg: CriticConfig, z, over=window_peak) -> int:
     if not (cfg.optimizer_stream and cfg.optimizer_offload):
         return 0
     s, k = z.shapes, min(cfg.optimizer_window_layers, z.shapes.layers)
-    sizes = [s.vocab * s.hidden] + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
+    table = [(b - a) * s.hidden for a, b in row_slices(s.vocab, s.hidden, k * s.layer_params)] \
+        if cfg.optimizer_row_windows else [s.vocab * s.hidden]      # optimizer_row_windows: at most k layers a slice
+    sizes = table + [k * s.layer_params] * -(-s.layers // k) + [s.hidden, s.hidden + 1]
     return over([z.shard(n, 8) for n in sizes])
 
 

@@ -291,7 +291,8 @@ def warnings(cfg: Config) -> list[str]:
              "without rollout.mode=async"),
             (not a.optimizer_stream, _changed("actor", a, ("optimizer_window_layers", "optimizer_row_windows")),
              "without actor.optimizer_stream=true (Adam steps whole)"),
-            (gae and not cfg.critic.optimizer_stream, _changed("critic", cfg.critic, ("optimizer_window_layers",)),
+            (gae and not cfg.critic.optimizer_stream, _changed("critic", cfg.critic, ("optimizer_window_layers",
+                                                                                      "optimizer_row_windows")),
              "without critic.optimizer_stream=true (Adam steps whole)")]
     return [w for w in [profile_warning(cfg)] if w] + [
         f"[options] warning: {', '.join(names)} {'has' if len(names) == 1 else 'have'} no effect {why}"

@@ -903,6 +903,10 @@ def test_row_windows_plan_a_layers_window_not_the_embeddings():
     freed = [predict.freed_windows(r, predict.states(r))["update"] for r in (predict.run(_cfg(*TEMPLATE_7B), 1, 512),
              predict.run(_cfg(*TEMPLATE_7B, "--actor.optimizer_row_windows=true"), 1, 512))]
     assert freed == [8 * emb, 8 * layer]     # the largest window: the embeddings', then a layer's
+    ppo = [*TEMPLATE_7B, "--algorithm.adv_estimator=gae", "--critic.mode=separate", "--critic.optimizer_offload=true",
+           "--critic.optimizer_stream=true", "--critic.optimizer_row_windows=true"]
+    r = predict.run(_cfg(*ppo), 1, 512)
+    assert predict.freed_windows(r, predict.states(r))["critic_update"] == 8 * layer          # a critic's too
     step = [max(sum(m.values()) for m in p.stage("update").moments if term in m) for p in (off, on)]
     assert step[0] - step[1] == drop and off.stage("update").total == int(step[0] * predict.ALLOC_SLACK)
     assert on.stage("update").total < off.stage("update").total                 # the step is no longer its peak
