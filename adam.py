@@ -8,7 +8,9 @@ reward_model.py) hold no optimizer and never import this file; the moves themsel
 Adam's two moments (exp_avg, exp_avg_sq: 2 x the fp32 shards of what trains) are born at the first step, on the
 params' device. Their stash (`optimizer_stash`) starts empty and takes them in right after the step that made
 them (`take_state`); from then on offload.py moves them as any stash. With optimizer_stream the step itself moves
-them (`streamed_step`): the update never holds all of Adam, only about three windows of it. A trained role's
+them (`streamed_step`): the update never holds all of Adam, only about three windows of it (with
+optimizer_row_windows the embeddings and an untied head step in row slices no larger than a layers' window, `Rows`,
+so a layers' window is the largest). A trained role's
 checkpoint brings its params and Adam in (`holding`); a streamed role's Adam is read and written where it lives, in
 its host mirrors (`on_host`, `HostSave`, `HostLoad`). The update's predicted moments: `update_phases`.
 """
