@@ -190,6 +190,29 @@ def test_a_fresh_state_born_a_window_at_a_time_is_torchs_and_holds_no_grads(monk
     assert all(st.nbytes() == 0 for st in stash.storages)
 
 
+def test_a_fresh_row_windowed_state_is_torchs_and_never_on_the_device(monkeypatch):
+    """A resume's fresh state (adam.born_on_host) with row windows: the embeddings' and the head's moments are
+    zeros on the host only, and every param's state (keys, step, moments) is torch's zero-grad step at lr 0."""
+    def build():
+        torch.manual_seed(0)
+        net = _Tiny()
+        return net, torch.optim.AdamW(net.parameters(), lr=0.1, fused=True)
+    (net, opt), (ref, ref_opt) = build(), build()
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    ref_opt.param_groups[0]["lr"] = 0.0
+    ref_opt.step()
+    stash, windows = adam.optimizer_stash("adam", opt), adam.optimizer_windows(net, opt, 1, True)
+    hollow, real = [], adam._hollow_state
+    monkeypatch.setattr(adam, "_hollow_state", lambda o, st, p, made: hollow.append(p.shape) or real(o, st, p, made))
+    adam.born_on_host(opt, stash, windows)
+    assert hollow == [(50, 16)] * 2          # the embeddings and the head: never made whole
+    assert all(st.nbytes() == 0 for st in stash.storages) and len(stash.host) == 2 * len(list(net.parameters()))
+    with adam.holding([stash], loading=False):
+        for p, q in zip(net.parameters(), ref.parameters()):
+            assert list(opt.state[p]) == list(ref_opt.state[q])
+            assert all(torch.equal(x, y) for x, y in zip(opt.state[p].values(), ref_opt.state[q].values()))
+
 def test_a_streamed_checkpoint_leaves_adam_on_the_host(tmp_path, dist_env, monkeypatch):
     """A streamed role's checkpoint writes Adam from its host mirrors and a resume loads it into them (a fresh
     optimizer's state made a window at a time), never bringing the whole state in: no device storage of
