@@ -157,8 +157,8 @@ def held_out_run(tmp_path, args, model=None, answers: dict | None = None, monkey
 
 def test_the_gsm8k_forms_are_reported_as_shares_of_the_prompts(dist_env, tmp_path, monkeypatch):
     """Four held-out GSM8K problems answered as planned: strict right once, flexible twice, `####` found twice,
-    a number three times, two answers (7 tokens) at the 7-token cap: val/* are those counts over 4 (a held-out file of numbers is scored by the GSM8K rule
-    without --data too)."""
+    a number three times, two answers (7 tokens) at the 7-token cap: val/* are those counts over 4 (a held-out file
+    of numbers is scored by the GSM8K rule without --data too)."""
     answers = {"12=": "#### 12", "34=": "#### 35", "56=": "3 56", "78=": "="}
     m, _ = held_out_run(tmp_path, [f"--val_data={gsm8k_file(tmp_path / 'gsm.jsonl')}", "--rollout.response_length=7"],
                         answers=answers, monkeypatch=monkeypatch)
