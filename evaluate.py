@@ -105,11 +105,15 @@ def differs(cfg: options.Config, run: dict, folder: str) -> list[str]:
 
 
 def writable(out: str):
-    """--out can be written, said before anything is built."""
+    """--out can be written, said before anything is built (a file made to check it is removed again: a run that
+    stops later leaves no empty answers file behind)."""
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        existed = os.path.exists(out)
         with open(out, "a"):
             pass
+        if not existed:
+            os.remove(out)
     except OSError as e:
         raise OSError(f"--out {out}: cannot write it ({e.strerror}); name a file in a writable folder") from None
 

@@ -87,8 +87,10 @@ def test_a_gsm8k_style_file_is_scored_by_both_gsm8k_forms(tmp_path, dist_env, ca
     (["--model={d}"], "error: --model {d} is a run's out_dir (no config.json); its policy is in {d}/final"),
     (["--out={d}"], "error: --out {d}: cannot write it"),
 ])
-def test_bad_input_is_one_line(tmp_path, dist_env, capsys, args, line):
+def test_bad_input_is_one_line(tmp_path, dist_env, capsys, monkeypatch, args, line):
+    """Each mistake is one `error:` line (exit 2), and the refused command leaves no answers file behind."""
     d = str(tmp_path)
+    monkeypatch.chdir(tmp_path)            # the default --out, eval.jsonl, is a name in the working directory
     (tmp_path / "x.jsonl").write_text(json.dumps({"prompt": "1=", "answer": "1"}) + "\n")
     os.makedirs(tmp_path / "final")
     (tmp_path / "final" / "config.json").write_text("{}")
@@ -101,3 +103,4 @@ def test_bad_input_is_one_line(tmp_path, dist_env, capsys, args, line):
     text = (said.out if args == ["--help"] else said.err).strip()
     assert text.startswith(line.format(d=d)) and len(text.splitlines()) == 1, text
     assert code == (0 if args == ["--help"] else 2)
+    assert not (tmp_path / "eval.jsonl").exists()
