@@ -73,7 +73,7 @@ def test_a_gsm8k_style_file_is_scored_by_both_gsm8k_forms(tmp_path, dist_env, ca
     third = 1 / 3
     assert {k[4:]: m[k] for k in m if k not in ("val/response_length", "val/reward_errors")} == {
         "reward_mean": third, "prompts": 3, "strict": third, "flexible": 2 * third, "found_strict": 2 * third,
-        "found_boxed": 0, "found_number": 1}
+        "found_boxed": 0, "found_number": 1, "clipped_frac": 2 * third}   # two planned answers pass the 3-token cap
     assert [r["prompt"] for r in rows] == list(planned) and [r["score"] for r in rows] == [1, 0, 0] and asked == [3]
     said = capsys.readouterr().out
     assert "scored by data.gsm8k_reward (built in, strict" in said and "right by the strict form" in said
