@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
             "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 # the environment pytest started with, read before any test module (or the code a test runs) wrote
-# into os.environ: what a started process gets, whatever ran before it in this session
+# into os.environ: what a started process gets, whatever ran before it in this pytest process
 START_ENV = {k: v for k, v in os.environ.items() if k not in LAUNCHER and not k.startswith("TORCHELASTIC_")}
 _started: list = []                # every process `start` made, stopped at the end of its test if still running
 
