@@ -58,7 +58,8 @@ class Config:
                                            # answer after "####".
     gsm8k_format: str = "strict"           # what the built-in GSM8K reward reads: strict (the last `#### N`, the form
                                            # GSM8K's own answers end with) | flexible (the value of the last
-                                           # \boxed{}, else of #### N, else the last number: answer_value.py)
+                                           # \boxed{}, else of #### N, else the last number: answer_value.py) |
+                                           # both (their mean: 0.5 for the right value, 1 for it after ####)
     # validation: greedy answers to held-out prompts, through the run's own engine, scored by the run's reward
     val_data: str | None = None            # held-out prompts, .jsonl / .parquet as --data; None: none (without --data
                                            # either: the built-in task's 100 held-out items)
@@ -86,6 +87,8 @@ class Config:
     save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
                                            # and on SIGTERM; 0: none
     keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)
+    save_optimizer: bool = True            # AdamW's two moments in each checkpoint (2/3 of its bytes); false: params,
+                                           # RNG and data position only, and a resume starts AdamW afresh
     resume: str = "auto"                   # auto: continue out_dir's run if it has a checkpoint | never: only
                                            # start fresh | a checkpoint dir (into an empty out_dir)
     dist_timeout_s: float = 600.0          # a collective waiting longer (a stalled rank) ends the run

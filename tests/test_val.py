@@ -53,6 +53,8 @@ def test_each_form_reads_the_answer_instruct_models_write(response, strict, flex
     truth = "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18"
     assert data.gsm8k_reward(response, truth) == float(strict == 18)
     assert data.gsm8k_flexible_reward(response, truth) == float(flexible == 18)
+    # both: the mean of the two, so the value pays half in any form and the asked form the other half
+    assert data.gsm8k_both_reward(response, truth) == (float(strict == 18) + float(flexible == 18)) / 2
 
 
 def test_numbers_as_people_write_them():
@@ -66,7 +68,11 @@ def test_the_form_is_an_option_and_the_run_names_it():
     assert data.load_reward(None, "x.jsonl") is data.gsm8k_reward
     assert data.load_reward(None, "x.jsonl", "flexible") is data.gsm8k_flexible_reward
     assert "strict" in data.reward_name(None, "x.jsonl") and "flexible" in data.reward_name(None, "x.jsonl", "flexible")
-    with pytest.raises(ValueError, match="gsm8k_format=boxed: use one of strict, flexible"):
+    assert data.load_reward(None, "x.jsonl", "both") is data.gsm8k_both_reward
+    assert "both forms" in data.reward_name(None, "x.jsonl", "both")
+    rewards = [data.gsm8k_both_reward(r, "#### 18") for r in ("\\boxed{18}", "#### 18", "#### 17", "\\boxed{17}")]
+    assert rewards == [0.5, 1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="gsm8k_format=boxed: use one of strict, flexible, both"):
         options.parse_args(["--gsm8k_format=boxed"])
     shares = data.answer_forms([r for r, _, _ in RESPONSES], ["#### 18"] * len(RESPONSES))
     assert shares["found_strict"] == 5 and shares["strict"] == 4 and shares["flexible"] == 8
