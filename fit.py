@@ -52,6 +52,23 @@ def _needless(cfg, flags: dict) -> bool:
         any(flags.get(k) and flags.get(v) for k, v in over.items())
 
 
+# What lowers the allocator's reserve beyond its peak without moving a byte of what a step holds: expandable segments
+# for the trainer once the engine is built (the update's slack, predict.EXPANDABLE_UPDATE_SLACK) and, with Adam
+# streamed, the embeddings' and the head's Adam in slices no larger than a window of layers (the window the update
+# reserves beyond its slack, predict.freed_windows). Tried where nothing else keeps the margin (plan.py): neither was
+# timed against the step beside its absence, so the search does not trade them for speed.
+RESERVE_LEVERS = {"expandable_segments": True, "actor.optimizer_row_windows": True}
+
+
+def choose_levers(cfg, t, least_memory: bool = False):
+    """`choose` with RESERVE_LEVERS on; row windows kept only where the choice streams Adam (elsewhere they act on
+    nothing, and the plan is the same)."""
+    best, p = choose(with_options(cfg, RESERVE_LEVERS), t, least_memory)
+    if best is not None and not best.actor.optimizer_stream:
+        best = with_options(best, {"actor.optimizer_row_windows": cfg.actor.optimizer_row_windows})
+    return best, p
+
+
 def with_options(cfg, changes: dict):
     """A copy of `cfg` with {"section.option" or "option": value} set (what it changes copied, the rest
     shared; field by field: the search makes thousands, dataclasses.replace would run each __init__)."""
@@ -216,7 +233,7 @@ def fits_at_all(cfg, t: Target) -> bool:
 def changes(before, after) -> list[str]:
     """The options `after` sets differently from `before`, as command-line flags."""
     out = []
-    for key in list(search(before)) + list(sizes()):
+    for key in list(search(before)) + list(RESERVE_LEVERS) + list(sizes()):
         v0, v1 = attrgetter(key)(before), attrgetter(key)(after)
         if v0 != v1:
             out.append(f"--{key}={str(v1).lower() if isinstance(v1, bool) else v1}")

@@ -84,6 +84,10 @@ class Config:
                                            # python plan.py)
     memory_history: bool = False           # record every CUDA allocation's stack (slower): an OOM's snapshot
                                            # then shows who allocated what, not only the blocks
+    expandable_segments: bool = False      # the trainer's allocator grows segments in place once the engine is built
+                                           # (vLLM's sleep pool is made without them): the update reserves less
+                                           # beyond its peak (7B: 2.2 GB, predict.EXPANDABLE_UPDATE_SLACK); async
+                                           # rollout's trainer has them anyway (rollout_engine.trainer_allocator)
     save_freq: int = 50                    # a resumable checkpoint every this many steps, after the last one
                                            # and on SIGTERM; 0: none
     keep_checkpoints: int = 2              # the newest this many stay (a 7B actor's: ~85 GB, fp32 params + Adam)

@@ -26,7 +26,7 @@ import ledger
 import ref
 import rollout
 import rollout_engine
-from fit import Target, changes, choose, fits_at_all, with_options   # the search (fit.py)
+from fit import Target, changes, choose, choose_levers, fits_at_all, with_options   # the search (fit.py)
 from predict import GB, Plan, model_config, predict, table
 
 FORWARD_TOKENS = 2 ** 16   # relax grows a log-prob forward to this many tokens (its launches a small share of it)
@@ -111,6 +111,8 @@ def report(cfg, t: Target) -> str:
            table(plan, t.gpu_bytes)]
     try:
         best, best_plan = choose(cfg, t)
+        if best is None:                       # the reserve's levers (fit.RESERVE_LEVERS)
+            best, best_plan = choose_levers(cfg, t)
     except ValueError as e:                    # async: the engine's GPU does not fit
         return "\n".join(out + [f"[plan] {e}"])
     if best is None:
@@ -183,6 +185,8 @@ def templates() -> str:
             host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
             target = Target(world, 512, gb * GB, 0.1, "vllm", host)
             best, p = choose(cfg, target)
+            if best is None:                   # with the reserve's levers (fit.RESERVE_LEVERS)?
+                best, p = choose_levers(cfg, target)
             if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
                 best, p = choose(with_options(cfg, {"save_freq": 0}), target)
             margin = None if best else margin_fit(cfg, target)   # a smaller margin than the 10 % (--plan_margin)?
@@ -302,6 +306,8 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind,
                     ledger.host_bytes_per_rank())
     best, p = choose(cfg, target)
+    if best is None:                       # the reserve's levers (fit.RESERVE_LEVERS): they hold what a step holds
+        best, p = choose_levers(cfg, target)
     if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
         best, p = choose(cfg, replace(target, margin=0.0), least_memory=True)
         if best is not None:

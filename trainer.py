@@ -126,6 +126,8 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     disk = rundir.disk_report(cfg, trained(a, c), a)   # a disk too small stops the run here, before the engine's build
     if engine is None:                     # after the offloads: vLLM sizes itself from free memory
         engine = build_engine(cfg, a, tokenizer, prompt_len, world, device, rank)
+    if cfg.expandable_segments and device.type == "cuda":   # after the engine: its pool is made without them
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(data_io.data_seed(cfg))).tolist()
     t = Trainer(cfg=cfg, rank=rank, world=world, device=device, mini_size=mini_size, tokenizer=tokenizer,
                 prompts=prompts, answers=answers, order=order, actor=a, ref=r, critic=c, chats=chats,

@@ -912,6 +912,41 @@ def test_row_windows_plan_a_layers_window_not_the_embeddings():
     assert on.stage("update").total < off.stage("update").total                 # the step is no longer its peak
     assert [s.total for s in off.stages if s.name != "update"] == [s.total for s in on.stages if s.name != "update"]
 
+def test_expandable_segments_plan_the_updates_smaller_slack_and_nothing_else():
+    """--expandable_segments: the update's device level is its allocated peak times 1 + EXPANDABLE_UPDATE_SLACK, plus
+    the freed window, instead of 1 + UPDATE_SLACK (7B template: 1.95 GB less); no allocated peak moves, nor any
+    other stage's device level."""
+    off, on = (predict.predict(_cfg(*TEMPLATE_7B, f"--expandable_segments={v}"), 1, 512) for v in ("false", "true"))
+    r = predict.run(_cfg(*TEMPLATE_7B), 1, 512)
+    freed = predict.freed_windows(r, predict.states(r))["update"]
+    update = off.stage("update").total
+    assert off.device["update"] - on.device["update"] == pytest.approx(
+        update * (predict.UPDATE_SLACK - predict.EXPANDABLE_UPDATE_SLACK), abs=2)
+    outside = predict.OUTSIDE + predict.VLLM_OUTSIDE       # the CUDA context and vLLM's own, as every stage's
+    assert on.device["update"] == pytest.approx(outside + update * (1 + predict.EXPANDABLE_UPDATE_SLACK) + freed, abs=2)
+    assert [s.total for s in off.stages] == [s.total for s in on.stages]
+    assert {k: v for k, v in off.device.items() if k != "update"} == {k: v for k, v in on.device.items() if k != "update"}
+
+
+def test_the_reserves_levers_are_tried_where_nothing_else_keeps_the_margin():
+    """7B on one 80 GB GPU at the default 10 % margin: no combination of offload flags keeps it (the update's device
+    level, 75.9 GB); expandable segments and the embeddings' Adam in row windows do (70.5 GB), so plan.py's report,
+    --offload=auto and the size table take them instead of a smaller margin; they are never taken where the flags
+    alone fit, and row windows only with the stream."""
+    import fit
+    import plan
+    cfg, t = _cfg(*TEMPLATE_7B[:5]), fit.Target(1, 512, 80 * predict.GB, 0.1, "vllm")
+    assert fit.choose(cfg, t) == (None, None)
+    best, p = fit.choose_levers(cfg, t)
+    assert best.expandable_segments and best.actor.optimizer_row_windows and best.actor.optimizer_stream
+    assert p.device_peak <= 0.9 * 80 * predict.GB and "--expandable_segments=true" in fit.changes(cfg, best)
+    assert "--expandable_segments=true --actor.optimizer_row_windows=true" in plan.report(cfg, t)
+    small = _cfg("--model=random:qwen2.5-0.5b", "--train_batch_size=8", "--rollout.n=8")
+    best, _ = fit.choose_levers(small, t)
+    assert best.expandable_segments and not best.actor.optimizer_stream and not best.actor.optimizer_row_windows
+    assert "expandable" not in plan.report(small, t)       # the flags alone fit: the levers are not named
+
+
 def test_a_separate_critics_checkpoint_is_in_the_bracket():
     """PPO with a separate critic whose Adam is offloaded, not streamed, beside an actor whose Adam is: the checkpoint's
     bracket is the critic's (its fp32 params, all of its Adam and a load's zero grads, 16 bytes a parameter), above
