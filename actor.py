@@ -456,9 +456,12 @@ def predicted_copy_seconds(cfg: ActorConfig, z, states: dict, ppo: bool, bandwid
     return exposed / bandwidth
 
 
-def predicted_checkpoint(cfg: ActorConfig, z, states: dict) -> list:
+def predicted_checkpoint(cfg: ActorConfig, z, states: dict, optimizer: bool = True) -> list:
     """A checkpoint's bracket (`state_in`): fp32 params, all of Adam and a load's zero grads (torch's helper makes
-    a fresh optimizer's state with them); optimizer_stream: params and a window (Adam stays on the host)."""
+    a fresh optimizer's state with them); optimizer_stream: params and a window (Adam stays on the host). Without
+    `optimizer` (--save_optimizer=false) the params alone: a resume leaves AdamW to make its state at the step."""
+    if not optimizer:
+        return [in_use(states, *GROUPS)]
     if cfg.optimizer_stream and cfg.optimizer_offload:
         return [{**in_use(states, *GROUPS), "Adam window + its zero grads (a load)": predicted_windows(cfg, z, states)}]
     return [{**in_use(states, *GROUPS, "actor_optimizer"), "zero grads (a load)": states["actor_params"][0]}]
@@ -466,12 +469,14 @@ def predicted_checkpoint(cfg: ActorConfig, z, states: dict) -> list:
 
 # --------------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
-def state_in(a: Actor, loading: bool = False):
+def state_in(a: Actor, loading: bool = False, optimizer: bool = True):
     """A checkpoint's bracket (`predicted_checkpoint`): params and Adam on the device while torch's state-dict
     helpers read (a save) or write (a load) the live tensors, then back where they were (docs/runs.md);
-    optimizer_stream: Adam stays on the host, where DCP reads and writes it (`adam.born_on_host`)."""
-    with holding(policy_stashes(a) + ([] if a.windows else [a.adam]), loading):
-        born_on_host(a.optimizer, a.adam, a.windows)
+    optimizer_stream: Adam stays on the host, where DCP reads and writes it (`adam.born_on_host`). Without
+    `optimizer` (--save_optimizer=false) Adam stays where it is, and a load leaves it unmade."""
+    with holding(policy_stashes(a) + ([] if a.windows or not optimizer else [a.adam]), loading):
+        if optimizer:
+            born_on_host(a.optimizer, a.adam, a.windows)
         yield
 
 

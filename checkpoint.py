@@ -7,8 +7,9 @@ rank (the out_dir around them, the lock, the disk and the stop signals: rundir.p
     python -m pytest tests/test_checkpoint.py -q
 
 A checkpoint, checkpoints/step_000020/: meta.json (written last: its presence marks a complete
-checkpoint; it records every file's size and crc32), actor/ and critic/ (torch.distributed.checkpoint:
-params + AdamW state, one file per rank, reshardable to another world size), rng/rank<r>.pt.
+checkpoint; it records every file's size and crc32, and whether AdamW's state is in it), actor/ and critic/
+(torch.distributed.checkpoint: params + AdamW state, one file per rank, reshardable to another world size;
+--save_optimizer=false: params alone, and a resume starts AdamW afresh), rng/rank<r>.pt.
 checkpoints/latest names the newest complete one (an index: the step dirs are the truth); final/
 is the Hugging Face policy, swapped in whole at the end.
 
@@ -39,7 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 
 import adam
 import offload
@@ -277,21 +279,22 @@ def after_failure(out_dir: str, fix: str = "free space", steps: int | None = Non
             f"{fix}, then start again in another --out_dir (or remove {shlex.quote(out_dir)})")
 
 
-def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
+def save(out_dir: str, step: int, roles: list, keep: int, meta: dict, optimizer: bool = True):
     """A checkpoint after `step` steps (module docstring), on every rank. `roles`: (name, state, its
     checkpoint bracket) of each trained role, one resident at a time; `meta`: the run's figures for
-    meta.json (prompts_seen, data, world_size, config), step, roles, files and time added here.
+    meta.json (prompts_seen, data, world_size, config), step, roles, optimizer, files and time added here.
+    `optimizer` (--save_optimizer): AdamW's state too; off, the brackets leave it where it is.
     Free space is checked first on every rank; a full disk (before or during) is one OSError line
     naming the path, the bytes needed and free, with the partial files removed."""
     root = os.path.join(out_dir, "checkpoints")
     name = f"step_{step:06d}"
     tmp = os.path.join(root, f".tmp-{name}")   # never read by a resume until renamed
     t0 = time.perf_counter()
-    need = write_bytes(roles)
+    need = write_bytes(roles, optimizer)
     if not _agree(free_bytes(out_dir) >= need):   # checked before each write, on every rank
         raise space_error("writing the checkpoint", tmp, need, "nothing was written; " + after_failure(out_dir, FIX))
     try:
-        _write(tmp, roles, {"step": step, **meta, "roles": [r[0] for r in roles]})
+        _write(tmp, roles, {"step": step, **meta, "roles": [r[0] for r in roles], "optimizer": optimizer})
         if dist.get_rank() == 0:
             _publish(root, name, tmp, step, keep, t0)
         dist.barrier()                            # no rank goes on, or exits, before it is complete
@@ -305,10 +308,10 @@ def save(out_dir: str, step: int, roles: list, keep: int, meta: dict):
         raise
 
 
-def write_bytes(roles: list) -> int:
-    """One checkpoint's bytes, from the shapes: each role's params in fp32 and AdamW's two fp32
-    moments of what trains, plus DCP's .metadata, the RNG states and meta.json."""
-    n = sum(p.numel() * 4 + (8 * p.numel() if p.requires_grad else 0)
+def write_bytes(roles: list, optimizer: bool = True) -> int:
+    """One checkpoint's bytes, from the shapes: each role's params in fp32 and (`optimizer`) AdamW's two
+    fp32 moments of what trains, plus DCP's .metadata, the RNG states and meta.json."""
+    n = sum(p.numel() * 4 + (8 * p.numel() if p.requires_grad and optimizer else 0)
             for _, state, _ in roles for p in state.model.parameters())
     return int(n * 1.02) + 2**20
 
@@ -321,16 +324,15 @@ def _write(tmp: str, roles: list, meta: dict):
         os.makedirs(os.path.join(tmp, "rng"))
     dist.barrier()
     for role, state, state_in in roles:           # one role resident at a time
-        with state_in(state):
-            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        with state_in(state, optimizer=meta["optimizer"]):
+            sd = _state_dicts(state, meta["optimizer"])
             try:
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(tmp, role),
-                         planner=adam.HostSave(adam.on_host(state.adam)))
+                dcp.save(sd, checkpoint_id=os.path.join(tmp, role), planner=adam.HostSave(adam.on_host(state.adam)))
             except CheckpointException as e:   # a BaseException: what failed on which rank, with tracebacks
                 if no_space(e):
                     raise OSError(errno.ENOSPC, _cause(e), os.path.join(tmp, role)) from None
                 raise OSError(f"writing the checkpoint {tmp}/{role} failed: {_cause(e)}") from None
-            del model_sd, optim_sd                # views of the live tensors: gone before the bracket ends
+            del sd                                # views of the live tensors: gone before the bracket ends
     offload.empty_host_cache()                    # DCP staged each tensor in cached pinned host memory
     rng = os.path.join(tmp, "rng", f"rank{rank}.pt")
     try:
@@ -344,6 +346,16 @@ def _write(tmp: str, roles: list, meta: dict):
     if rank == 0:
         _write_json(os.path.join(tmp, "meta.json"), {
             "files": files, **meta, "time": datetime.datetime.now().isoformat(timespec="seconds")})
+
+
+def _state_dicts(state, optimizer: bool) -> dict:
+    """What DCP reads or writes of a trained role: its params' state dict and (`optimizer`) AdamW's. On a fresh
+    optimizer torch's helper makes AdamW's state first (a step with zero grads and lr 0: the weights do not
+    move), which a load then overwrites in place; without it the optimizer is left untouched."""
+    if not optimizer:
+        return {"model": get_model_state_dict(state.model)}
+    model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 def _publish(root: str, name: str, tmp: str, step: int, keep: int, t0: float):
@@ -396,18 +408,19 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
     rank = dist.get_rank()
     path = intact(path, config["out_dir"], config["resume"])
     meta = read_meta(path)
+    optimizer = meta.get("optimizer", True)      # --save_optimizer=false: AdamW starts afresh (at the first step)
     for role, state, state_in in roles:
-        with state_in(state, loading=True):
-            # on a fresh optimizer this makes AdamW's state (a step with zero grads and lr 0: the
-            # weights do not move), which DCP then overwrites in place
-            model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        with state_in(state, loading=True, optimizer=optimizer):
+            sd = _state_dicts(state, optimizer)
             try:
-                dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(path, role),
-                         planner=adam.HostLoad(adam.on_host(state.adam)))
+                dcp.load(sd, checkpoint_id=os.path.join(path, role), planner=adam.HostLoad(adam.on_host(state.adam)))
             except CheckpointException as e:   # verified intact (or written before checksums): the model differs
                 raise ValueError(f"{path}/{role} does not fit this model (--model changed?): {_cause(e)}") from None
-            set_state_dict(state.model, state.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-            del model_sd, optim_sd
+            if optimizer:
+                set_state_dict(state.model, state.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+            else:
+                set_model_state_dict(state.model, sd["model"])
+            del sd
             for group in state.optimizer.param_groups:   # this run's lr and weight decay, not the checkpoint's
                 group.update(lr=state.cfg.lr, weight_decay=state.cfg.weight_decay)
     offload.empty_host_cache()
@@ -419,7 +432,8 @@ def load(path: str, roles: list, config: dict, world: int) -> dict:
         changed = [f"{k} {old.get(k)} -> {new[k]}" for k in sorted(new) if old.get(k) != new[k]
                    and k not in ("resume", "steps")]
         print(f"[resume] {path}: step {meta['step']}, saved by {meta['world_size']} rank(s), now {world}"
-              + (f"; config changed: {', '.join(changed)}" if changed else ""), flush=True)
+              + (f"; config changed: {', '.join(changed)}" if changed else "") + ("" if optimizer else
+              "; AdamW starts afresh: the checkpoint holds no optimizer state (--save_optimizer=false)"), flush=True)
     return meta
 
 

@@ -388,9 +388,12 @@ def predicted_windows(cfg: CriticConfig, z, over=window_peak) -> int:
     return over([z.shard(n, 8) for n in sizes])
 
 
-def predicted_checkpoint(cfg: CriticConfig, z, states: dict) -> list:
+def predicted_checkpoint(cfg: CriticConfig, z, states: dict, optimizer: bool = True) -> list:
     """A checkpoint's bracket (`state_in`, separate mode), as the actor's: params and all of Adam at once, and a
-    resume's zero grads; optimizer_stream: params and a window of Adam with its zero grads."""
+    resume's zero grads; optimizer_stream: params and a window of Adam with its zero grads. Without `optimizer`
+    (--save_optimizer=false): the params alone."""
+    if not optimizer:
+        return [in_use(states, "critic_params")]
     if cfg.optimizer_stream and cfg.optimizer_offload:
         return [{**in_use(states, "critic_params"),
                  "critic Adam window + its zero grads (a load)": predicted_windows(cfg, z)}]
@@ -399,11 +402,13 @@ def predicted_checkpoint(cfg: CriticConfig, z, states: dict) -> list:
 
 # --------------------------------------------------------------------------- checkpoints
 @contextlib.contextmanager
-def state_in(c: Critic, loading: bool = False):
+def state_in(c: Critic, loading: bool = False, optimizer: bool = True):
     """A checkpoint's bracket, as the actor's (`actor.state_in`): params and Adam on the device
     while the state-dict helpers read or write them, then back where they were (separate mode;
     the shared head never moves). Device cost for the checkpoint's length: params + 2 x params
-    (optimizer_stream: params and a window of Adam; Adam is read and written on the host)."""
-    with holding([c.params] + ([] if c.windows else [c.adam]), loading):
-        born_on_host(c.optimizer, c.adam, c.windows)
+    (optimizer_stream: params and a window of Adam; Adam is read and written on the host; without
+    `optimizer`, --save_optimizer=false: params, Adam left where it is)."""
+    with holding([c.params] + ([] if c.windows or not optimizer else [c.adam]), loading):
+        if optimizer:
+            born_on_host(c.optimizer, c.adam, c.windows)
         yield

@@ -263,9 +263,10 @@ def bracket_seconds(plan: Plan, r: Run) -> float:
 
 def checkpoint_bytes(r: Run, st: dict) -> int:
     """A checkpoint's bracket (checkpoint._write and load: one trained role at a time, its predicted_checkpoint),
-    beside what every other group holds between uses; the larger role's."""
-    roles = [(actor, r.cfg.actor)] + ([(critic, r.cfg.critic)] if r.separate else [])
-    return max(stage("checkpoint", st, role.predicted_checkpoint(cfg, r.z, st)).total for role, cfg in roles)
+    beside what every other group holds between uses; the larger role's. --save_optimizer=false: the run's own
+    checkpoints bring the params alone (a resume from one written with Adam still brings Adam in)."""
+    roles, adam = [(actor, r.cfg.actor)] + ([(critic, r.cfg.critic)] if r.separate else []), r.cfg.save_optimizer
+    return max(stage("checkpoint", st, role.predicted_checkpoint(cfg, r.z, st, adam)).total for role, cfg in roles)
 
 
 def freed_windows(r: Run, st: dict) -> dict:
@@ -338,8 +339,10 @@ def checkpoint_fits(cfg, p: Plan, gpu_bytes: int):
     --save_freq steps of work. `gpu_bytes` 0 (no GPU): nothing to check."""
     room = gpu_bytes - CUDA_CONTEXT - p.beside
     if gpu_bytes and p.checkpoint > room:
+        what = "and all of its Adam onto the GPU at once, and a resume from it zero grads too" \
+            if cfg.save_optimizer else "onto the GPU at once"
         raise ValueError(f"a checkpoint every --save_freq={cfg.save_freq} steps brings a trained role's fp32 params "
-                         f"and all of its Adam onto the GPU at once, and a resume from it zero grads too "
+                         f"{what} "
                          f"({p.checkpoint / GB:.1f} GB by the plan; "
                          f"{room / GB:.1f} GB can be allocated here): use {actor.CHECKPOINT_RELIEF} (and the critic's: "
                          f"Adam then stays on the host at a checkpoint), --save_freq=0 "

@@ -183,7 +183,8 @@ def disk_report(cfg, roles: list, policy) -> str:
     """The set-up report's line on disk space: what the run will write into out_dir at most (the
     newest keep_checkpoints, one more while a new one is written, and final/) against what is
     free. Raises OSError (one line, what to change) when it cannot fit."""
-    ckpt, final = checkpoint.write_bytes(roles), weights.final_bytes(policy, cfg.actor.save_merged, cfg.model)
+    ckpt = checkpoint.write_bytes(roles, cfg.save_optimizer)   # --save_optimizer=false: params, RNG and meta alone
+    final = weights.final_bytes(policy, cfg.actor.save_merged, cfg.model)
     saves = len({s for s in range(1, cfg.steps + 1) if s % cfg.save_freq == 0} | {cfg.steps}) if cfg.save_freq else 0
     n = min(cfg.keep_checkpoints + 1, saves)
     root = os.path.join(cfg.out_dir, "checkpoints")
@@ -193,6 +194,7 @@ def disk_report(cfg, roles: list, policy) -> str:
     if cfg.save and not cfg.save_freq and os.path.isfile(reserve):
         kept += os.path.getsize(reserve)   # an earlier attempt's, reused by reserve_final
     need = max(n * ckpt + (final if cfg.save else 0) - kept, 0)
+    lean = max(n * checkpoint.write_bytes(roles, False) + (final if cfg.save else 0) - kept, 0)   # without Adam
     free = checkpoint.free_bytes(cfg.out_dir)
     what = (f"{n} checkpoint(s) of ~{ckpt / GB:.3f} GB" if n else "no checkpoints") + \
         (f" + final/ ~{final / GB:.3f} GB" if cfg.save else "") + \
@@ -201,7 +203,9 @@ def disk_report(cfg, roles: list, policy) -> str:
     if need > free:
         raise OSError(f"{cfg.out_dir} has {free / GB:.3f} GB free but this run writes ~{need / GB:.3f} GB there "
                       f"({what}): free space, pass an --out_dir on a larger disk, or lower --keep_checkpoints "
-                      f"(or --save_freq=0, --save=false)")
+                      f"(or --save_freq=0, --save=false)" + (
+                          f"; --save_optimizer=false would fit (~{lean / GB:.3f} GB: checkpoints without AdamW's "
+                          f"state, so a resume starts AdamW afresh)" if lean < need and lean <= free else ""))
     return f"[disk] writes up to ~{need / GB:.3f} GB to {cfg.out_dir} ({what}); {free / GB:.3f} GB free"
 
 

@@ -335,7 +335,7 @@ def save(t: Trainer, step: int):          # a checkpoint after `step` steps, wit
     checkpoint.save(t.cfg.out_dir, step, trained(t.actor, t.critic), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
         "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
-        "world_size": t.world, "config": asdict(t.cfg)})
+        "world_size": t.world, "config": asdict(t.cfg)}, optimizer=t.cfg.save_optimizer)
     t.saved = step
 
 
