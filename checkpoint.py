@@ -16,7 +16,7 @@ is the Hugging Face policy, swapped in whole at the end.
 A checkpoint is written into checkpoints/.tmp-step_N/ and renamed when every rank's files and
 meta.json are in it, then `latest` moves: a kill at any moment leaves the last complete one in
 use. Only the newest `keep_checkpoints` stay. What a save moves: each role brings its params and
-Adam to the device through its own bracket (`actor.state_in`, `critic.state_in`: the update
+Adam (when saved) to the device through its own bracket (`actor.state_in`, `critic.state_in`: the update
 stage's bytes without grads and activations), one role at a time, and drops them again after.
 The loop hands in the trained roles and the run's figures; `load` returns the checkpoint's meta
 (the step, the data position): nothing here reads or writes the loop's own state.
