@@ -197,6 +197,8 @@ def main(argv=None):
     add.add_argument("--pin", action="append", default=[], help="an option the run resolved on its machine")
     add.add_argument("--log", default="", help="the run's printed output: plan.relax's choices are read from it")
     add.add_argument("--bound", choices=("close", "upper"), default="close")
+    add.add_argument("--shared", action="store_true", help="the GPU was shared with other runs: what mem_get_info "
+                     "saw holds theirs too, so the device levels are left out (each process's allocator peaks stay)")
     add.add_argument("--corpus", default=CORPUS)
     sub.add_parser("table", help="the figures bench/README.md quotes").add_argument("--corpus", default=CORPUS)
     a = ap.parse_args(argv)
@@ -210,6 +212,8 @@ def main(argv=None):
     row = row_from_run(a.out_dir, name=a.name or os.path.basename(os.path.normpath(a.out_dir)), gpu=a.gpu,
                        commit=a.commit, prompt_len=a.prompt_len, model_as=a.model_as, pins=tuple(relaxed + a.pin),
                        bound=a.bound)
+    if a.shared:
+        row["device_gb"] = {}
     corpus["rows"] = [r for r in corpus["rows"] if r["name"] != row["name"]] + [row]
     with open(a.corpus, "w") as f:
         json.dump(corpus, f, indent=1)

@@ -13,7 +13,8 @@
 #   bash bench/one_gpu.sh stream80                             # 7B full fine-tuning with the 1 x 80 GB template's flags
 #   bash bench/one_gpu.sh stream80e                            # ... with the cache emptied before the streamed step
 #   bash bench/one_gpu.sh stream80_levers                      # ... as train_grpo.py with the reserve's levers; a
-#                                                              # checkpoint without Adam and its resume
+#   bash bench/one_gpu.sh stream80_resume                      # checkpoint without Adam, then its resume
+#   bash bench/one_gpu.sh corpus                               # eight short runs, two at a time: corpus rows
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: decode step
 #   bash bench/one_gpu.sh decode                               # the decode step profiled: GPU busy vs wall, kernels
@@ -52,25 +53,56 @@ case "${1:-}" in
       --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
       --actor.gradient_checkpointing=true --empty_before_step --out="$OUT/stream_7b_80e.json" ;;
-  stream80_levers)   # the template row with the reserve's levers, as a user runs it (train_grpo.py, 512-token
-                     # prompts, the default margin), nvidia-smi sampled every 200 ms; a checkpoint after step 3
-                     # without Adam (--save_optimizer=false: 30 GB; with Adam 91 GB, more than a 64 GB disk), then
-                     # the same command resumed from it for one more step
+  stream80_levers|stream80_resume)   # the template row with the reserve's levers as a user runs it (train_grpo.py,
+        # 512-token prompts, the default margin), nvidia-smi sampled every 200 ms; a checkpoint after step 3 without
+        # Adam (--save_optimizer=false: 30 GB; with Adam 91 GB, more than a 64 GB disk); stream80_resume, a call after
+        # it on the same machine: the same command resumed from that checkpoint into a new out_dir for one step
     python -c "import json, random; r = random.Random(0); print('\n'.join(json.dumps({'prompt': ''.join(
       r.choice('0123456789+=') for _ in range(512)), 'answer': '#### 0'}) for _ in range(64)))" > /tmp/p512.jsonl
     nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader,nounits -lms 200 \
-      > "$OUT/smi_7b.csv" 2>&1 & smi=$!
+      > "$OUT/smi_$1.csv" 2>&1 & smi=$!
     t7b=(--model=random:qwen2.5-7b --data=/tmp/p512.jsonl --train_batch_size=8 --rollout.n=8
          --actor.ppo_mini_batch_size=8 --rollout.response_length=1024 --actor.ppo_micro_batch_size_per_gpu=4
          --actor.optimizer_offload=true --actor.optimizer_stream=true --ref.param_offload=true
          --expandable_segments=true --actor.optimizer_row_windows=true --save=false --save_optimizer=false
-         --keep_checkpoints=1 --logger=none --out_dir=/tmp/r7b)
-    part levers_7b "${LIMIT_A:-330}" python train_grpo.py "${t7b[@]}" --steps=3 --save_freq=3
-    part levers_7b_resume "${LIMIT_B:-230}" python train_grpo.py "${t7b[@]}" --steps=4 --save_freq=0
-    kill $smi
-    mkdir -p "$OUT/levers_7b"   # a corpus row: python bench/corpus.py add <this folder> --gpu=... --commit=...
-    cp /tmp/r7b/metrics.jsonl /tmp/r7b/run_config.json "$OUT/levers_7b/" 2>/dev/null
-    du -sb /tmp/r7b/checkpoints/step_* > "$OUT/levers_7b/checkpoint_bytes.txt" 2>&1 ;;
+         --keep_checkpoints=1 --logger=none)
+    if [ "$1" = stream80_levers ]; then
+      part levers_7b 560 python train_grpo.py "${t7b[@]}" --steps=3 --save_freq=3 --out_dir=/tmp/r7b
+      (du -sb /tmp/r7b/checkpoints/step_*; df -B1 /tmp) > "$OUT/levers_7b_checkpoint_bytes.txt" 2>&1
+      run=r7b
+    else
+      part levers_7b_resume 560 python train_grpo.py "${t7b[@]}" --steps=4 --save_freq=0 \
+        --out_dir=/tmp/r7b_resumed --resume=/tmp/r7b/checkpoints/step_000003
+      run=r7b_resumed
+    fi
+    kill $smi   # a corpus row: python bench/corpus.py add <folder> --gpu=... --commit=... --log=...
+    mkdir -p "$OUT/$run" && cp /tmp/$run/metrics.jsonl /tmp/$run/run_config.json "$OUT/$run/" 2>/dev/null ;;
+  corpus)    # short runs, PAR at a time (2), small batches and --plan_margin=0.8 so each stays near 16 GB beside
+             # whatever shares the GPU: their allocator peaks are each process's own; the device levels are the
+             # shared GPU's, left out of their rows (bench/corpus.py add <folder> --shared --log=<folder>/log.txt)
+    c="--steps=4 --save_freq=0 --save=false --logger=none --train_batch_size=4 --rollout.n=4"
+    c="$c --actor.ppo_mini_batch_size=4 --plan_margin=0.8"
+    declare -A runs=(
+      [ppo_0p5b]="--model=random:qwen2.5-0.5b --algorithm.adv_estimator=gae --rollout.response_length=256"
+      [lora_1p5b]="--model=random:qwen2.5-1.5b --actor.lora_rank=32 --rollout.response_length=256"
+      [levers_1p5b]="--model=random:qwen2.5-1.5b --actor.optimizer_offload=true --actor.optimizer_stream=true \
+        --actor.optimizer_row_windows=true --expandable_segments=true --rollout.response_length=256"
+      [offload_0p5b]="--model=random:qwen2.5-0.5b --actor.param_offload=true --actor.optimizer_offload=true \
+        --ref.param_offload=true --rollout.response_length=256"
+      [long_0p5b]="--model=random:qwen2.5-0.5b --rollout.response_length=2048"
+      [fp8kv_0p5b]="--model=random:qwen2.5-0.5b --rollout.kv_cache_dtype=fp8 --rollout.response_length=512"
+      [async_0p5b]="--model=random:qwen2.5-0.5b --rollout.mode=async --rollout.response_length=512"
+      [hf_0p5b]="--model=random:qwen2.5-0.5b --rollout.engine=hf --rollout.response_length=128")
+    for name in ${NAMES:-"${!runs[@]}"}; do
+      while [ "$(jobs -rp | wc -l)" -ge "${PAR:-2}" ]; do sleep 2; done
+      mkdir -p "$OUT/$name"
+      # shellcheck disable=SC2086
+      (timeout "${LIMIT:-240}" python train_grpo.py $c ${runs[$name]} --out_dir="/tmp/corpus/$name" \
+         > "$OUT/$name/log.txt" 2>&1; echo "[$name] exit $?" >> "$OUT/summary.txt"
+       cp "/tmp/corpus/$name/metrics.jsonl" "/tmp/corpus/$name/run_config.json" "$OUT/$name/" 2>/dev/null) &
+      sleep 5
+    done
+    wait ;;
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b \
@@ -172,7 +204,8 @@ case "${1:-}" in
     part test_vllm_async 150 python -m pytest -q -rf -s tests/test_vllm.py -k async
     part test_fp8_learns 280 python -m pytest -q -rf -s tests/test_fp8.py -k embedded ;;
   *) parts="tests|tests_b|tests_c|tests2|fp8tests|fp8long|profile|fp8bench|kernels|rest|rest2|stream|stream80"
-     parts="$parts|stream80e|stream80_levers|leak|sampler|decode|decode_core|logprobs|gc|awake|awake_why|head"
+     parts="$parts|stream80e|stream80_levers|stream80_resume|corpus|leak|sampler|decode|decode_core|logprobs|gc"
+     parts="$parts|awake|awake_why|head"
      echo "usage: bash bench/one_gpu.sh $parts" >&2
      exit 2 ;;
 esac

@@ -102,3 +102,10 @@ def test_add_makes_the_row_the_replay_reads(tmp_path):
                                                              "--actor.ppo_micro_batch_size_per_gpu=64"]
     with pytest.raises(SystemExit, match="has no metrics.jsonl"):
         corpus.main(["add", str(tmp_path), "--gpu=cpu", "--commit=x", f"--corpus={path}"])
+    metrics = out / "metrics.jsonl"           # a GPU run's device levels; --shared (other runs on its GPU) drops them
+    metrics.write_text("".join(json.dumps({**json.loads(x), "mem/update/device_used_gb": 9.0}) + "\n"
+                               for x in metrics.read_text().splitlines()))
+    for flags, update in (([], 9.0), (["--shared"], None)):
+        corpus.main(["add", str(out), "--gpu=H100", "--commit=x", "--name=tiny", f"--corpus={path}", *flags])
+        device = json.loads(path.read_text())["rows"][0]["device_gb"]
+        assert device.get("update") == update and bool(device) == (update is not None)
