@@ -52,11 +52,11 @@ def _needless(cfg, flags: dict) -> bool:
         any(flags.get(k) and flags.get(v) for k, v in over.items())
 
 
-# What lowers the allocator's reserve beyond its peak without moving a byte of what a step holds: expandable segments
-# for the trainer once the engine is built (the update's slack, predict.EXPANDABLE_UPDATE_SLACK) and, with Adam
-# streamed, the embeddings' and the head's Adam in slices no larger than a window of layers (the window the update
-# reserves beyond its slack, predict.freed_windows). Tried where nothing else keeps the margin (plan.py): neither was
-# timed against the step beside its absence, so the search does not trade them for speed.
+# What lowers the allocator's reserve or the update's peak without moving a byte of what a step holds between
+# stages: expandable segments for the trainer once the engine is built (the update's slack,
+# predict.EXPANDABLE_UPDATE_SLACK) and, with Adam streamed, the embeddings' and the head's Adam in slices no larger
+# than a window of layers (the step's peak, where it is the update's). Tried where nothing else keeps the margin
+# (plan.py): neither was timed against the step beside its absence, so the search does not trade them for speed.
 RESERVE_LEVERS = {"expandable_segments": True, "actor.optimizer_row_windows": True}
 
 

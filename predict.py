@@ -270,13 +270,17 @@ def checkpoint_bytes(r: Run, st: dict) -> int:
 
 
 def freed_windows(r: Run, st: dict) -> dict:
-    """A streamed step's reserve beyond its update's slack: one more of its largest window (the embeddings' at
-    Qwen2.5), measured, not yet explained (the backward's cached blocks too small for a window are the likely
-    cause; `bench_offload.py --empty_before_step` tests it). Measured at 7B, GRPO with the 1 x 80 GB template: 74.96
-    GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; at 1.5B: 25.96 against 25.79."""
-    out = {"update": actor.predicted_windows(r.cfg.actor, r.z, st, max)}   # each role's: 0 when it does not stream
+    """A streamed role's update reserves, beyond its slack, the bytes of its largest whole Adam window (the
+    embeddings', 8 x vocab x hidden at Qwen2.5), measured, not explained; row windows do not change it, so it is
+    not the step's windows: at 7B on an H100 nvidia-smi reached the update's level within the first micro-batch's
+    backward and stayed there through the step (with optimizer_row_windows and expandable segments: 72.05 GB
+    reserved for 65.05 allocated; on an H200 without row windows 72.72 for 64.89). Measured at 7B, GRPO with the
+    1 x 80 GB template: 74.96 GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; at 1.5B: 25.96
+    against 25.79."""
+    whole = {"optimizer_row_windows": False}
+    out = {"update": actor.predicted_windows(replace(r.cfg.actor, **whole), r.z, st, max)}   # 0: not streamed
     if r.separate:
-        out["critic_update"] = critic.predicted_windows(r.cfg.critic, r.z, max)
+        out["critic_update"] = critic.predicted_windows(replace(r.cfg.critic, **whole), r.z, max)
     return out
 
 

@@ -62,7 +62,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader,nounits -lms 200 \
       > "$OUT/smi_$1.csv" 2>&1 & smi=$!
     t7b=(--model=random:qwen2.5-7b --data=/tmp/p512.jsonl --train_batch_size=8 --rollout.n=8
-         --actor.ppo_mini_batch_size=8 --rollout.response_length=1024 --actor.ppo_micro_batch_size_per_gpu=4
+         --actor.ppo_mini_batch_size=8 --rollout.response_length=1024 --actor.ppo_micro_batch_size_per_gpu=2
          --actor.optimizer_offload=true --actor.optimizer_stream=true --ref.param_offload=true
          --expandable_segments=true --actor.optimizer_row_windows=true --save=false --save_optimizer=false
          --keep_checkpoints=1 --logger=none)
