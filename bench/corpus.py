@@ -13,7 +13,8 @@ device level (a row's `bounds` widen a stage where a known term is not modelled,
 
 A row's device level is the stage's end (mem/<stage>/device_used_gb: the allocator's reserve only grows inside a
 stage, so its end is its high point) and generate's the engine's high point (rollout/device_peak_gb); a stage
-whose allocator retried is not recorded at the device level (the retry gave the cache back)."""
+whose allocator retried is not recorded at the device level (the retry gave the cache back), nor are ref_logp and
+advantage where the reference's offload gave its cache back (`offload/ref_params/released_gb`)."""
 import argparse
 import json
 import os
@@ -35,6 +36,11 @@ RUN_ONLY = {"data", "reward", "reward_error", "prompt_key", "answer_key", "instr
             "logger", "max_prompt_length"}
 
 
+# the stages whose end comes after the reference's offload gave its cached blocks back (ref.param_offload): their
+# device level at the end is not their high point, so a run that released there records none for them
+RELEASED = ("ref_logp", "advantage")
+
+
 # --------------------------------------------------------------------------- a run's row
 def load_run(out_dir: str) -> tuple:
     """(the metrics lines, the run's config as run_config.json resolved it, its world size) of a run's out_dir."""
@@ -54,7 +60,8 @@ def stage_figures(lines: list) -> tuple:
     for s in (x for x in stages if x != "val"):
         peak[s] = statistics.median(m[f"mem/{s}/peak_gb"] for m in steps if f"mem/{s}/peak_gb" in m)
         key = "rollout/device_peak_gb" if s == "generate" else f"mem/{s}/device_used_gb"
-        seen = [m[key] for m in steps if key in m and not m.get(f"mem/{s}/alloc_retries", 0)]
+        seen = [m[key] for m in steps if key in m and not m.get(f"mem/{s}/alloc_retries", 0)
+                and not (s in RELEASED and m.get("offload/ref_params/released_gb", 0))]
         if seen:
             device[s] = statistics.median(seen)
     return peak, device
@@ -96,7 +103,8 @@ def row_from_run(out_dir: str, *, name: str, gpu: str, commit: str, prompt_len: 
     both ways) or "upper" (a real model's answers end early: the plan, for full-length answers, bounds it)."""
     lines, resolved, world = load_run(out_dir)
     peak, device = stage_figures(lines)
-    engine = "vllm" if "rollout/device_peak_gb" in lines[-1] or "rollout/engine_device_gb" in lines[-1] else "hf"
+    engine = "vllm" if any("rollout/device_peak_gb" in m or "rollout/engine_device_gb" in m for m in lines) else "hf"
+    # (any line: a run's last may be its final validation's, which carries no rollout figures)
     row = {"name": name, "args": args_of(resolved, model_as) + list(pins), "world": world, "prompt_len": prompt_len,
            "engine": engine, "peak_gb": peak, "device_gb": device, "gpu": gpu, "commit": commit,
            "source": source or os.path.relpath(os.path.abspath(out_dir), HERE)}
@@ -155,9 +163,14 @@ def size_of(row: dict) -> str:
         model.removeprefix("random:qwen2.5-")
 
 
+TEMPLATES = ("qwen2.5-7b the 1 x 80 GB template with expandable segments and row windows, micro-batch 2",)   # spelt
+                                                                                        # out, stage by stage
+
+
 def table(corpus: dict) -> str:
     """bench/README.md's planner figures: by model size, the rows, the stages held, the median and the largest
-    miss at each level (the plan against the measurement, signed: + the plan above it); then the 7B template row."""
+    miss at each level (the plan against the measurement, signed: + the plan above it); then the 7B template's rows
+    (TEMPLATES)."""
     lines = ["| model | rows | stages held (allocator / device) | allocator: median, largest miss | "
              "device: median, largest miss |", "|---|---|---|---|---|"]
     by = {}
@@ -173,14 +186,15 @@ def table(corpus: dict) -> str:
             cols.append(f"{statistics.median(map(abs, errs)):.1%}, {worst:+.1%}" if errs else "-")
         n = [sum(lv == level for _, lv, *_ in held) for level in ("allocator", "device")]
         lines.append(f"| {size} | {len(by[size])} | {n[0]} / {n[1]} | {cols[0]} | {cols[1]} |")
-    template = next(r for r in corpus["rows"] if r["name"].startswith("qwen2.5-7b the 1 x 80 GB template"))
-    where = f"{template['gpu']}, at {template['commit']}, `{template['source'].split(' (')[0]}`"
-    lines += ["", f"{template['name']} ({where}), GB:", "",
-              "| stage | allocator measured | plan | device measured | plan |", "|---|---|---|---|---|"]
-    got = {(s, lv): (m, p) for s, lv, m, p, *_ in replay(template)}
-    for s in template["peak_gb"]:
-        a, d = got.get((s, "allocator")), got.get((s, "device"))
-        lines.append(f"| {s} | " + " | ".join(f"{x[0]:.2f} | {x[1]:.2f}" if x else "- | -" for x in (a, d)) + " |")
+    for start in TEMPLATES:
+        template = next(r for r in corpus["rows"] if r["name"].startswith(start))
+        where = f"{template['gpu']}, at {template['commit']}, `{template['source'].split(' (')[0]}`"
+        lines += ["", f"{template['name']} ({where}), GB:", "",
+                  "| stage | allocator measured | plan | device measured | plan |", "|---|---|---|---|---|"]
+        got = {(s, lv): (m, p) for s, lv, m, p, *_ in replay(template)}
+        for s in template["peak_gb"]:
+            a, d = got.get((s, "allocator")), got.get((s, "device"))
+            lines.append(f"| {s} | " + " | ".join(f"{x[0]:.2f} | {x[1]:.2f}" if x else "- | -" for x in (a, d)) + " |")
     return "\n".join(lines)
 
 
