@@ -144,7 +144,7 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
     """The report's lines when nothing keeps the margin: what would (`what_would_fit`), and, when a smaller
     margin is what fits (`margin_fit`), that margin with the fastest configuration under it."""
     budget, ro = t.room(plan.beside), cfg.rollout
-    fits, under = what_would_fit(cfg, t), margin_fit(cfg, t)
+    fits, under = what_would_fit(cfg, t), margin_fit(with_options(cfg, fit.RESERVE_LEVERS), t)   # with the levers
     if under:
         m, p = under[0], under[2]
         fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the "
@@ -172,6 +172,9 @@ def margin_fit(cfg, t: Target):
     return None
 
 
+CARD_GB = {80: 79.2, 141: 139.8}   # what CUDA counts of an 80 GB H100 and a 141 GB H200 (mem_get_info's total, GB)
+
+
 def templates() -> str:
     """The size table: 0.5B / 7B / 72B GRPO on 1 x 80, 8 x 80 and 8 x 141 GB, at 10 % margin or the most kept."""
     import options
@@ -183,13 +186,13 @@ def templates() -> str:
                                       f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
                                       "--actor.ppo_micro_batch_size_per_gpu=8"])
             host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
-            target = Target(world, 512, gb * GB, 0.1, "vllm", host)
+            target = Target(world, 512, int(CARD_GB[gb] * GB), 0.1, "vllm", host)
             best, p = choose(cfg, target)
             if best is None:                   # with the reserve's levers (fit.RESERVE_LEVERS)?
                 best, p = choose_levers(cfg, target)
             if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
                 best, p = choose(with_options(cfg, {"save_freq": 0}), target)
-            margin = None if best else margin_fit(cfg, target)   # a smaller margin than the 10 % (--plan_margin)?
+            margin = None if best else margin_fit(with_options(cfg, fit.RESERVE_LEVERS), target)   # a smaller margin?
             best, p = margin[1:] if margin else (best, p)
             if best is None:
                 fits = what_would_fit(cfg, target)
