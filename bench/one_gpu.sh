@@ -79,7 +79,8 @@ case "${1:-}" in
     mkdir -p "$OUT/$run" && cp /tmp/$run/metrics.jsonl /tmp/$run/run_config.json "$OUT/$run/" 2>/dev/null ;;
   corpus)    # short runs, PAR at a time (2), small batches and --plan_margin=0.8 so each stays near 16 GB beside
              # whatever shares the GPU: their allocator peaks are each process's own; the device levels are the
-             # shared GPU's, left out of their rows (bench/corpus.py add <folder> --shared --log=<folder>/log.txt)
+             # shared GPU's, left out of their rows (bench/corpus.py add <folder> --shared --log=<folder>/log.txt);
+             # the runs' files in $OUT/corpus.tgz
     c="--steps=4 --save_freq=0 --save=false --logger=none --train_batch_size=4 --rollout.n=4"
     c="$c --actor.ppo_mini_batch_size=4 --plan_margin=0.8"
     declare -A runs=(
@@ -93,16 +94,20 @@ case "${1:-}" in
       [fp8kv_0p5b]="--model=random:qwen2.5-0.5b --rollout.kv_cache_dtype=fp8 --rollout.response_length=512"
       [async_0p5b]="--model=random:qwen2.5-0.5b --rollout.mode=async --rollout.response_length=512"
       [hf_0p5b]="--model=random:qwen2.5-0.5b --rollout.engine=hf --rollout.response_length=128")
+    pack() {   # a call brings back a few files by name: every run's small files in one archive, kept current
+      (cd /tmp && tar czf "$OUT/corpus.tgz.tmp" corpus/*/log.txt corpus/*/metrics.jsonl corpus/*/run_config.json \
+        2>/dev/null && mv "$OUT/corpus.tgz.tmp" "$OUT/corpus.tgz")
+    }
     for name in ${NAMES:-"${!runs[@]}"}; do
-      while [ "$(jobs -rp | wc -l)" -ge "${PAR:-2}" ]; do sleep 2; done
-      mkdir -p "$OUT/$name"
+      while [ "$(jobs -rp | wc -l)" -ge "${PAR:-2}" ]; do sleep 2; pack; done
+      mkdir -p "/tmp/corpus/$name"
       # shellcheck disable=SC2086
       (timeout "${LIMIT:-240}" python train_grpo.py $c ${runs[$name]} --out_dir="/tmp/corpus/$name" \
-         > "$OUT/$name/log.txt" 2>&1; echo "[$name] exit $?" >> "$OUT/summary.txt"
-       cp "/tmp/corpus/$name/metrics.jsonl" "/tmp/corpus/$name/run_config.json" "$OUT/$name/" 2>/dev/null) &
+         > "/tmp/corpus/$name/log.txt" 2>&1; echo "[$name] exit $?" >> "$OUT/summary.txt") &
       sleep 5
     done
-    wait ;;
+    while [ "$(jobs -rp | wc -l)" -gt 0 ]; do sleep 2; pack; done
+    pack ;;
   sampler)    # the decode step: a seed a request against one a call, with and without log-probs, one engine
     part sampler_0p5b 200 python bench/bench_engine.py auto none "$OUT/sampler_0p5b.json" --model=qwen2.5-0.5b --sampler
     part sampler_1p5b 240 python bench/bench_engine.py auto none "$OUT/sampler_1p5b.json" --model=qwen2.5-1.5b \
