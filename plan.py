@@ -175,35 +175,42 @@ def margin_fit(cfg, t: Target):
 CARD_GB = {80: 79.2, 141: 139.8}   # what CUDA counts of an 80 GB H100 and a 141 GB H200 (mem_get_info's total, GB)
 
 
+# the size table's rows: (model, GPUs, GB a GPU, answer tokens); 7B with long answers, what RL on reasoning needs
+TEMPLATE_ROWS = [(size, world, gb, 1024) for size in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b")
+                 for world, gb in ((1, 80), (8, 80), (8, 141))] + [("qwen2.5-7b", 1, 80, 4096)]
+
+
 def templates() -> str:
-    """The size table: 0.5B / 7B / 72B GRPO on 1 x 80, 8 x 80 and 8 x 141 GB, at 10 % margin or the most kept."""
-    import options
+    """The size table: 0.5B / 7B / 72B GRPO on 1 x 80, 8 x 80 and 8 x 141 GB, and 7B with 4,096-token answers on one
+    80 GB GPU, at 10 % margin or the most kept."""
     rows = ["| model | GPUs | fastest that fits (beyond the defaults) | peak GB/GPU allocated | device level GB/GPU "
             "| pinned host GB/rank |", "|---|---|---|---|---|---|"]
-    for size in ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"):
-        for world, gb in ((1, 80), (8, 80), (8, 141)):
-            cfg = options.parse_args([f"--model=random:{size}", f"--train_batch_size={8 * world}", "--rollout.n=8",
-                                      f"--actor.ppo_mini_batch_size={8 * world}", "--rollout.response_length=1024",
-                                      "--actor.ppo_micro_batch_size_per_gpu=8"])
-            host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
-            target = Target(world, 512, int(CARD_GB[gb] * GB), 0.1, "vllm", host)
-            best, p = choose(cfg, target)
-            if best is None:                   # with the reserve's levers (fit.RESERVE_LEVERS)?
-                best, p = choose_levers(cfg, target)
-            if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
-                best, p = choose(with_options(cfg, {"save_freq": 0}), target)
-            margin = None if best else margin_fit(with_options(cfg, fit.RESERVE_LEVERS), target)   # a smaller margin?
-            best, p = margin[1:] if margin else (best, p)
-            if best is None:
-                fits = what_would_fit(cfg, target)
-                would = "; ".join(fits[:2]) or "-"
-                rows.append(f"| {size} | {world} x {gb} | does not fit; would: {would} | - | - | - |")
-            else:
-                flags = ((["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
-                         + ([f"--plan_margin={margin[0]:.2f}"] if margin else []))
-                rows.append(f"| {size} | {world} x {gb} | {' '.join(flags) or '(none)'} | "
-                            f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
-    return "\n".join(rows)
+    return "\n".join(rows + [template_row(*row) for row in TEMPLATE_ROWS])
+
+
+def template_row(size: str, world: int, gb: int, length: int) -> str:
+    """One row of the size table: 8 prompts x 8 answers of `length` tokens a GPU, 512-token prompts."""
+    import options
+    cfg = options.parse_args([f"--model=random:{size}", f"--train_batch_size={8 * world}", "--rollout.n=8",
+                              f"--actor.ppo_mini_batch_size={8 * world}", f"--rollout.response_length={length}",
+                              "--actor.ppo_micro_batch_size_per_gpu=8"])
+    host = int((560 if world == 8 else 128) * GB / world)      # the device machines' RAM per rank
+    target = Target(world, 512, int(CARD_GB[gb] * GB), 0.1, "vllm", host)
+    best, p = choose(cfg, target)
+    if best is None:                   # with the reserve's levers (fit.RESERVE_LEVERS)?
+        best, p = choose_levers(cfg, target)
+    if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
+        best, p = choose(with_options(cfg, {"save_freq": 0}), target)
+    margin = None if best else margin_fit(with_options(cfg, fit.RESERVE_LEVERS), target)   # a smaller margin?
+    best, p = margin[1:] if margin else (best, p)
+    label = size + ("" if length == 1024 else f", {length:,}-token answers")
+    if best is None:
+        would = "; ".join(what_would_fit(cfg, target)[:2]) or "-"
+        return f"| {label} | {world} x {gb} | does not fit; would: {would} | - | - | - |"
+    flags = ((["--save_freq=0"] if best.save_freq != cfg.save_freq else []) + changes(cfg, best)
+             + ([f"--plan_margin={margin[0]:.2f}"] if margin else []))
+    return (f"| {label} | {world} x {gb} | {' '.join(flags) or '(none)'} | "
+            f"{p.peak / GB:.1f} | {p.device_peak / GB:.1f} | {p.pinned_host / GB:.1f} |")
 
 
 @dataclass

@@ -964,6 +964,18 @@ def test_a_backwards_end_holds_the_roots_grads_in_fp32_for_the_reduce():
     assert not any(term in m for m in lora.moments)
 
 
+def test_the_size_table_plans_7b_with_4096_token_answers_on_one_80_gb_card():
+    """plan.py --templates' row for long answers: 7B, 8 x 8 answers of 4,096 tokens on one H100 (79.2 GB to CUDA):
+    Adam streamed, the reference offloaded, the reserve's levers, micro-batch 1, and the margin it keeps named."""
+    import plan
+    row = plan.template_row("qwen2.5-7b", 1, 80, 4096).split(" | ")
+    assert row[0] == "| qwen2.5-7b, 4,096-token answers" and row[1] == "1 x 80"
+    for flag in ("--actor.optimizer_stream=true", "--ref.param_offload=true", "--expandable_segments=true",
+                 "--actor.ppo_micro_batch_size_per_gpu=1", "--plan_margin=0.07"):
+        assert flag in row[2]
+    assert float(row[4]) <= 0.93 * plan.CARD_GB[80]
+
+
 def test_a_separate_critics_checkpoint_is_in_the_bracket():
     """PPO with a separate critic whose Adam is offloaded, not streamed, beside an actor whose Adam is: the checkpoint's
     bracket is the critic's (its fp32 params, all of its Adam and a load's zero grads, 16 bytes a parameter), above
