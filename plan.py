@@ -315,11 +315,8 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
         return cfg
     target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind,
                     ledger.host_bytes_per_rank())
-    best, p = choose(cfg, target)
-    if best is None:                       # the reserve's levers (fit.RESERVE_LEVERS): they hold what a step holds
-        best, p = choose_levers(cfg, target)
-    if best is None:                       # nothing keeps the margin free: the least device memory that fits at all
-        best, p = choose(cfg, replace(target, margin=0.0), least_memory=True)
+    best, p, kept = auto_choice(cfg, target)
+    if not kept:                           # nothing keeps the margin free: the least device memory that fits at all
         if best is not None:
             say(f"[plan] --offload=auto: nothing keeps {cfg.plan_margin:.0%} of the GPU free at the device level; "
                 f"taking the configuration that needs the least (the allocator may have to free its cache and "
@@ -337,6 +334,19 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     if rank == 0 and (suggestion := async_suggestion(cfg, target, p)):   # said, never switched to
         say(suggestion)
     return best
+
+
+def auto_choice(cfg, t: Target) -> tuple:
+    """What --offload=auto takes: (config, its Plan, whether it keeps the margin). The fastest that keeps it, then
+    with the reserve's levers (fit.RESERVE_LEVERS: they hold what a step holds), else the one that needs the least
+    device memory at any margin; (None, None, False) when nothing fits."""
+    best, p = choose(cfg, t)
+    if best is None:
+        best, p = choose_levers(cfg, t)
+    if best is not None:
+        return best, p, True
+    best, p = choose(cfg, replace(t, margin=0.0), least_memory=True)
+    return best, p, False
 
 
 def relax(cfg, world: int, prompt_len: int, engine: str, gpu_bytes: int, rank: int = 0):
@@ -393,10 +403,9 @@ def verdict(cfg, p: Plan, world: int, prompt_len: int, engine: str, device) -> s
     auto = ""
     if cfg.offload != "auto":                  # what plan_auto would do: the fastest that keeps the margin, or the
                                                # least
-        t = Target(world, prompt_len, gpu, cfg.plan_margin, engine, ledger.host_bytes_per_rank())
-        best, bp = choose(cfg, t)
-        how = "choose" if best else "take the least device memory (nothing keeps the margin)"
-        best, bp = (best, bp) if best else choose(cfg, replace(t, margin=0.0), least_memory=True)
+        best, bp, kept = auto_choice(cfg, Target(world, prompt_len, gpu, cfg.plan_margin, engine,
+                                                 ledger.host_bytes_per_rank()))
+        how = "choose" if kept else "take the least device memory (nothing keeps the margin)"
         auto = f"; --offload=auto would {how}: {' '.join(changes(cfg, best)) or 'the flags as given'} " \
                f"({bp.device_peak / GB:.1f} GB device-level)" if best else "; nothing fits this GPU by the plan"
     return (f"[plan] warning: {worst}'s predicted device level, {p.device[worst] / GB:.1f} GB, is {where} "

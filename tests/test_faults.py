@@ -194,6 +194,7 @@ def test_the_set_up_says_when_a_stage_is_inside_the_margin(monkeypatch):
     margin, and the set-up's line says so with what --offload=auto would do; a run well inside gets none."""
     import ledger
     monkeypatch.setattr(ledger, "gpu_capacity", lambda device: int(139.8 * 2 ** 30))   # an H200
+    monkeypatch.setattr(ledger, "host_bytes_per_rank", lambda: 2 ** 40)   # its node's RAM, not this host's
     cfg = options.parse_args(["--model=random:qwen2.5-7b", "--train_batch_size=8", "--actor.ppo_mini_batch_size=8",
                               "--rollout.response_length=128", "--ref.param_offload=true"])
     p = predict.predict(cfg, 1, 128)
