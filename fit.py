@@ -2,7 +2,7 @@
 kinds), copies of a config with some options changed (`with_options`), where a plan must fit (`Target`: the GPUs,
 the margin, the host), every candidate (`candidates`), and the fastest that fits (`choose`). Async rollout: the
 engine's GPU must fit too (`engine_fits`). plan.py says the result (the report, --offload=auto, what would fit);
-this file names no role's flag and moves nothing.
+this file names no role's flag but the reserve's levers (RESERVE_LEVERS), and moves nothing.
 
     python plan.py --model=random:qwen2.5-7b --nproc=8 --gpu_gb=80    # the fastest that fits, by `choose`
     python -m pytest -q tests/test_plan.py -k "choose or fits or search"

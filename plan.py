@@ -144,7 +144,7 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
     """The report's lines when nothing keeps the margin: what would (`what_would_fit`), and, when a smaller
     margin is what fits (`margin_fit`), that margin with the fastest configuration under it."""
     budget, ro = t.room(plan.beside), cfg.rollout
-    fits, under = what_would_fit(cfg, t), margin_fit(with_options(cfg, fit.RESERVE_LEVERS), t)   # with the levers
+    fits, under = what_would_fit(cfg, t), margin_fit(cfg, t)
     if under:
         m, p = under[0], under[2]
         fits = [f"--plan_margin={m:.2f} (it needs {p.device_peak / GB:.1f} GB device-level of the "
@@ -165,10 +165,11 @@ def _nothing_fits(cfg, t: Target, plan: Plan) -> list[str]:
 
 
 def margin_fit(cfg, t: Target):
-    """(the largest margin in hundredths something keeps, the fastest there, its Plan), or None: none fits."""
+    """(the largest margin in hundredths something keeps, the fastest there, its Plan), or None: none fits. With the
+    reserve's levers on (`choose_levers`: row windows only where the choice streams Adam)."""
     for m in (x / 100 for x in range(math.ceil(t.margin * 100 - 1e-6) - 1, -1, -1)):
-        if fits_at_all(cfg, replace(t, margin=m)):
-            return (m,) + choose(cfg, replace(t, margin=m))
+        if fits_at_all(with_options(cfg, fit.RESERVE_LEVERS), replace(t, margin=m)):
+            return (m,) + choose_levers(cfg, replace(t, margin=m))
     return None
 
 
@@ -201,7 +202,7 @@ def template_row(size: str, world: int, gb: int, length: int) -> str:
         best, p = choose_levers(cfg, target)
     if best is None:                   # without checkpoints (their bracket holds all of Adam at once)?
         best, p = choose(with_options(cfg, {"save_freq": 0}), target)
-    margin = None if best else margin_fit(with_options(cfg, fit.RESERVE_LEVERS), target)   # a smaller margin?
+    margin = None if best else margin_fit(cfg, target)   # a smaller margin than the 10 % (--plan_margin)?
     best, p = margin[1:] if margin else (best, p)
     label = size + ("" if length == 1024 else f", {length:,}-token answers")
     if best is None:
