@@ -82,9 +82,8 @@ class ActorConfig:
                                            # windows of Adam instead of all of it (8 bytes a param), same numbers
     optimizer_window_layers: int = 1       # with optimizer_stream: decoder layers a window
     optimizer_row_windows: bool = False    # with optimizer_stream: the embeddings and an untied LM head step in row
-                                           # slices no larger than a window of layers (adam.Rows): their 8 bytes a
-                                           # param (4.06 GB at 7B) no longer set the step's peak, a layers' window
-                                           # does (1.86 GB at 7B); the same numbers. Off until measured on a GPU
+                                           # slices no larger than a window of layers (adam.Rows, the same numbers):
+                                           # a layers' window (1.86 GB at 7B), not theirs (4.06), sets the step's peak
     offload_policy: bool = False           # FSDP2 CPUOffloadPolicy instead: params+grads+Adam live on CPU
     gradient_checkpointing: bool = True    # recompute each layer's activations in backward: at 0.5B, micro-batch 32 x
                                            # 320 tokens, the update's peak 25 -> 12 GB for +0.2 s (verl's and TRL's
@@ -97,6 +96,7 @@ class ActorConfig:
     save_merged: bool = False              # with lora_rank: the final save also writes base + adapter merged,
                                            # as a Hugging Face model, to <save dir>/merged
     param_dtype: str = ForwardSettings.param_dtype   # compute dtype on GPU; master weights stay fp32 (CPU: fp32)
+    embeddings_apart: bool = ForwardSettings.embeddings_apart   # the embeddings and an untied head FSDP2 units apart
     # how samples go through the model (packing.py) in every role of this architecture; defaults: ForwardSettings'
     remove_padding: bool = ForwardSettings.remove_padding   # pack each micro-batch into one row: no compute on padding
     logits_chunk_tokens: int = ForwardSettings.logits_chunk_tokens   # LM head on response tokens only, this
@@ -159,9 +159,8 @@ def check(cfg: ActorConfig, world: int):
 
 
 def prefetches(cfg: ActorConfig, ppo: bool) -> bool:
-    """The params come in during the ref stage and stay for the update (prefetch_update): with param_offload, when a
-    ref forward comes right before the update (GRPO with the KL loss; not PPO). The loop, describe, the planner
-    read it."""
+    """With param_offload, the params come in during the ref stage and stay for the update (prefetch_update) when a
+    ref forward comes right before it (GRPO with the KL loss, not PPO). The loop, describe and the planner read it."""
     return cfg.prefetch_update and cfg.param_offload and cfg.use_kl_loss and not ppo
 
 
@@ -193,7 +192,8 @@ def build(cfg: ActorConfig, *, mesh, device: torch.device, model_path: str | Non
     (lora_rank > 0), shard, make the optimizer; with param_offload the shards leave the GPU at once."""
     model = model if model is not None else load_model(model_path, seed=seed)
     adapters = lora.apply(model, cfg, device) if cfg.lora_rank else None   # before fully_shard: it shards peft's
-    model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing)
+    model = shard(model, mesh, device, cfg.offload_policy, cfg.param_dtype, cfg.gradient_checkpointing,
+                  embeddings_apart=cfg.embeddings_apart)
     if adapters:
         lora.settle_grad_dtypes(model)
     k = cfg.param_offload_layers           # partial offload: only the first k decoder layers' shards
@@ -413,10 +413,10 @@ def predicted_update(cfg: ActorConfig, z, states: dict) -> list:
     if cfg.optimizer_stream and cfg.optimizer_offload:   # the step holds ~3 windows of Adam, never all of it
         held, adam = params, {"Adam windows (in, stepping, out)": predicted_windows(cfg, z, states)}
     phases = update_phases(held, grads, busy, z.accumulating(layout), {**params, **adam, **grads})
-    if not cfg.lora_rank:   # a backward's end: the root group's grads (embeddings, norm, untied head) in fp32 for
-        # FSDP's reduce, beside every grad (measured at 7B on an H100: the update's peak, 65.05 GB at micro 2 and 4)
+    if not cfg.lora_rank:   # a backward's end: the largest end unit's grads (model.Shapes.end) in fp32 for FSDP's
+        # reduce, beside every grad (measured at 7B on an H100, one root: the update's peak, 65.05 GB at micro 2 and 4)
         phases.append({**held, **grads, "gathered layers + root": busy["gathered layers + root"],
-                       "the root's grads in the reduce (fp32)": 4 * z.shapes.root_params})
+                       "the largest end's grads in the reduce (fp32)": 4 * z.shapes.end})
     if cfg.gradient_checkpointing and not z.accumulating(layout):
         phases.append({**held, **last_layer_backward(cfg, z, n, grads["actor grads"], busy["gathered layers + root"])})
     return phases

@@ -172,7 +172,7 @@ def build(cfg: CriticConfig, *, model_path, mesh, device, actor_cfg=ForwardSetti
         model = load_model(model_path, seed, head="value")
         own_output(model.score)            # the token-classification head (transformers' generic one)
         head = shard(model, mesh, device, param_dtype=actor_cfg.param_dtype,
-                     gradient_checkpointing=cfg.gradient_checkpointing)
+                     gradient_checkpointing=cfg.gradient_checkpointing, embeddings_apart=actor_cfg.embeddings_apart)
     else:
         torch.manual_seed(seed)
         # own_output before fully_shard: its hook runs first

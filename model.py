@@ -127,11 +127,12 @@ def build_mesh(device, world: int, fsdp_size: int):
 
 
 def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bool = False,
-          param_dtype: str = "bfloat16", gradient_checkpointing: bool = False) -> torch.nn.Module:
-    """FSDP2: each decoder layer, then the root (which takes the embeddings, norm and lm_head).
-    Layers first so each one all-gathers and frees on its own; the root last so it owns the rest.
-    With a 2-D mesh ("replicate", "fsdp") this is hybrid sharding. Moves the shards to `device`
-    (or to pinned host memory with CPUOffloadPolicy)."""
+          param_dtype: str = "bfloat16", gradient_checkpointing: bool = False,
+          embeddings_apart: bool = True) -> torch.nn.Module:
+    """FSDP2: each decoder layer, then (embeddings_apart, an untied model) the input embeddings and the LM head a unit
+    each, then the root, which takes what is left (the final norm; tied: the shared embeddings). Inner units first so
+    each all-gathers and frees on its own. With a 2-D mesh ("replicate", "fsdp") this is hybrid sharding. Moves the
+    shards to `device` (or to pinned host memory with CPUOffloadPolicy)."""
     cuda = device.type == "cuda"
     packing.use_packed_attention(model)    # SDPA for padded rows, varlen attention for packed ones
     mp = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype), reduce_dtype=torch.float32) \
@@ -144,8 +145,11 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
-    # The root too reshards after forward (FSDP2 keeps the root gathered by default): otherwise the
-    # gathered embedding / lm_head (vocab x hidden, bf16) stays on the GPU between stages.
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()   # (a value / score model: no head)
+    tied = head is not None and head.weight is emb.weight   # one table in two modules: it stays in the root
+    for end in [m for m in (emb, head) if m is not None] if embeddings_apart and not tied else []:
+        fully_shard(end, mesh=mesh, mp_policy=mp, offload_policy=policy)   # gathered and reduced one at a time
+    # the root too reshards after forward (FSDP2 keeps it gathered by default): a tied table stays on the GPU otherwise
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy, reshard_after_forward=True)
     if not (offload_policy and cuda):
         model.to(device)            # buffers (rotary inv_freq); shards already moved by fully_shard
@@ -155,15 +159,16 @@ def shard(model: torch.nn.Module, mesh, device: torch.device, offload_policy: bo
 # --------------------------------------------------------------------------- forward
 @dataclass(frozen=True)
 class ForwardSettings:
-    """What a role that runs the policy's architecture reads of the actor's config: the compute dtype and
-    how samples go through the model (`make_layout`). actor.ActorConfig holds the same fields as options,
-    with these defaults (each written here once); a role built without the actor's config (ref.py
-    copied alone into a script) gets them: `ref.build(..., actor_cfg=ForwardSettings())`, the default."""
+    """What a role that runs the policy's architecture reads of the actor's config: the compute dtype, how FSDP2
+    wraps the model (`shard`) and how samples go through it (`make_layout`). actor.ActorConfig holds the same
+    fields as options, with these defaults (each written here once); a role built without the actor's config
+    (ref.py copied alone into a script) gets them: `ref.build(..., actor_cfg=ForwardSettings())`, the default."""
     param_dtype: str = "bfloat16"
     remove_padding: bool = True
     logits_chunk_tokens: int = 512
     use_dynamic_bsz: bool = False
     ulysses_sequence_parallel_size: int = 1
+    embeddings_apart: bool = True          # FSDP2 units of their own for the embeddings and an untied head (`shard`)
 
 
 def make_layout(cfg, micro: int, max_tokens: int) -> packing.Layout:
@@ -220,6 +225,7 @@ class Shapes:
     tied: bool
     fused: bool = False           # --kernels=liger or compile (kernel_choice.FUSED): less kept for backward
     head: tuple = (packing.HEAD_FORWARD, packing.HEAD_BACKWARD)   # the LM head chunk's bytes an element (--head_kernel)
+    embeddings_apart: bool = ForwardSettings.embeddings_apart     # the FSDP2 units `shard` makes (the largest: `end`)
 
     @property
     def kv_dim(self) -> int:
@@ -233,6 +239,10 @@ class Shapes:
     @property
     def root_params(self) -> int:              # embeddings, final norm, untied LM head
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def end(self) -> int:                      # the largest FSDP2 unit outside the layers (`shard`'s)
+        return self.vocab * self.hidden if self.embeddings_apart and not self.tied else self.root_params
 
     @property
     def params(self) -> int:
@@ -255,8 +265,8 @@ class Shapes:
         norms, mlp = (8, 3) if self.fused else (8 * h + 8, 4)
         return norms + 2 * c * h + c * (4 * h + 2 * self.kv_dim + mlp * self.ffn) + 4 * self.heads
 
-    def gather(self, c: int) -> int:           # FSDP2 in a forward: the layer computed, the next, the root
-        return c * (2 * self.layer_params + self.root_params)
+    def gather(self, c: int) -> int:           # FSDP2 in a forward: the layer computed, the next, the largest end
+        return c * (2 * self.layer_params + self.end)
 
     def layer_work(self, n_tok: int, c: int) -> int:   # a no-grad layer's transient over n_tok tokens: the MLP's
         return n_tok * (c * 3 * self.ffn + 8 * self.hidden)   # three ffn-wide tensors, an fp32 norm (fitted)

@@ -153,7 +153,8 @@ def sizes(cfg, world: int, prompt_len: int) -> model.Sizes:
     n, dp = cfg.rollout.n, world // k
     fused = kernel_choice.fused(cfg.kernels, model_config(cfg.model).model_type)
     group = world if cfg.fsdp_size in (-1, world) else cfg.fsdp_size
-    return model.Sizes(replace(shapes(cfg.model), fused=fused, head=head), world, group,
+    ends = cfg.actor.embeddings_apart
+    return model.Sizes(replace(shapes(cfg.model), fused=fused, head=head, embeddings_apart=ends), world, group,
                        4 if cfg.actor.param_dtype == "float32" else 2, cfg.train_batch_size * n // dp,
                        cfg.actor.ppo_mini_batch_size * n // dp, prompt_len, cfg.rollout.response_length, k)
 

@@ -63,7 +63,8 @@ def build(cfg: RefConfig, *, model_path, mesh, device, actor_cfg=ForwardSettings
     model.requires_grad_(False).eval()     # no grads, no optimizer: params are all it holds
     if device.type == "cuda":
         model.to(getattr(torch, actor_cfg.param_dtype))   # frozen: kept in the compute dtype (bf16: half of fp32)
-    model = shard(model, mesh, device, cfg.offload_policy, actor_cfg.param_dtype)
+    model = shard(model, mesh, device, cfg.offload_policy, actor_cfg.param_dtype,
+                  embeddings_apart=actor_cfg.embeddings_apart)
     layout = make_layout(actor_cfg, cfg.log_prob_micro_batch_size_per_gpu, cfg.log_prob_max_token_len_per_gpu)
     r = Ref(cfg, model, offload.param_stash("ref_params", model, enabled=cfg.param_offload), layout)
     offload.offload(r.params)              # param_offload: frees the shard bytes until the first ref stage

@@ -14,6 +14,8 @@
 #   bash bench/one_gpu.sh stream80e                            # ... with the cache emptied before the streamed step
 #   bash bench/one_gpu.sh stream80_levers                      # ... as train_grpo.py with the reserve's levers; a
 #   bash bench/one_gpu.sh stream80_resume                      # checkpoint without Adam, then its resume
+#   MICRO=4 SAVE=0 bash bench/one_gpu.sh stream80_levers       # ... micro-batch 4, no checkpoint
+#   bash bench/one_gpu.sh long80                               # the same with 4,096-token answers, micro-batch 1
 #   bash bench/one_gpu.sh corpus                               # eight short runs, two at a time: corpus rows
 #   bash bench/one_gpu.sh leak                                 # a run set up and dropped twice; what stays allocated
 #   bash bench/one_gpu.sh sampler                              # the sampling call's seeds and log-probs: decode step
@@ -53,21 +55,26 @@ case "${1:-}" in
       --steps=3 \
       --save_freq=0 --prompts=8 --n=8 --prompt_len=512 --response_len=1024 --micro=4 \
       --actor.gradient_checkpointing=true --empty_before_step --out="$OUT/stream_7b_80e.json" ;;
-  stream80_levers|stream80_resume)   # the template row with the reserve's levers as a user runs it (train_grpo.py,
-        # 512-token prompts, the default margin), nvidia-smi sampled every 200 ms; a checkpoint after step 3 without
+  stream80_levers|stream80_resume|long80)   # the template row with the reserve's levers as a user runs it
+        # (train_grpo.py, 512-token prompts), nvidia-smi sampled every 200 ms; a checkpoint after step 3 without
         # Adam (--save_optimizer=false: 30 GB; with Adam 91 GB, more than a 64 GB disk); stream80_resume, a call after
         # it on the same machine: the same command resumed from that checkpoint into a new out_dir for one step
     python -c "import json, random; r = random.Random(0); print('\n'.join(json.dumps({'prompt': ''.join(
       r.choice('0123456789+=') for _ in range(512)), 'answer': '#### 0'}) for _ in range(64)))" > /tmp/p512.jsonl
     nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader,nounits -lms 200 \
       > "$OUT/smi_$1.csv" 2>&1 & smi=$!
+    long=$([ "$1" = long80 ] && echo 4096 || echo 1024)   # long80: 4,096-token answers at micro-batch 1
     t7b=(--model=random:qwen2.5-7b --data=/tmp/p512.jsonl --train_batch_size=8 --rollout.n=8
-         --actor.ppo_mini_batch_size=8 --rollout.response_length=1024 --actor.ppo_micro_batch_size_per_gpu=2
+         --actor.ppo_mini_batch_size=8 --rollout.response_length="$long"
+         --actor.ppo_micro_batch_size_per_gpu="$([ "$1" = long80 ] && echo 1 || echo "${MICRO:-2}")"
          --actor.optimizer_offload=true --actor.optimizer_stream=true --ref.param_offload=true
          --expandable_segments=true --actor.optimizer_row_windows=true --save=false --save_optimizer=false
          --keep_checkpoints=1 --logger=none)
-    if [ "$1" = stream80_levers ]; then
-      part levers_7b 560 python train_grpo.py "${t7b[@]}" --steps=3 --save_freq=3 --out_dir=/tmp/r7b
+    if [ "$1" = long80 ]; then
+      part long_7b 560 python train_grpo.py "${t7b[@]}" --steps=3 --save_freq=0 --out_dir=/tmp/r7b_long
+      run=r7b_long
+    elif [ "$1" = stream80_levers ]; then
+      part levers_7b 560 python train_grpo.py "${t7b[@]}" --steps=3 --save_freq="${SAVE:-3}" --out_dir=/tmp/r7b
       (du -sb /tmp/r7b/checkpoints/step_*; df -B1 /tmp) > "$OUT/levers_7b_checkpoint_bytes.txt" 2>&1
       run=r7b
     else

@@ -20,17 +20,28 @@ import tensor_parallel
 import launch
 import weights
 from adam import build_optimizer, optimizer_stash
-from model import build_mesh, compute_log_probs, load_model, shard
+from model import build_mesh, compute_log_probs, load_model, shard, size_config
 from launch import init_distributed
 from conftest import launches, layout, run, tiny_batch
 
 
-def _one_update(out_path: str, fsdp_size: int = -1):
+def _untied_tiny():
+    """The embedded tiny model with an LM head of its own (a 7B's layout, small): embeddings_apart's subject."""
+    from transformers import Qwen2ForCausalLM
+    config = size_config("tiny")
+    config.tie_word_embeddings = False
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config)
+
+
+def _one_update(out_path: str, fsdp_size: int = -1, wrap: str = "tied"):
     """Run under torchrun: two Adam steps (2 PPO epochs, off-policy) on a fixed 16-sample batch
-    split over the ranks."""
+    split over the ranks. `wrap`: the tiny model ("tied"), or untied with its ends apart or in the root."""
+    from torch.distributed.fsdp import FSDPModule
     rank, world, device = init_distributed()
     mesh = build_mesh(device, world, fsdp_size)
-    model = shard(load_model(None, seed=0), mesh, device)
+    model = load_model(None, seed=0) if wrap == "tied" else _untied_tiny()
+    model = shard(model, mesh, device, embeddings_apart=wrap != "untied-root")
     cfg = actor.ActorConfig(ppo_micro_batch_size_per_gpu=2, entropy_coeff=0.01, kl_loss_coef=0.1, ppo_epochs=2)
     opt = build_optimizer(model, cfg)
     full = tiny_batch(16, 5, device, seed=3)
@@ -41,7 +52,8 @@ def _one_update(out_path: str, fsdp_size: int = -1):
     params = {k: p.detach().full_tensor().cpu() for k, p in model.named_parameters()}
     fraction = offload.param_stash("p", model).nbytes / (4 * sum(p.numel() for p in params.values()))
     if rank == 0:
-        torch.save({"params": params, "stats": stats, "shard_fraction": fraction}, out_path)
+        units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        torch.save({"params": params, "stats": stats, "shard_fraction": fraction, "units": units}, out_path)
     launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
@@ -71,9 +83,9 @@ def _rollout_collectives(out_path: str):
     launch.leave()                   # barrier, destroy, exit without the interpreter's teardown
 
 
-def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1):
+def _launch(nproc: int, out_path: str, fsdp_size: int | str = -1, wrap: str = "tied"):
     # gloo on the CPU (run's default) for every run, so they differ only in the number of ranks
-    r = run([out_path, fsdp_size], nproc, script="tests/test_dist.py")
+    r = run([out_path, fsdp_size, wrap], nproc, script="tests/test_dist.py")
     assert r.returncode == 0, r.stderr[-3000:]
     return torch.load(out_path)
 
@@ -97,6 +109,22 @@ def test_two_processes_equal_one(tmp_path):
     _same(one, hsdp)
     assert one["shard_fraction"] == 1.0 and abs(two["shard_fraction"] - 0.5) < 0.01
     assert abs(hsdp["shard_fraction"] - 0.5) < 0.01       # each rank holds 1/fsdp_size, not 1/world
+    assert "model.embed_tokens" not in one["units"] and "" in one["units"]   # tied: the shared table in the root
+
+
+@launches
+def test_an_untied_models_embeddings_and_head_as_units_of_their_own_make_the_same_update(tmp_path):
+    """embeddings_apart (the default): an untied model's embeddings and LM head are FSDP2 units of their own, gathered
+    and reduced one at a time (at 7B the update's backward end holds one of them, not both). Two Adam steps equal the
+    one-root wrapping's bit for bit on one rank, and the same update on two."""
+    root = _launch(1, str(tmp_path / "root.pt"), wrap="untied-root")
+    apart = _launch(1, str(tmp_path / "apart.pt"), wrap="untied-apart")
+    two = _launch(2, str(tmp_path / "two.pt"), wrap="untied-apart")
+    assert {"model.embed_tokens", "lm_head"} <= set(apart["units"]) and "lm_head" not in root["units"]
+    assert root["stats"] == apart["stats"]
+    assert all(torch.equal(p, apart["params"][k]) for k, p in root["params"].items())
+    assert not torch.equal(apart["params"]["lm_head.weight"], apart["params"]["model.embed_tokens.weight"])
+    _same(apart, two)
 
 
 def test_offload_round_trip_is_bit_exact(dist_env):
@@ -188,7 +216,7 @@ if __name__ == "__main__":
     if sys.argv[2] == "rollout":
         _rollout_collectives(sys.argv[1])
     else:
-        _one_update(sys.argv[1], int(sys.argv[2]))
+        _one_update(sys.argv[1], int(sys.argv[2]), sys.argv[3])
 
 
 def test_forward_only_bracket_skips_the_copy_back(dist_env):
