@@ -216,18 +216,24 @@ def main(argv=None):
     add.add_argument("--corpus", default=CORPUS)
     sub.add_parser("table", help="the figures bench/README.md quotes").add_argument("--corpus", default=CORPUS)
     a = ap.parse_args(argv)
-    corpus = load(a.corpus)
     if a.cmd == "table":
-        print(table(corpus))
+        print(table(load(a.corpus)))
         return
     if not os.path.exists(os.path.join(a.out_dir, "metrics.jsonl")):
         sys.exit(f"error: {a.out_dir} has no metrics.jsonl: pass a run's --out_dir")
+    home = os.path.dirname(os.path.abspath(a.corpus))        # bench/results: a row's raw files are on record there
+    if os.path.relpath(os.path.abspath(a.out_dir), home).startswith(".."):
+        sys.exit(f"error: {a.out_dir} is outside {home}: copy its metrics.jsonl and run_config.json (and its log) "
+                 f"into {home}/<date>-<what>/<run>/ first, so the row's raw files are on record")
+    corpus = load(a.corpus)
     relaxed = relaxed_in(open(a.log, errors="replace").read()) if a.log else []
     row = row_from_run(a.out_dir, name=a.name or os.path.basename(os.path.normpath(a.out_dir)), gpu=a.gpu,
                        commit=a.commit, prompt_len=a.prompt_len, model_as=a.model_as, pins=tuple(relaxed + a.pin),
                        bound=a.bound)
     if a.shared:
         row["device_gb"] = {}
+        row["source"] += ("; the GPU was shared with other runs, so what mem_get_info saw holds theirs: the device "
+                          "levels are left out, the allocator's peaks (each process's own) kept")
     corpus["rows"] = [r for r in corpus["rows"] if r["name"] != row["name"]] + [row]
     with open(a.corpus, "w") as f:
         json.dump(corpus, f, indent=1)

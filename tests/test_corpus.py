@@ -77,7 +77,8 @@ def test_add_makes_the_row_the_replay_reads(tmp_path):
     """`bench/corpus.py add OUT_DIR --gpu --commit` on a fresh two-step CPU run: the row it writes is
     row_from_run's, with the run's options (the differences from the defaults), its world and each stage's
     medians; the replay reads it (a CPU run's figures are the host's: only the plumbing is checked here); with
-    --log, plan.relax's choices from the run's output join its options; adding it again replaces it."""
+    --log, plan.relax's choices from the run's output join its options; adding it again replaces it; a run outside
+    the corpus's folder is refused."""
     out = tmp_path / "run"
     r = run(["--steps=2", f"--out_dir={out}", "--logger=none", "--val_data=", "--rollout.response_length=16"],
             timeout=120)
@@ -102,6 +103,9 @@ def test_add_makes_the_row_the_replay_reads(tmp_path):
                                                              "--actor.ppo_micro_batch_size_per_gpu=64"]
     with pytest.raises(SystemExit, match="has no metrics.jsonl"):
         corpus.main(["add", str(tmp_path), "--gpu=cpu", "--commit=x", f"--corpus={path}"])
+    (tmp_path / "other").mkdir()               # a run outside the corpus's folder: its raw files would not be on record
+    with pytest.raises(SystemExit, match="is outside .*: copy its metrics.jsonl"):
+        corpus.main(["add", str(out), "--gpu=cpu", "--commit=x", f"--corpus={tmp_path / 'other' / 'corpus.json'}"])
     metrics = out / "metrics.jsonl"           # a GPU run's device levels; --shared (other runs on its GPU) drops them
     metrics.write_text("".join(json.dumps({**json.loads(x), "mem/update/device_used_gb": 9.0}) + "\n"
                                for x in metrics.read_text().splitlines()))
