@@ -271,16 +271,19 @@ def checkpoint_bytes(r: Run, st: dict) -> int:
 
 
 def freed_windows(r: Run, st: dict) -> dict:
-    """A streamed role's update reserves, beyond its slack, the bytes of its largest whole Adam window (the
-    embeddings', 8 x vocab x hidden at Qwen2.5), measured, not explained; row windows do not change it, so it is
-    not the step's windows: at 7B on an H100 nvidia-smi reached the update's level within the first micro-batch's
-    backward and stayed there through the step (with optimizer_row_windows and expandable segments: 72.05 GB
-    reserved for 65.05 allocated; on an H200 without row windows 72.72 for 64.89). Measured at 7B, GRPO with the
-    1 x 80 GB template: 74.96 GB reserved at the update for 65.05 allocated, 9 % slack and 4.06 GB; at 1.5B: 25.96
-    against 25.79."""
+    """A streamed role's update whose root FSDP2 group holds an untied model's two tables (--actor.embeddings_apart=
+    false) or a tied model's one reserves, beyond its slack, the bytes of its largest whole Adam window (the
+    embeddings', 8 x vocab x hidden at Qwen2.5). nvidia-smi put it in the first micro-batch's backward, not the
+    step (row windows did not change it): 7B, the 1 x 80 GB template on an H100, 72.05 GB reserved for 65.05
+    allocated (expandable segments); on an H200 74.96 for 65.05 without, 72.72 for 64.89 with; 1.5B: 25.96 against
+    25.79. With the 7B's embeddings and head units of their own it went: 65.02 reserved for 62.44, inside the slack
+    (bench/results/2026-12-07-7b-apart-h100). So those bytes are the root group's backward end (both tables gathered
+    and their grads in fp32 for the reduce) left in cached blocks, and an untied model's actor with its tables apart
+    reserves none; a tied model's root holds its table either way (the 1.5B and 3B rows keep the term)."""
     whole = {"optimizer_row_windows": False}
-    out = {"update": actor.predicted_windows(replace(r.cfg.actor, **whole), r.z, st, max)}   # 0: not streamed
-    if r.separate:
+    apart = r.z.shapes.embeddings_apart and not r.z.shapes.tied
+    out = {"update": 0 if apart else actor.predicted_windows(replace(r.cfg.actor, **whole), r.z, st, max)}
+    if r.separate:                             # 0 above and here: not streamed
         out["critic_update"] = critic.predicted_windows(replace(r.cfg.critic, **whole), r.z, max)
     return out
 

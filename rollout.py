@@ -303,7 +303,7 @@ def build_vllm(cfg: RolloutConfig, *, model_dir: str, req: Request, seed: int, k
         if list(get_tp_group().ranks) != dist.get_process_group_ranks(group):
             raise RuntimeError(f"vLLM's tensor-parallel group {get_tp_group().ranks} is not the ranks "
                                f"{dist.get_process_group_ranks(group)} this engine pools prompts over")
-    llm.sleep(level=cfg.sleep_level or 2)     # (vLLM's own level 0 pauses its scheduler and frees nothing)
+    vllm_engine.sleep(llm, cfg.sleep_level or 2)   # (vLLM's own level 0 pauses its scheduler and frees nothing)
     torch.cuda.empty_cache()
     # vLLM's pool allocates through PyTorch's allocator and stays "allocated" while asleep
     return Engine("vllm", **fixed, llm=llm, dtype=getattr(torch, req.dtype), asleep_device_gb=_used_gb() - before,
@@ -356,7 +356,7 @@ def awake(engine: Engine, model, stashes: list, metrics: dict):
     yield
     if engine.cfg.sleep_level:
         with _phase("sleep", metrics):
-            llm.sleep(level=engine.cfg.sleep_level)
+            vllm_engine.sleep(llm, engine.cfg.sleep_level)
             torch.cuda.empty_cache()
     # the bracket's device-level high point: the sync (actor params beside vLLM's weights) or generation
     metrics["rollout/device_peak_gb"] = max(v for k, v in metrics.items() if k.startswith("rollout/")

@@ -324,12 +324,15 @@ def test_row_windows_lower_the_streamed_steps_peak_by_the_embeddings_window(env)
     assert off - on == pytest.approx(plan_off - plan_on, rel=0.1) and plan_off - plan_on > 0.8 * (table - layer)
     assert all(torch.equal(x, y) for x, y in zip(w_off, w_on)) and all(torch.equal(x, y) for x, y in zip(h_off, h_on))
 
-def test_embeddings_apart_lower_the_updates_peak_by_a_tables_gather_and_reduce(env):
-    """embeddings_apart on a GPU: a random Qwen2 with a 7B's vocab, untied (151,936 x 512: 78 M params a table), and
+def test_embeddings_apart_lower_the_updates_peak_by_a_tables_grads(env):
+    """embeddings_apart on one GPU: a random Qwen2 with a 7B's vocab, untied (151,936 x 512: 78 M params a table), and
     small layers. The second update's allocated peak above the model (the first makes Adam's state, whose 8 bytes a
-    param would be the peak of both) is a backward's end, which holds one table gathered in bf16 and its grads in
-    fp32 for the reduce, not both tables': it drops by at least (2 + 4) bytes a table param, the planner's difference
-    between model.Shapes.end apart and the root (90 % of it), and the updates' numbers are the same."""
+    param would be the peak of both) is a backward's end. With one root group it holds both tables gathered (bf16),
+    their grads (bf16) and those in fp32 for the reduce; apart, the head's reduce is over before the embeddings' end,
+    which holds the head's fp32 grad beside the embeddings' own three: 4 bytes a table param less (on an H100: 1,231
+    -> 933 MiB, 298 against 297). The planner counts (2 + 4) bytes a table param less (model.Shapes.end: a table's
+    gather and fp32 reduce), an upper bound here (at 7B on an H100 the update's peak fell 2.61 GB, 3.04 planned).
+    The updates' numbers are the same."""
     from dataclasses import replace
     from transformers import Qwen2Config, Qwen2ForCausalLM
     import model as model_lib
@@ -352,10 +355,11 @@ def test_embeddings_apart_lower_the_updates_peak_by_a_tables_gather_and_reduce(e
         m = opt = None
     (root, loss_root, w_root), (apart, loss_apart, w_apart) = runs
     s = model_lib.shapes(config)
-    planned = (2 + 4) * (replace(s, embeddings_apart=False).end - s.end)
+    table = replace(s, embeddings_apart=False).end - s.end          # one table's params (and the norm's)
     print(f"\n[embeddings apart] update peak above the model {root / MB:.0f} -> {apart / MB:.0f} MiB allocated; "
-          f"planned drop {planned / MB:.0f} MiB", flush=True)
-    assert root - apart >= 0.9 * planned and loss_root == pytest.approx(loss_apart, rel=1e-3, abs=1e-5)
+          f"4 bytes a table param {4 * table / MB:.0f} MiB, planned drop {6 * table / MB:.0f} MiB", flush=True)
+    assert 0.9 * 4 * table <= root - apart <= 1.1 * 6 * table
+    assert loss_root == pytest.approx(loss_apart, rel=1e-3, abs=1e-5)
     assert all(torch.allclose(x, y, rtol=1e-3, atol=1e-5) for x, y in zip(w_root, w_apart))
 
 

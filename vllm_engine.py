@@ -106,6 +106,25 @@ def start_share(cfg, kv_bytes: int, need: dict, free: int, total: int) -> float:
     return want / total
 
 
+class SharedGPU(ValueError):
+    """vLLM's sleep failed its own check because another process allocated on the GPU meanwhile."""
+
+
+def sleep(llm, level: int) -> None:
+    """llm.sleep, its failed self-check made one line that says what to change. vLLM reads the device's free memory
+    before and after releasing its pool and asserts it did not fall: another process allocating on this GPU in
+    between fails a sleep that did release it, and vLLM then never marks the engine asleep (a wake would not bring
+    its weights back), so the run stops here rather than generate from released memory."""
+    try:
+        llm.sleep(level=level)
+    except AssertionError as e:
+        if "increased after sleeping" not in str(e):
+            raise
+        raise SharedGPU("vLLM's sleep saw this GPU's free memory fall while it released its pool: another process "
+                        "allocated on the GPU meanwhile (vLLM checks the whole device, not its pool); run alone on "
+                        "the GPU, or generate with --rollout.engine=hf") from None
+
+
 def vllm_model(llm):
     """The engine's nn.Module. Engine internals: checked on vLLM 0.26.0 (V1 engine, in-process)."""
     return vllm_runner(llm).model
