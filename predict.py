@@ -281,7 +281,7 @@ def freed_windows(r: Run, st: dict) -> dict:
     and their grads in fp32 for the reduce) left in cached blocks, and an untied model's actor with its tables apart
     reserves none; a tied model's root holds its table either way (the 1.5B and 3B rows keep the term)."""
     whole = {"optimizer_row_windows": False}
-    apart = r.z.shapes.embeddings_apart and not r.z.shapes.tied
+    apart = r.z.shapes.end < r.z.shapes.root_params     # model.Shapes.end: one table, not the root
     out = {"update": 0 if apart else actor.predicted_windows(replace(r.cfg.actor, **whole), r.z, st, max)}
     if r.separate:                             # 0 above and here: not streamed
         out["critic_update"] = critic.predicted_windows(replace(r.cfg.critic, **whole), r.z, max)

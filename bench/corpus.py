@@ -163,8 +163,8 @@ def size_of(row: dict) -> str:
         model.removeprefix("random:qwen2.5-")
 
 
+# the rows spelt out stage by stage below the table
 TEMPLATES = ("qwen2.5-7b the 1 x 80 GB template with the embeddings and the LM head FSDP2 units of their own",)
-# ^ the rows spelt out stage by stage
 
 
 def table(corpus: dict) -> str:
