@@ -106,23 +106,28 @@ def start_share(cfg, kv_bytes: int, need: dict, free: int, total: int) -> float:
     return want / total
 
 
-class SharedGPU(ValueError):
-    """vLLM's sleep failed its own check because another process allocated on the GPU meanwhile."""
+SHARED_SLEEP_SAID = []                     # the note below, printed once a process
 
 
 def sleep(llm, level: int) -> None:
-    """llm.sleep, its failed self-check made one line that says what to change. vLLM reads the device's free memory
-    before and after releasing its pool and asserts it did not fall: another process allocating on this GPU in
-    between fails a sleep that did release it, and vLLM then never marks the engine asleep (a wake would not bring
-    its weights back), so the run stops here rather than generate from released memory."""
+    """llm.sleep, kept going where its self-check fails only because another process allocated on the GPU. vLLM's
+    worker releases its pool, then reads the device's free memory and asserts it did not fall since before the
+    release (gpu_worker.sleep, vLLM 0.26.0): it checks the whole device, not its pool, so a second run on the GPU
+    waking its own engine meanwhile fails a sleep that did release everything, and the executor's two lines after
+    the worker's call (the engine marked asleep, both tags to wake) never run: a wake would then bring nothing back.
+    Those two lines are done here, as vLLM's executor does them; any other assertion is vLLM's as it was."""
     try:
         llm.sleep(level=level)
     except AssertionError as e:
         if "increased after sleeping" not in str(e):
             raise
-        raise SharedGPU("vLLM's sleep saw this GPU's free memory fall while it released its pool: another process "
-                        "allocated on the GPU meanwhile (vLLM checks the whole device, not its pool); run alone on "
-                        "the GPU, or generate with --rollout.engine=hf") from None
+        executor = llm.llm_engine.model_executor   # in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        executor.sleeping_tags, executor.is_sleeping = {"weights", "kv_cache"}, True
+        if not SHARED_SLEEP_SAID:
+            SHARED_SLEEP_SAID.append(True)
+            print("[rollout] note: vLLM's sleep released its pool but saw the GPU's free memory fall meanwhile "
+                  "(another process allocating on this GPU); the engine is marked asleep as vLLM marks it, and "
+                  "this run's device figures include the other process's", flush=True)
 
 
 def vllm_model(llm):
