@@ -11,7 +11,8 @@
 It takes train_grpo.py's options (a run's own command line works, `--out` added) and runs the run's own code:
 the held-out prompts as the run builds them (data.held_out_data: --val_data, --instruction appended, the chat
 template, --val_max_prompts), the policy as the actor builds it (actor.build, from the folder), the engine the
-run would build (trainer.build_engine: vLLM where it is installed and a GPU is there, else HF generate), and
+run would build (trainer.build_engine: vLLM where it is installed and a GPU is there, else HF generate; for a run's
+folder in the run's batch shape, engine_shape), and
 validation's greedy answers of at most --val_response_length tokens, scored (validate.held_out). So a run's
 final/ scores what the run's last validation scored, to the last digit on the CPU (tests/test_evaluate.py).
 The reward: --reward, else the built-in one the held-out data's form picks (data.held_out_reward_data: GSM8K's
@@ -79,6 +80,7 @@ def resolve(cfg: options.Config) -> tuple[options.Config, str | None, int, dict]
         run = meta.get("config") or {}
         saved = run.get("actor", {})
         known = {f.name: saved[f.name] for f in fields(actor.ActorConfig) if f.name in saved}
+        run = {**run, "world_size": meta.get("world_size"), "engine_prompt_len": meta.get("engine_prompt_len")}
         return replace(cfg, model=run.get("model"), actor=actor.ActorConfig(**known)), path, meta["step"], run
     run = {}
     if is_dir(path) and os.path.isfile(os.path.join(path, "run_config.json")):   # a run's final/
@@ -89,6 +91,22 @@ def resolve(cfg: options.Config) -> tuple[options.Config, str | None, int, dict]
             run = {}
     run = run if isinstance(run, dict) else {}
     return cfg, None, int(run.get("steps_done", 0)), run
+
+
+def engine_shape(cfg: options.Config, run: dict, prompt_len: int, world: int) -> tuple[options.Config, int, list]:
+    """(cfg with the run's batch, the prompt length to build the engine for, a note): the engine of the run that
+    wrote the folder, as its validation had it (its prompts a call, --train_batch_size x --rollout.n, and its longest
+    prompt, training's or held-out): greedy bf16 answers differ in a few problems between engines of other batch
+    shapes. Without a run (a base model), or one that recorded no prompt length, the command's own."""
+    if not run.get("engine_prompt_len"):
+        return cfg, prompt_len, []
+    n = run.get("rollout", {}).get("n", cfg.rollout.n)
+    cfg = replace(cfg, train_batch_size=run.get("train_batch_size", cfg.train_batch_size),
+                  rollout=replace(cfg.rollout, n=n))
+    note = [] if run.get("world_size") in (None, world) else [
+        f"[eval] note: the run had {run['world_size']} rank(s), this evaluation {world}: each rank's engine holds "
+        f"another share of the batch, and greedy answers can differ in a few problems from the run's validation"]
+    return cfg, max(prompt_len, run["engine_prompt_len"]), note
 
 
 def differs(cfg: options.Config, run: dict, folder: str) -> list[str]:
@@ -142,9 +160,9 @@ def evaluate(cfg: options.Config, out: str) -> dict:
     kernel_choice.compile_layers([a.model], used)
     if ckpt is not None:                   # DCP reshards to this world size
         checkpoint.load(ckpt, trainer.trained(a, None), {**run, "resume": ckpt}, world)
+    cfg, prompt_len, notes = engine_shape(cfg, run, max(map(len, val[0])), world)
     with tempfile.TemporaryDirectory() as tmp:   # vLLM's config.json of a built-in or random model
-        engine = trainer.build_engine(replace(cfg, out_dir=tmp), a, tokenizer, max(map(len, val[0])), world, device,
-                                      rank)
+        engine = trainer.build_engine(replace(cfg, out_dir=tmp), a, tokenizer, prompt_len, world, device, rank)
         m, samples = validate.held_out(engine, None, a.model, actor.policy_stashes(a), val, cfg=cfg,
                                        reward_fn=reward_fn, tokenizer=tokenizer, warned=set(), device=device,
                                        rank=rank, world=world)
@@ -153,7 +171,8 @@ def evaluate(cfg: options.Config, out: str) -> dict:
         every = [None] * world
         dist.all_gather_object(every, samples)
     if rank == 0:
-        report(cfg, folder, step, engine.kind, run, m, data_io.reward_name(cfg.reward, scored_as, cfg.gsm8k_format))
+        report(cfg, folder, step, engine.kind, run, m, data_io.reward_name(cfg.reward, scored_as, cfg.gsm8k_format),
+               notes)
         with open(out, "w") as f:
             f.writelines(json.dumps({"step": step, **s}) + "\n" for part in every for s in part)
         print(f"[eval] every answer in {out}", flush=True)
@@ -161,11 +180,12 @@ def evaluate(cfg: options.Config, out: str) -> dict:
     return m
 
 
-def report(cfg: options.Config, folder: str | None, step: int, kind: str, run: dict, m: dict, reward: str):
+def report(cfg: options.Config, folder: str | None, step: int, kind: str, run: dict, m: dict, reward: str,
+           notes: list):
     """What was evaluated and how, what it scored (val/*, as the run's validation line), and the answer forms."""
     where = f"{folder or 'the embedded default'}" + (f" (after {step} updates)" if step else "")
     engine = {"vllm": "vLLM", "hf": "HF generate"}[kind]
-    lines = differs(cfg, run, folder) + validate.not_held_out(cfg)
+    lines = differs(cfg, run, folder) + notes + validate.not_held_out(cfg)
     lines.append(f"[eval] {where}: {m['val/prompts']:.0f} held-out prompts of {cfg.val_data or 'the built-in task'}, "
                  f"greedy through {engine}, at most {validate.response_length(cfg)} tokens; scored by {reward}")
     if "val/strict" in m:

@@ -335,13 +335,20 @@ def save(t: Trainer, step: int):          # a checkpoint after `step` steps, wit
     checkpoint.save(t.cfg.out_dir, step, trained(t.actor, t.critic), t.cfg.keep_checkpoints, {
         "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
         "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
-        "world_size": t.world, "config": asdict(t.cfg)}, optimizer=t.cfg.save_optimizer)
+        "world_size": t.world, "config": asdict(t.cfg), "engine_prompt_len": t.prompt_len},
+        optimizer=t.cfg.save_optimizer)
     t.saved = step
+
+
+def final_record(t: Trainer) -> dict:
+    """final/run_config.json: the run's config, its world size and the prompt length its engine was built for
+    (evaluate.py builds the same engine: greedy answers can differ between engines of other batch shapes)."""
+    return {**asdict(t.cfg), "world_size": t.world, "engine_prompt_len": t.prompt_len}
 
 
 def keep(t: Trainer) -> str:            # after a stop or an error: the weights trained so far, kept (rundir.keep)
     def final_at(n):
-        checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, asdict(t.cfg), t.cfg.model, steps_done=n,
+        checkpoint.save_final(t.cfg.out_dir, t.actor, t.tokenizer, final_record(t), t.cfg.model, steps_done=n,
                               save=actor.save)
     return rundir.keep(t.cfg, t.updates, t.saved, t.updating, checkpoint_at=lambda n: save(t, n), final_at=final_at)
 
@@ -422,7 +429,7 @@ def run(cfg: Config, rank: int):
         print("\n".join(rundir.summary(os.path.join(cfg.out_dir, "metrics.jsonl"))), flush=True)
         tracker.picture_at_end(cfg.out_dir, t.device.type)   # <out_dir>/memory.png on a GPU
     if cfg.save:
-        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, asdict(cfg), cfg.model, steps_done=t.updates,
+        checkpoint.save_final(cfg.out_dir, t.actor, t.tokenizer, final_record(t), cfg.model, steps_done=t.updates,
                               save=actor.save)
     if t.rank == 0:
         print(rundir.finished_line(cfg, t.updates), flush=True)

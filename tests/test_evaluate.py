@@ -11,6 +11,7 @@ import pytest
 
 import evaluate
 import options
+import trainer
 from conftest import launches, metrics, run
 
 KEYS = ("val/reward_mean", "val/response_length", "val/prompts", "val/reward_errors")
@@ -28,7 +29,7 @@ def scored(tmp_path, args: list, name: str) -> tuple[dict, list]:
 
 @launches
 @pytest.mark.timeout(300)
-def test_a_runs_folders_score_what_its_validations_scored(tmp_path, dist_env):
+def test_a_runs_folders_score_what_its_validations_scored(tmp_path, dist_env, monkeypatch):
     """The embedded default trained 2 steps, validated before and after: `python evaluate.py` on its final/ and
     in-process on its step-2 checkpoint gives the last validation's figures, on no --model the first one's; the
     answers file holds every held-out answer in val_samples.jsonl's form, its first ones the run's own."""
@@ -37,8 +38,8 @@ def test_a_runs_folders_score_what_its_validations_scored(tmp_path, dist_env):
     assert r.returncode == 0, r.stderr[-2000:]
     first, last = [x for x in metrics(out, every_line=True) if "val/reward_mean" in x]
     assert (first["step"], last["step"]) == (0, 2) and first["val/reward_mean"] != last["val/reward_mean"]
-    answers = tmp_path / "final.jsonl"
-    r = run([f"--model={out / 'final'}", f"--out={answers}", *SHORT], script="evaluate.py")
+    answers = tmp_path / "final.jsonl"        # the run's batch (HF generate's chunks) comes from its folder
+    r = run([f"--model={out / 'final'}", f"--out={answers}", "--val_max_prompts=24"], script="evaluate.py")
     assert r.returncode == 0, r.stderr[-2000:]
     said = json.loads(r.stdout.splitlines()[-1])
     assert {k: said[k] for k in KEYS} == {k: last[k] for k in KEYS} and said["step"] == 2
@@ -48,8 +49,16 @@ def test_a_runs_folders_score_what_its_validations_scored(tmp_path, dist_env):
     with open(out / "val_samples.jsonl") as f:
         run_rows = [json.loads(line) for line in f if json.loads(line)["step"] == 2]
     assert len(rows) == 24 and rows[:len(run_rows)] == run_rows and set(rows[0]) == set(run_rows[0])
-    m, _ = scored(tmp_path, [f"--model={out / 'checkpoints' / 'step_000002'}", *SHORT], "checkpoint")
+    built = []                             # the engine's shape: the run's batch and longest prompt, recorded
+    real_build = trainer.build_engine
+    monkeypatch.setattr(trainer, "build_engine", lambda cfg, *a: built.append((cfg, a[2])) or real_build(cfg, *a))
+    m, _ = scored(tmp_path, [f"--model={out / 'checkpoints' / 'step_000002'}", "--val_max_prompts=24"], "checkpoint")
     assert {k: m[k] for k in KEYS} == {k: last[k] for k in KEYS}
+    with open(out / "final" / "run_config.json") as f:
+        recorded = json.load(f)
+    (cfg, prompt_len), = built
+    assert (cfg.train_batch_size, cfg.rollout.n) == (4, recorded["rollout"]["n"])   # not the default 16
+    assert prompt_len == recorded["engine_prompt_len"] > 0 and recorded["world_size"] == 1
     m, _ = scored(tmp_path, SHORT, "default")
     assert {k: m[k] for k in KEYS} == {k: first[k] for k in KEYS}
 
