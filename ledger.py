@@ -39,6 +39,19 @@ def gpu_capacity(device) -> int:
     return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 80 * GB
 
 
+def others_on_gpu(device) -> int:
+    """What other processes hold on this GPU as the run sets up (a second run, a notebook sharing the card), the
+    most any rank sees, so every rank plans the same config; 0 below 2 GB (this process's CUDA context and the
+    driver's own reserve) and on a CPU run."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.tensor([total - free - torch.cuda.memory_reserved(device)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)   # a CPU tensor: the group's gloo backend
+    return int(held) if held > 2 * GB else 0
+
+
 def host_bytes_per_rank() -> int:
     """This node's RAM shared by its ranks (the x2 machines grow MemTotal lazily: a lower bound there)."""
     ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), 1)

@@ -147,6 +147,11 @@ def planned(cfg: Config, world: int, prompt_len: int, kind: str, device, rank: i
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
     gpu = ledger.gpu_capacity(device) if device.type == "cuda" else 0
+    if others := ledger.others_on_gpu(device):   # the defaults relax into what is left, not the whole card
+        gpu -= others
+        if rank == 0:
+            print(f"[plan] other processes hold {others / predict.GB:.1f} GB of this GPU: the run is fitted to "
+                  f"the {gpu / predict.GB:.1f} GB left (their later growth is not seen)", flush=True)
     cfg = plan.relax(cfg, world, prompt_len, kind, gpu, rank)
     predicted = predict.predict(cfg, world, prompt_len, kind)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

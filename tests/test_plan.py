@@ -1053,3 +1053,36 @@ def test_relax_offers_only_micro_batches_that_divide_their_rows(world):
     if world == 1:
         assert {c.ref.log_prob_micro_batch_size_per_gpu for c in plan.relaxations(cfg, 1, 64)} == {32, 64}
         options.check_sizes(plan.relax(cfg, 1, 64, "vllm", 140 * GB), 1)
+
+
+def test_a_gpu_another_process_holds_relaxes_the_defaults_into_what_is_left(monkeypatch, capsys):
+    """Seen: a LoRA run started beside two others on an H100 (45 GB held by them) relaxed its defaults to the whole
+    79 GB card (checkpointing off, micro-batch 64: 64 GB planned for its update) and ran out in its first update.
+    ledger.others_on_gpu reads what other processes hold (a CUDA context's 1 GB is not counted), trainer.planned
+    fits the relaxed defaults to the rest and says so; that keeps the LoRA run's checkpointing."""
+    total, free = 79 * GB, {"now": 34 * GB}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    cuda = torch.device("cuda")
+    assert ledger.others_on_gpu(cuda) == 45 * GB and ledger.others_on_gpu(torch.device("cpu")) == 0
+    free["now"] = 78 * GB                  # this process's context alone
+    assert ledger.others_on_gpu(cuda) == 0
+    free["now"] = 34 * GB
+
+    import trainer
+    seen = []
+
+    def relax(cfg, world, prompt_len, kind, gpu_bytes, rank):
+        seen.append(gpu_bytes)
+        raise StopIteration                # the set-up's later checks want a real GPU
+    monkeypatch.setattr(ledger, "gpu_capacity", lambda device: total)
+    monkeypatch.setattr(plan, "relax", relax)
+    lora = options.parse_args(["--model=random:qwen2.5-0.5b", "--train_batch_size=32", "--rollout.n=8",
+                               "--actor.ppo_mini_batch_size=16", "--rollout.response_length=512",
+                               "--actor.lora_rank=32"])
+    with pytest.raises(StopIteration):
+        trainer.planned(lora, 1, 256, "vllm", cuda, 0)
+    assert seen == [34 * GB] and "other processes hold 45.0 GB of this GPU" in capsys.readouterr().out
+    monkeypatch.undo()
+    whole, left = (plan.relax(lora, 1, 256, "vllm", g, rank=1) for g in (total, 34 * GB))
+    assert not whole.actor.gradient_checkpointing and left.actor.gradient_checkpointing

@@ -1,8 +1,9 @@
 # device side: the real model's longer curves, three GRPO runs side by side on one H100 (each step's times are
 # shared-GPU times), all with the both-forms reward, each resumed across two calls of L seconds: the recipe (lr 2e-6),
 # PPO (a critic, offloaded to the host between its uses) and LoRA (rank 32, lr 2e-5). PART=1 also runs the
-# embeddings-apart GPU test beside them; PART=2 stops the recipe at a validation step sized to the call, and scores
-# its final/ and the base model with evaluate.py in the same call (the engine of the run's batch shape).
+# embeddings-apart GPU test beside them; EVAL=1 (the last call) stops the recipe at a validation step sized to the
+# call (its pace so far: PREV_S seconds of earlier calls) and scores its final/ and the base model with evaluate.py
+# in the same call (the engine of the run's batch shape).
 set -u
 bash .realmodel/s/install.sh >/dev/null && source .vllm/env.sh || exit 1
 PART=${PART:-1}; L=${L:-540}; R=/tmp/real_runs
@@ -12,25 +13,25 @@ nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -l 2 
 git log -1 --format=%H > "$OUT/commit$PART.txt" 2>/dev/null
 E="--save_freq=1000 --keep_checkpoints=1 --gsm8k_format=both"   # a checkpoint on SIGTERM only (the resume's)
 STEPS=""
-if [ "$PART" = 2 ]; then   # the recipe's part-1 pace; its part 2 ends on a multiple of 10, ~150 s before the call's end
-  STEPS=$(python3 - "$R/grpo_both/metrics.jsonl" "$L" <<'PY'
+if [ "${EVAL:-0}" = 1 ]; then   # the recipe's pace so far; it ends on a multiple of 10, ~150 s before the call's end
+  STEPS=$(python3 - "$R/grpo_both/metrics.jsonl" "$L" "${PREV_S:-480}" <<'PY'
 import json, sys
 steps = [json.loads(l)["step"] for l in open(sys.argv[1]) if '"time/step"' in l]
-done, limit = max(steps) + 1, int(sys.argv[2])
-more = int(0.85 * done / (limit - 60) * (limit - 210)) // 10 * 10
+done, limit, before = max(steps) + 1, int(sys.argv[2]), int(sys.argv[3])
+more = int(0.85 * done / before * (limit - 210)) // 10 * 10
 print(f"--steps={(done + more) // 10 * 10}" if more >= 10 else "")
 PY
 )
-  echo "part 2: the recipe runs to $STEPS" | tee -a "$OUT/summary.txt"
+  echo "part $PART: the recipe runs to $STEPS" | tee -a "$OUT/summary.txt"
 fi
 NAME=both EXTRA="$E $STEPS" bash bench/real_model.sh grpo "$L" & a=$!
 sleep 20; NAME=both_ppo EXTRA="$E --algorithm.adv_estimator=gae --critic.lr=1e-5 --critic.param_offload=true
   --critic.optimizer_offload=true" bash bench/real_model.sh grpo $((L - 20)) & b=$!
-sleep 20; NAME=both_lora EXTRA="$E --actor.lora_rank=32 --actor.lr=2e-5" bash bench/real_model.sh grpo $((L - 40)) & c=$!
+sleep 20; NAME=both_lora_gc EXTRA="$E --actor.lora_rank=32 --actor.lr=2e-5 --actor.gradient_checkpointing=true" bash bench/real_model.sh grpo $((L - 40)) & c=$!
 if [ "$PART" = 1 ]; then
   timeout 200 python -m pytest -q -x -s test_memory.py -k embeddings_apart > "$OUT/gpu_test.log" 2>&1
   echo "[gpu_test] exit $?" | tee -a "$OUT/summary.txt"
-else
+elif [ "${EVAL:-0}" = 1 ]; then
   wait $a
   EV=(--val_data="$VAL" --instruction="$INSTRUCTION" --rollout.response_length=512 --gsm8k_format=both)
   if [ -d "$R/grpo_both/final" ]; then
