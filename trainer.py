@@ -147,7 +147,9 @@ def planned(cfg: Config, world: int, prompt_len: int, kind: str, device, rank: i
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
     gpu = ledger.gpu_capacity(device) if device.type == "cuda" else 0
-    if others := ledger.others_on_gpu(device):   # the defaults relax into what is left, not the whole card
+    # the defaults relax into what other processes leave, not the whole card (async rollout's own engines beside
+    # the trainer are in the plan already, and may be building as this runs: not counted twice)
+    if cfg.rollout.mode != "async" and (others := ledger.others_on_gpu(device)):
         gpu -= others
         if rank == 0:
             print(f"[plan] other processes hold {others / predict.GB:.1f} GB of this GPU: the run is fitted to "
