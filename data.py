@@ -438,13 +438,13 @@ def score(reward_fn, name: str, responses: list[str], answers: list[str]) -> tup
     return scores, errors
 
 
-def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[str]) -> tuple[list[float], list[str]]:
+def score_rollout(reward_fn, name: str, tokenizer, batch: dict, answers: list[str]) -> tuple[list, list, list]:
     """The reward stage: each response decoded up to its mask (its EOS) and scored against its
-    answer (`score`: the scores, and a message per sample whose reward failed)."""
+    answer (`score`: the scores, and a message per sample whose reward failed), and the texts."""
     lengths = batch["response_mask"].sum(-1).tolist()
     texts = tokenizer.batch_decode([r[:int(k)] for r, k in zip(batch["responses"].tolist(), lengths)],
                                    skip_special_tokens=True)
-    return score(reward_fn, name, texts, answers)
+    return (*score(reward_fn, name, texts, answers), texts)
 
 
 class EveryRank(ValueError):

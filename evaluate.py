@@ -172,7 +172,7 @@ def evaluate(cfg: options.Config, out: str) -> dict:
         dist.all_gather_object(every, samples)
     if rank == 0:
         report(cfg, folder, step, engine.kind, run, m, data_io.reward_name(cfg.reward, scored_as, cfg.gsm8k_format),
-               notes)
+               notes=notes)
         with open(out, "w") as f:
             f.writelines(json.dumps({"step": step, **s}) + "\n" for part in every for s in part)
         print(f"[eval] every answer in {out}", flush=True)
@@ -180,7 +180,7 @@ def evaluate(cfg: options.Config, out: str) -> dict:
     return m
 
 
-def report(cfg: options.Config, folder: str | None, step: int, kind: str, run: dict, m: dict, reward: str,
+def report(cfg: options.Config, folder: str | None, step: int, kind: str, run: dict, m: dict, reward: str, *,
            notes: list):
     """What was evaluated and how, what it scored (val/*, as the run's validation line), and the answer forms."""
     where = f"{folder or 'the embedded default'}" + (f" (after {step} updates)" if step else "")

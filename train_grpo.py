@@ -194,12 +194,20 @@ def held_gb(t: Trainer) -> float:         # the roles' params, grads and optimiz
 
 def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> torch.Tensor:
     """The reward stage: each response decoded and scored on the CPU; a reward that fails stops the run
-    or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks)."""
+    or scores 0 (--reward_error), counted once per sample (`copies`: a Ulysses group's k ranks). With the
+    built-in GSM8K rule, the samples' answer forms too (`reward/found_strict`: the share that write `#### N`, the
+    form the strict reward pays; `reward/found_boxed`: a `\\boxed{}`): a form no sample writes cannot be learnt
+    from its reward, whatever it pays."""
     cfg = t.cfg
     name = data_io.reward_name(cfg.reward, cfg.data, cfg.gsm8k_format)
-    scores, errors = data_io.score_rollout(t.reward_fn, name, t.tokenizer, batch,
-                                           [t.answers[i] for i in idx for _ in range(cfg.rollout.n)])
+    answers = [t.answers[i] for i in idx for _ in range(cfg.rollout.n)]
+    scores, errors, texts = data_io.score_rollout(t.reward_fn, name, t.tokenizer, batch, answers)
     m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
+    if data_io.builtin_gsm8k(cfg.reward, cfg.data):   # shares: a Ulysses group's copies cancel
+        f = data_io.answer_forms(texts, answers)
+        found = all_sum(torch.tensor([f["found_strict"], f["found_boxed"], len(texts)], device=t.device,
+                                     dtype=torch.float64)).tolist()
+        m["reward/found_strict"], m["reward/found_boxed"] = found[0] / found[2], found[1] / found[2]
     return torch.tensor(scores, dtype=torch.float32, device=t.device)
 
 
@@ -290,8 +298,10 @@ def train(t: Trainer, start: int) -> bool:
         if m["reward/equal_groups_frac"] == 1 and cfg.algorithm.adv_estimator == "grpo" and "equal" not in t.warned:
             t.warned.add("equal")
             if t.rank == 0:                # GRPO's advantage is then 0 everywhere: only KL / entropy move weights
+                form = (f" {m['reward/found_strict']:.1%} of its samples wrote `#### N`, the form the strict reward "
+                        f"pays." if "reward/found_strict" in m else "")
                 print(f"[warn] step {step}: every group's rewards are equal, so every advantage is 0 and the "
-                      f"policy loss has no gradient (a reward the model never earns?); shown once, counted "
+                      f"policy loss has no gradient (a reward the model never earns?).{form} Shown once, counted "
                       f"in reward/equal_groups_frac and at the end", flush=True)
         stop, last = rundir.stop_requested(t.device), step + 1 == cfg.steps   # SIGTERM, Ctrl-C, a failed write
         if cfg.save_freq and ((step + 1) % cfg.save_freq == 0 or last) and (last or not stop):

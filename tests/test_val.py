@@ -161,6 +161,28 @@ def held_out_run(tmp_path, args, model=None, answers: dict | None = None, monkey
         return m, [json.loads(line) for line in f]
 
 
+def test_the_training_samples_answer_forms_are_step_figures(dist_env):
+    """With the built-in GSM8K rule the reward stage counts how the samples answered: the share writing `#### N`
+    (what the strict reward pays) and a `\\boxed{}`. Seen: a run whose samples never wrote `####` got exactly 0
+    from the strict reward for 30 steps; this is the figure that says why. Another reward: no such figures."""
+    import types
+    texts = ["so #### 18", "\\boxed{18}", "#### 4", "it is 5"]
+    t = types.SimpleNamespace(cfg=options.parse_args(["--data=x.jsonl", "--rollout.n=2", "--train_batch_size=2"]),
+                              answers=["... #### 18", "... #### 5"], warned=set(), device=torch.device("cpu"),
+                              tokenizer=types.SimpleNamespace(batch_decode=lambda rows, **_: texts[:len(rows)]))
+    t.reward_fn = data.load_reward(None, "x.jsonl", "strict")
+    batch = {"responses": torch.ones(4, 3, dtype=torch.long), "response_mask": torch.ones(4, 3)}
+    m = {}
+    scores = train_grpo.rule_scores(t, batch, [0, 1], 1, m)
+    assert scores.tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert (m["reward/found_strict"], m["reward/found_boxed"]) == (0.5, 0.25)
+    t.cfg = options.parse_args(["--data=x.jsonl", "--rollout.n=2", "--train_batch_size=2",
+                                "--reward=data:gsm8k_reward"])
+    m = {}
+    train_grpo.rule_scores(t, batch, [0, 1], 1, m)
+    assert "reward/found_strict" not in m
+
+
 def test_the_gsm8k_forms_are_reported_as_shares_of_the_prompts(dist_env, tmp_path, monkeypatch):
     """Four held-out GSM8K problems answered as planned: strict right once, flexible twice, `####` found twice,
     a number three times, two answers (7 tokens) at the 7-token cap: val/* are those counts over 4 (a held-out file
