@@ -491,3 +491,24 @@ def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
     table = (tmp_path / "speed.txt").read_text().splitlines()
     assert table[2] == "| TRL | 5.00 | 1 | 3.00 | 2.00 | 50.0 (the step's) |"
     assert table[3] == "| ours bf16 default | 2.50 | 0.50 | 1.50 | 0.75 | 20.0 |" and len(table) == 4
+
+
+def test_the_curves_read_the_runs_validations_against_their_minutes(tmp_path):
+    """bench/curves.py: a validation at step s sits at the minutes of steps 0 .. s-1 (its own step's time after it),
+    a resumed run reads as one curve; on the recorded both-forms run, bench/README.md's figures (step 50: 36.1 %
+    flexible after 7.7 minutes, strict 0)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import curves
+    rows = [{"step": 0, "val/flexible": 0.25, "val/strict": 0.0, "time/step": 60.0}, {"step": 1, "time/step": 30.0},
+            {"step": 2, "val/flexible": 0.5, "val/strict": 0.25, "time/step": 90.0}, {"step": 3, "time/step": 30.0},
+            {"step": 4, "val/flexible": 0.75, "val/strict": 0.5}]   # the validation after the last step
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert curves.curve(str(path)) == [(0, 0.0, 0.25, 0.0), (2, 1.5, 0.5, 0.25), (4, 3.5, 0.75, 0.5)]
+    table = curves.table({"run": curves.curve(str(path))})
+    assert "| run | 25.0 / 0.0 (0.0); 50.0 / 25.0 (1.5); 75.0 / 50.0 (3.5) |" in table
+    recorded = os.path.join(os.path.dirname(curves.__file__), "results", "2026-12-07-real-long-h100",
+                            "grpo_both_metrics.jsonl")
+    step, minutes, flexible, strict = next(c for c in curves.curve(recorded) if c[0] == 50)
+    assert (round(100 * flexible, 1), round(minutes, 1), strict) == (36.1, 7.7, 0.0)
