@@ -114,7 +114,10 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     prompts, answers, chats = data
     prompt_len = max(map(len, prompts + (val[0] if val else [])))   # the engine answers held-out prompts too
     kind = engine.kind if engine is not None else rollout.resolve_engine(cfg.rollout, device)
-    cfg, predicted = planned(cfg, world, prompt_len, kind, device, rank)
+    # what other processes hold of this GPU, before this run's engine exists (a given engine is this process's;
+    # async rollout's own engines beside the trainer are in the plan already and may be building as this runs)
+    others = ledger.others_on_gpu(device) if engine is None and cfg.rollout.mode != "async" else 0
+    cfg, predicted = planned(cfg, world, prompt_len, kind, device, rank, others=others)
     mini_size = options.check_sizes(cfg, world)   # after auto, which may change micro-batch and Ulysses sizes
     ledger.memory_watch(cfg.out_dir, rank, device, cfg.memory_history)
     peak = ledger.matmul_peak(device)      # measured before anything is built (a 384 MB transient)
@@ -140,16 +143,15 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
     return t
 
 
-def planned(cfg: Config, world: int, prompt_len: int, kind: str, device, rank: int) -> tuple:
+def planned(cfg: Config, world: int, prompt_len: int, kind: str, device, rank: int, *, others: int = 0) -> tuple:
     """(the run's config once the planner has fitted it to this GPU, its prediction): --offload=auto's choice and
-    the relaxed defaults replace the flags before anything is built; a run the host's RAM or the GPU cannot hold
-    at a checkpoint is refused here, and one near the GPU's limit by the plan is said."""
+    the relaxed defaults replace the flags before anything is built (the defaults into what `others`, the bytes
+    other processes hold, leave of the card); a run the host's RAM or the GPU cannot hold at a checkpoint is
+    refused here, and one near the GPU's limit by the plan is said."""
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
         cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
     gpu = ledger.gpu_capacity(device) if device.type == "cuda" else 0
-    # the defaults relax into what other processes leave, not the whole card (async rollout's own engines beside
-    # the trainer are in the plan already, and may be building as this runs: not counted twice)
-    if cfg.rollout.mode != "async" and (others := ledger.others_on_gpu(device)):
+    if others:                             # the defaults relax into what is left, not the whole card
         gpu -= others
         if rank == 0:
             print(f"[plan] other processes hold {others / predict.GB:.1f} GB of this GPU: the run is fitted to "

@@ -1059,7 +1059,8 @@ def test_a_gpu_another_process_holds_relaxes_the_defaults_into_what_is_left(monk
     """Seen: a LoRA run started beside two others on an H100 (45 GB held by them) relaxed its defaults to the whole
     79 GB card (checkpointing off, micro-batch 64: 64 GB planned for its update) and ran out in its first update.
     ledger.others_on_gpu reads what other processes hold (a CUDA context's 1 GB is not counted), trainer.planned
-    fits the relaxed defaults to the rest and says so; that keeps the LoRA run's checkpointing."""
+    fits the relaxed defaults to the rest and says so (trainer.setup asks before its engine exists; a given
+    engine is this process's); that keeps the LoRA run's checkpointing."""
     total, free = 79 * GB, {"now": 34 * GB}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], total))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
@@ -1081,8 +1082,21 @@ def test_a_gpu_another_process_holds_relaxes_the_defaults_into_what_is_left(monk
                                "--actor.ppo_mini_batch_size=16", "--rollout.response_length=512",
                                "--actor.lora_rank=32"])
     with pytest.raises(StopIteration):
-        trainer.planned(lora, 1, 256, "vllm", cuda, 0)
+        trainer.planned(lora, 1, 256, "vllm", cuda, 0, others=ledger.others_on_gpu(cuda))
     assert seen == [34 * GB] and "other processes hold 45.0 GB of this GPU" in capsys.readouterr().out
     monkeypatch.undo()
     whole, left = (plan.relax(lora, 1, 256, "vllm", g, rank=1) for g in (total, 34 * GB))
     assert not whole.actor.gradient_checkpointing and left.actor.gradient_checkpointing
+
+
+def test_the_set_up_asks_what_other_processes_hold_before_its_engine(dist_env, tmp_path, monkeypatch):
+    """trainer.setup passes ledger.others_on_gpu's bytes to the planner when it builds its own engine, and 0 when
+    it is given one (this process's memory)."""
+    import trainer
+    seen = []
+    real = trainer.planned
+    monkeypatch.setattr(ledger, "others_on_gpu", lambda device: 45 * GB)
+    monkeypatch.setattr(trainer, "planned", lambda *a, others: seen.append(others) or real(*a, others=0))
+    t = trainer.setup(options.parse_args([f"--out_dir={tmp_path / 'a'}", "--steps=1"]))
+    trainer.setup(options.parse_args([f"--out_dir={tmp_path / 'b'}", "--steps=1"]), engine=t.engine)
+    assert seen == [45 * GB, 0]
