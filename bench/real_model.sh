@@ -16,7 +16,8 @@
 #   bash bench/real_model.sh trl_eval     # the base model and TRL's checkpoints through one greedy evaluator
 # TRL's parts want TRL's wheels installed first (no registry on the GPU machine):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peersite .peers/*.whl
-# val.png: each run folder has it (the run draws it); bench/vs_trl.py report draws TRL's against ours.
+# val.png: each run folder has it (the run draws it); bench/vs_trl.py report draws TRL's against ours; bench/curves.py
+# draws several runs' held-out accuracy against minutes of training (bench/README.md's picture).
 # The data: GSM8K rows as published ({"question": ..., "answer": "... #### 72"}); the model: a local folder.
 set -u
 OUT=${OUT:-out/real}; mkdir -p "$OUT"
