@@ -304,8 +304,9 @@ def _prompt_len(cfg) -> int:
 # --------------------------------------------------------------------------- the run's glue
 # What train_grpo.py asks of the planner while it runs: the device's size, --offload=auto's choice,
 # the prediction beside each stage's measurement, and the warnings that compare the two.
-def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int):
-    """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config.
+def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: int, *, others: int = 0):
+    """--offload=auto: the fastest flags that fit this GPU by the plan (`choose`), as a new config (`others`: the
+    bytes other processes hold on the GPU, not this run's to plan for).
     When nothing keeps plan_margin free at the device level, the one that needs the least device
     memory, said in one line; when nothing fits at all, a ValueError naming what would (async: also
     when the engine's GPU cannot fit). `world`: the trainer's ranks. A colocated run on 2+ GPUs is
@@ -314,7 +315,7 @@ def plan_auto(cfg, world: int, prompt_len: int, engine_kind: str, device, rank: 
     if device.type != "cuda":
         say("[plan] --offload=auto on a CPU run: no device memory to plan; the flags stay as given")
         return cfg
-    target = Target(world, prompt_len, ledger.gpu_capacity(device), cfg.plan_margin, engine_kind,
+    target = Target(world, prompt_len, ledger.gpu_capacity(device) - others, cfg.plan_margin, engine_kind,
                     ledger.host_bytes_per_rank())
     best, p, kept = auto_choice(cfg, target)
     if not kept:                           # nothing keeps the margin free: the least device memory that fits at all

@@ -145,17 +145,15 @@ def setup(cfg: Config, engine: rollout.Engine | None = None, data=None, val=None
 
 def planned(cfg: Config, world: int, prompt_len: int, kind: str, device, rank: int, *, others: int = 0) -> tuple:
     """(the run's config once the planner has fitted it to this GPU, its prediction): --offload=auto's choice and
-    the relaxed defaults replace the flags before anything is built (the defaults into what `others`, the bytes
-    other processes hold, leave of the card); a run the host's RAM or the GPU cannot hold at a checkpoint is
-    refused here, and one near the GPU's limit by the plan is said."""
+    the relaxed defaults replace the flags before anything is built, fitted to what `others` (the bytes other
+    processes hold) leave of the card; a run the host's RAM or the GPU cannot hold at a checkpoint is refused
+    here, and one near the GPU's limit by the plan is said."""
+    gpu = ledger.gpu_capacity(device) - others if device.type == "cuda" else 0
+    if others and rank == 0:
+        print(f"[plan] other processes hold {others / predict.GB:.1f} GB of this GPU: the run is fitted to the "
+              f"{gpu / predict.GB:.1f} GB left (their later growth is not seen)", flush=True)
     if cfg.offload == "auto":              # the planner's choice replaces the flags, before anything is built
-        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank)
-    gpu = ledger.gpu_capacity(device) if device.type == "cuda" else 0
-    if others:                             # the defaults relax into what is left, not the whole card
-        gpu -= others
-        if rank == 0:
-            print(f"[plan] other processes hold {others / predict.GB:.1f} GB of this GPU: the run is fitted to "
-                  f"the {gpu / predict.GB:.1f} GB left (their later growth is not seen)", flush=True)
+        cfg = plan.plan_auto(cfg, world, prompt_len, kind, device, rank, others=others)
     cfg = plan.relax(cfg, world, prompt_len, kind, gpu, rank)
     predicted = predict.predict(cfg, world, prompt_len, kind)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))

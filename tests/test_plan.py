@@ -1084,6 +1084,15 @@ def test_a_gpu_another_process_holds_relaxes_the_defaults_into_what_is_left(monk
     with pytest.raises(StopIteration):
         trainer.planned(lora, 1, 256, "vllm", cuda, 0, others=ledger.others_on_gpu(cuda))
     assert seen == [34 * GB] and "other processes hold 45.0 GB of this GPU" in capsys.readouterr().out
+    monkeypatch.setattr(ledger, "host_bytes_per_rank", lambda: 2 ** 40)   # --offload=auto plans the same room
+    def auto_choice(cfg, target):
+        seen.append(target.gpu_bytes)
+        raise StopIteration
+    monkeypatch.setattr(plan, "auto_choice", auto_choice)
+    with pytest.raises(StopIteration):
+        trainer.planned(options.parse_args(["--model=random:qwen2.5-0.5b", "--offload=auto"]), 1, 256, "vllm", cuda,
+                        0, others=45 * GB)
+    assert seen == [34 * GB, 34 * GB]
     monkeypatch.undo()
     whole, left = (plan.relax(lora, 1, 256, "vllm", g, rank=1) for g in (total, 34 * GB))
     assert not whole.actor.gradient_checkpointing and left.actor.gradient_checkpointing
