@@ -3,26 +3,27 @@ bench/README.md's "What GRPO does to a real model".
 
     python bench/curves.py --out=curves.png recipe=out/metrics.jsonl "PPO=runs/ppo/metrics.jsonl" ...
 
-A run's minutes at a validation are its steps' times before it summed (time/step: generation, the log-probs, the
-update and the validations on the way; not the start-up, the engine's build nor a resume's load), so a run resumed
-across calls reads as one curve. Runs that shared a GPU took longer a step than alone: compare them by step too.
+A run's minutes at a validation are tracker.learning's, as the run's own val.png has them: its steps' times before
+it summed (time/step: generation, the log-probs, the update and the validations on the way; not the start-up, the
+engine's build nor a resume's load) and the validation's own, so a run resumed across calls reads as one curve.
+Runs that shared a GPU took longer a step than alone: compare them by step too.
 Two panels: the flexible score (the answer's value in any form) and the strict one (the value after ####).
 The table (stdout, markdown): each run's validations as flexible / strict % with their minutes.
 """
 import argparse
 import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import tracker  # noqa: E402  (the project's tracker.py: what a run's val.png draws)
 
 
 def curve(path: str) -> list[tuple[int, float, float, float]]:
-    """(step, minutes of training before it, flexible, strict) at each validation of the run at `path`."""
-    minutes, out = 0.0, []
+    """(step, minutes of training, flexible, strict) at each validation of the run whose metrics.jsonl is `path`."""
     with open(path) as f:
-        for line in f:
-            row = json.loads(line)
-            if "val/flexible" in row:      # validated at the start of this step: before its own time
-                out.append((row["step"], minutes, row["val/flexible"], row["val/strict"]))
-            minutes += row.get("time/step", 0.0) / 60
-    return out
+        v = tracker.learning([json.loads(line) for line in f])["val"]
+    return list(zip(v["step"], v["minutes"], v["val/flexible"], v["val/strict"]))
 
 
 def table(curves: dict) -> str:

@@ -494,15 +494,18 @@ def test_trls_phases_are_timed_and_reported_beside_ours(tmp_path):
 
 
 def test_the_curves_read_the_runs_validations_against_their_minutes(tmp_path):
-    """bench/curves.py: a validation at step s sits at the minutes of steps 0 .. s-1 (its own step's time after it),
+    """bench/curves.py: a validation at step s sits at the minutes of steps 0 .. s-1 and its own (tracker.learning),
     a resumed run reads as one curve; on the recorded both-forms run, bench/README.md's figures (step 50: 36.1 %
-    flexible after 7.7 minutes, strict 0)."""
+    flexible after 7.8 minutes, strict 0)."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     import curves
-    rows = [{"step": 0, "val/flexible": 0.25, "val/strict": 0.0, "time/step": 60.0}, {"step": 1, "time/step": 30.0},
-            {"step": 2, "val/flexible": 0.5, "val/strict": 0.25, "time/step": 90.0}, {"step": 3, "time/step": 30.0},
-            {"step": 4, "val/flexible": 0.75, "val/strict": 0.5}]   # the validation after the last step
+    val = {"val/reward_mean": 0.0}         # what marks a validation's row
+    rows = [{"step": 0, **val, "val/flexible": 0.25, "val/strict": 0.0, "time/step": 60.0},
+            {"step": 1, "time/step": 30.0},
+            {"step": 2, **val, "val/flexible": 0.5, "val/strict": 0.25, "time/step": 90.0},
+            {"step": 3, "time/step": 30.0},
+            {"step": 4, **val, "val/flexible": 0.75, "val/strict": 0.5}]   # the validation after the last step
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert curves.curve(str(path)) == [(0, 0.0, 0.25, 0.0), (2, 1.5, 0.5, 0.25), (4, 3.5, 0.75, 0.5)]
@@ -511,4 +514,4 @@ def test_the_curves_read_the_runs_validations_against_their_minutes(tmp_path):
     recorded = os.path.join(os.path.dirname(curves.__file__), "results", "2026-12-07-real-long-h100",
                             "grpo_both_metrics.jsonl")
     step, minutes, flexible, strict = next(c for c in curves.curve(recorded) if c[0] == 50)
-    assert (round(100 * flexible, 1), round(minutes, 1), strict) == (36.1, 7.7, 0.0)
+    assert (round(100 * flexible, 1), round(minutes, 1), strict) == (36.1, 7.8, 0.0)
