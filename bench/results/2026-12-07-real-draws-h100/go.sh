@@ -1,0 +1,29 @@
+# device side: three GRPO runs of the real model side by side on one H100 (each step's times are shared-GPU times),
+# each resumed across calls of L seconds (SIGTERM at L: the runs checkpoint, the next call resumes them):
+#   strict  - the strict reward for as long as the calls allow: does the arithmetic move once the form is learned?
+#   both_n16 - the both-forms recipe with 16 samples a problem: more samples that write `####` in each group
+#   both draw 3 - the both-forms recipe again (seed 2 on seed 0's prompts): how often it takes up `####`
+# PART names the call's raw files; bench/real_model.sh packs each run's small files into $OUT every 30 s.
+set -u
+bash .realmodel/s/install.sh >/dev/null && source .vllm/env.sh || exit 1
+PART=${PART:-1}; L=${L:-500}; R=/tmp/real_runs
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
+nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -l 2 > "$OUT/smi$PART.csv" 2>&1 & smi=$!
+git log -1 --format=%H > "$OUT/commit$PART.txt" 2>/dev/null
+# a checkpoint on SIGTERM only (the resume's); each run's relaxed defaults planned to leave 60 % of the card to the
+# others (three runs share it, and the first starts alone)
+E="--save_freq=1000 --keep_checkpoints=1 --plan_margin=0.6"
+NAME=strict EXTRA="$E --gsm8k_format=strict" bash bench/real_model.sh grpo "$L" & a=$!
+sleep 20; NAME=both_n16 EXTRA="$E --gsm8k_format=both --rollout.n=16" bash bench/real_model.sh grpo $((L - 20)) & b=$!
+sleep 20; SEED=2 DATA_SEED=0 NAME=both EXTRA="$E --gsm8k_format=both" bash bench/real_model.sh grpo $((L - 40)) & c=$!
+wait $a $b $c
+kill $smi
+for d in "$R"/grpo*/; do echo "== $d"; python3 - "$d/metrics.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    j = json.loads(line)
+    if "val/strict" in j:
+        print(j.get("step"), round(j["val/strict"], 4), round(j["val/flexible"], 4), round(j["val/found_strict"], 3),
+              round(j.get("time/total_s", 0), 1))
+PY
+done | tee "$OUT/val_summary$PART.txt"
