@@ -1,4 +1,4 @@
-"""Data and rewards: local jsonl / parquet prompts, the tokenizer, built-in and user rewards.
+"""Data and rewards: local jsonl / parquet prompts, the tokenizer, the reward (built in: gsm8k.py, tiny.py; a user's).
 
     python -m pytest tests/test_train.py -q -k "data or reward"
 
@@ -11,11 +11,8 @@ import json
 import math
 import numbers
 import os
-import re
-from decimal import Decimal, InvalidOperation
-from fractions import Fraction
 
-import answer_value
+import gsm8k
 
 
 # a tokenizer's vocabulary: fast (tokenizer.json), sentencepiece, BPE (vocab.json + merges.txt), WordPiece
@@ -276,13 +273,13 @@ def held_out_reward_data(cfg, answers: list) -> str | None:
     answers hold no number, and the built-in task's items, by the copy task's reward (a string compare)."""
     if cfg.data is not None or cfg.val_data is None:
         return cfg.data
-    return cfg.val_data if any(gsm8k_truth(str(a)) is not None for a in answers) else None
+    return cfg.val_data if any(gsm8k.gsm8k_truth(str(a)) is not None for a in answers) else None
 
 
 def numeric_answers(answers: list, path: str, option: str):
     """The built-in GSM8K reward compares the number a response gives with the number an answer ends with: data
     whose answers hold none could never score (one line), and those that do not are said once."""
-    bad = [a for a in answers if gsm8k_truth(str(a)) is None]
+    bad = [a for a in answers if gsm8k.gsm8k_truth(str(a)) is None]
     if len(bad) == len(answers):
         raise ValueError(f"{option} {path}: none of its {len(answers)} answers is a number (the first: "
                          f"{str(answers[0])[:60]!r}), which the built-in GSM8K reward needs; pass "
@@ -290,78 +287,6 @@ def numeric_answers(answers: list, path: str, option: str):
     if bad and int(os.environ.get("RANK", 0)) == 0:
         print(f"[data] warning: {len(bad)} of {len(answers)} answers of {path} hold no number (e.g. "
               f"{str(bad[0])[:60]!r}): the built-in GSM8K reward scores their samples 0")
-
-
-# --------------------------------------------------------------------------- the built-in GSM8K reward
-# A number as people write it: a sign, a `$`, thousands commas, decimals ("-$1,234.50", "18.", "3.0").
-NUMBER = r"-?(?:\$\s?)?-?\d[\d,]*(?:\.\d+)?"
-GSM8K_FORMS = ("strict", "flexible", "both")   # --gsm8k_format: what the built-in reward reads as the answer
-
-
-def number(text: str | None) -> Decimal | None:
-    """`text` as a number (commas, `$`, spaces and a trailing period dropped), or None: so "1,000",
-    "$1000." and "1000.00" are all 1000 (Decimal compares by value)."""
-    if text is None:
-        return None
-    t = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
-    try:
-        return Decimal(t) if re.fullmatch(r"-?\d+(\.\d+)?", t) else None
-    except InvalidOperation:
-        return None
-
-
-def gsm8k_answer(response: str, form: str) -> Decimal | Fraction | None:
-    """The answer a response gives, read as `form` says: strict, the number after its last `####` (the
-    form GSM8K's own answers end with, and verl's strict rule); flexible, the value of its final answer as
-    answer_value.final reads it: the last `\\boxed{}` (what instruct models write), else the last `#### N`, else
-    "the answer is N", else the last number (verl's flexible rule); a percentage as written (50% -> 50)."""
-    if form == "strict":
-        found = re.findall(r"####\s*(" + NUMBER + ")", response)
-        return number(found[-1]) if found else None
-    got = answer_value.final(response)
-    return None if got is None else got.number
-
-
-def gsm8k_truth(answer: str) -> Decimal | None:
-    """The number a GSM8K answer ends with (after its `####`; a bare number also works)."""
-    return number(answer.split("####")[-1].strip())
-
-
-def gsm8k_reward(response: str, answer: str) -> float:
-    """1.0 when the response's last `#### <number>` equals the answer's number, else 0.0 (strict)."""
-    got = gsm8k_answer(response, "strict")
-    return float(got is not None and got == gsm8k_truth(answer))
-
-
-def gsm8k_flexible_reward(response: str, answer: str) -> float:
-    """1.0 when the value of the response's final answer equals the value after the answer's `####`, else 0.0.
-    The final answer, the first of (answer_value.final): the last `\\boxed{}`, read whole; the last `#### N` line
-    that is one value; the last "the answer is N"; the last number in the text. Values compare exactly (3/4,
-    \\frac{3}{4} and 0.75 are one value; 18.0 == 18); a percentage matches its number or its hundredth (50%:
-    50 or 0.5); an answer that is not one number (\\boxed{x+2}, the list 1,2,3) scores 0."""
-    truth = answer_value.value(answer.split("####")[-1])
-    return float(answer_value.same(answer_value.final(response), truth))
-
-
-def gsm8k_both_reward(response: str, answer: str) -> float:
-    """The mean of the two forms: the right value read flexibly earns 0.5, and written as asked (`#### N`) 1.0.
-    So a model that answers in its own form (`\\boxed{}`) is paid for the number from its first step, while
-    the asked form stays worth learning: strict's signal is zero until the form appears, flexible's never asks
-    for it (measured on a 0.5B instruct model: bench/README.md, what GRPO does to a real model)."""
-    return 0.5 * (gsm8k_reward(response, answer) + gsm8k_flexible_reward(response, answer))
-
-
-def answer_forms(responses: list[str], answers: list[str]) -> dict:
-    """How a set of responses answered, summed (validate.py turns them into shares): `####` (strict's
-    form), a `\\boxed{}`, any number; and how many each form scores right."""
-    out = {"strict": 0.0, "flexible": 0.0, "found_strict": 0.0, "found_boxed": 0.0, "found_number": 0.0}
-    for r, a in zip(responses, answers):
-        out["strict"] += gsm8k_reward(r, a)
-        out["flexible"] += gsm8k_flexible_reward(r, a)
-        out["found_strict"] += gsm8k_answer(r, "strict") is not None
-        out["found_boxed"] += answer_value.last_boxed(r) is not None
-        out["found_number"] += bool(re.search(r"\d", r))
-    return out
 
 
 def builtin_gsm8k(spec: str | None, data_path: str | None) -> bool:
@@ -373,7 +298,7 @@ def load_reward(spec: str | None, data_path: str | None, gsm8k_format: str = "st
     """`module:function`, or the default: the copy-task reward for the tiny task, GSM8K (in
     `gsm8k_format`'s form) for data."""
     if builtin_gsm8k(spec, data_path):
-        return {"flexible": gsm8k_flexible_reward, "both": gsm8k_both_reward}.get(gsm8k_format, gsm8k_reward)
+        return gsm8k.REWARDS[gsm8k_format][0]
     if spec is None:                       # no data either: the built-in copy task's
         import tiny
         return tiny.copy_reward
@@ -407,10 +332,7 @@ def reward_name(spec: str | None, data_path: str | None, gsm8k_format: str = "st
     """How errors and the set-up name the reward: the --reward spec, or which built-in one."""
     if spec or data_path is None:
         return spec or "tiny.copy_reward (built in: the copy task)"
-    return {"flexible": "data.gsm8k_flexible_reward (built in, flexible: the value of the last \\boxed{}, else of "
-                        "#### N, else of 'the answer is N', else the last number)",
-            "both": "data.gsm8k_both_reward (built in, both forms: 0.5 for the right value in any form, 1 for it "
-                    "after ####)"}.get(gsm8k_format, "data.gsm8k_reward (built in, strict: the last #### number)")
+    return gsm8k.REWARDS[gsm8k_format][1]
 
 
 def _short(text: str, n: int = 120) -> str:

@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 
 import actor
 import critic
-import data
+import gsm8k
 import kernel_choice
 import lora
 import ref
@@ -59,7 +59,8 @@ class Config:
     gsm8k_format: str = "strict"           # what the built-in GSM8K reward reads: strict (the last `#### N`, the form
                                            # GSM8K's own answers end with) | flexible (the value of the last
                                            # \boxed{}, else of #### N, else the last number: answer_value.py) |
-                                           # both (their mean: 0.5 for the right value, 1 for it after ####)
+                                           # both (their mean: 0.5 for the right value, 1 for it after ####) |
+                                           # bonus (0.8 for the right value, 0.2 for ending in #### N: gsm8k.py)
     # validation: greedy answers to held-out prompts, through the run's own engine, scored by the run's reward
     val_data: str | None = None            # held-out prompts, .jsonl / .parquet as --data; None: none (without --data
                                            # either: the built-in task's 100 held-out items)
@@ -118,7 +119,7 @@ RANGES = {"max_prompt_length": ">= 1", "train_batch_size": ">= 1", "steps": ">= 
           "data_seed": ">= -1", "fsdp_size": "-1 or >= 1", "save_freq": ">= 0", "keep_checkpoints": ">= 1",
           "dist_timeout_s": "> 0", "plan_margin": "[0, 1)", "val_freq": ">= 0", "val_max_prompts": ">= 0",
           "val_response_length": ">= 0"}
-CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": data.GSM8K_FORMS, "offload": ("manual", "auto"),
+CHOICES = {"reward_error": ("stop", "zero"), "gsm8k_format": tuple(gsm8k.REWARDS), "offload": ("manual", "auto"),
            "logger": tracker.KINDS, "kernels": kernel_choice.KERNELS, "head_kernel": kernel_choice.HEAD_KERNELS}
 ALGORITHM_CHOICES = {"adv_estimator": ("grpo", "gae")}
 

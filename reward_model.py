@@ -2,7 +2,7 @@
 the rule reward, micro-batched, in the compute dtype, FSDP2-sharded, with its own offload.
 
     python train_grpo.py --reward_model.path=random:tiny --steps=5      # CPU: a random tiny scorer
-    torchrun --nproc_per_node=8 train_grpo.py --model=/models/Qwen2.5-1.5B-Instruct --data=gsm8k.parquet \
+    torchrun --nproc_per_node=8 train_grpo.py --model=/models/Qwen2.5-1.5B-Instruct --data=gsm8k_train.parquet \
         --reward_model.path=/models/my-reward-model --reward_model.param_offload=true
     python -m pytest tests/test_reward_model.py -q               # CPU: parity, micro-batches, 2 ranks, tokenizers
     python -m pytest test_memory.py -q -k reward_model     # GPU: its offload frees its bytes

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 train_grpo.py              # same, 2 processes (gloo on CPU)
     python train_grpo.py --actor.lora_rank=16 --actor.lr=1e-3   # LoRA: adapters train, no ref model
     torchrun --nproc_per_node=8 train_grpo.py --model /models/Qwen2.5-1.5B-Instruct \
-        --data gsm8k.parquet --actor.param_offload=true --actor.optimizer_offload=true \
+        --data gsm8k_train.parquet --actor.param_offload=true --actor.optimizer_offload=true \
         --ref.param_offload=true --train_batch_size=64 --rollout.response_length=512
 
 One step; each stage's seconds and memory go to <out_dir>/metrics.jsonl. Every move of a role's bytes happens
@@ -59,6 +59,7 @@ import actor
 import checkpoint
 import critic
 import data as data_io
+import gsm8k
 import launch
 import ledger
 import losses
@@ -204,7 +205,7 @@ def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> tor
     scores, errors, texts = data_io.score_rollout(t.reward_fn, name, t.tokenizer, batch, answers)
     m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
     if data_io.builtin_gsm8k(cfg.reward, cfg.data):   # shares: a Ulysses group's copies cancel
-        f = data_io.answer_forms(texts, answers)
+        f = gsm8k.answer_forms(texts, answers)
         found = all_sum(torch.tensor([f["found_strict"], f["found_boxed"], len(texts)], device=t.device,
                                      dtype=torch.float64)).tolist()
         m["reward/found_strict"], m["reward/found_boxed"] = found[0] / found[2], found[1] / found[2]

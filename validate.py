@@ -29,6 +29,7 @@ import os
 import torch
 
 import data as data_io
+import gsm8k
 import hf_engine
 import rollout
 import rollout_async
@@ -126,7 +127,7 @@ def held_out(engine, stream, model, stashes: list, val: tuple, *, cfg, reward_fn
     name = data_io.reward_name(cfg.reward, scored_as, cfg.gsm8k_format)
     scores, errors = data_io.score(reward_fn, name, texts, truth)
     failed = data_io.reward_errors(errors, cfg.reward_error, warned, device)
-    forms = data_io.answer_forms(texts, truth) if data_io.builtin_gsm8k(cfg.reward, scored_as) else {}
+    forms = gsm8k.answer_forms(texts, truth) if data_io.builtin_gsm8k(cfg.reward, scored_as) else {}
     capped = sum(len(r) >= response_length(cfg) for _, r in mine)   # cut at the length cap, not ended by EOS
     sums = all_sum(torch.tensor([sum(scores), len(scores), sum(len(r) for _, r in mine), capped, *forms.values()],
                                 dtype=torch.float64, device=device)).tolist()

@@ -28,7 +28,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)                   # data.py: the rows, the instruction, the GSM8K reward
+sys.path.insert(0, ROOT)                   # data.py: the rows, the instruction; gsm8k.py: the reward
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'   # verl's GSM8K sentence
 DRY = os.environ.get("DRY") == "1"
 
@@ -181,9 +181,9 @@ def gsm8k_rows(path: str, limit: int = 0) -> list[dict]:
 
 
 def strict_reward(completions, answer, **kw) -> list[float]:
-    """The reward our run uses (data.gsm8k_reward: the last `#### N` equals the answer's)."""
-    import data
-    return [data.gsm8k_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+    """The reward our run uses (gsm8k.gsm8k_reward: the last `#### N` equals the answer's)."""
+    import gsm8k
+    return [gsm8k.gsm8k_reward(c[-1]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
 
 def task(a):
@@ -219,7 +219,7 @@ def evaluate(a):
     engine built from the first folder, the next folders' weights loaded into it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    import data
+    import gsm8k
     import importlib.util
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"   # the engine's model in this process: _load reaches it
     if importlib.util.find_spec("flashinfer") is None:
@@ -240,8 +240,8 @@ def evaluate(a):
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         texts = [o.outputs[0].text for o in outs]
-        strict = statistics.fmean(data.gsm8k_reward(t, r["answer"]) for t, r in zip(texts, rows))
-        flexible = statistics.fmean(data.gsm8k_flexible_reward(t, r["answer"]) for t, r in zip(texts, rows))
+        strict = statistics.fmean(gsm8k.gsm8k_reward(t, r["answer"]) for t, r in zip(texts, rows))
+        flexible = statistics.fmean(gsm8k.gsm8k_flexible_reward(t, r["answer"]) for t, r in zip(texts, rows))
         results.append({"folder": folder, "strict": strict, "flexible": flexible, "prompts": len(rows),
                         "response_tokens_mean": statistics.fmean(len(o.outputs[0].token_ids) for o in outs),
                         "generate_s": time.perf_counter() - t0})

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 import answer_value
-import data
+import gsm8k
 from answer_value import Value
 
 # --------------------------------------------------------------------------- real answers, scored by hand
@@ -184,8 +184,8 @@ def test_real_answers_score_as_checked_by_hand(source, response, answer, flexibl
     """The flexible form pays for the model's final answer when it is right: a box (`\\boxed{####694}` too),
     else the last `#### N` line that is one value (`#### \\$694`, `#### 92 centimeters`), else the last number
     (a cut-off box, `#### ####`); the strict form reads `#### N` as verl does (not `#### \\$694`)."""
-    assert data.gsm8k_flexible_reward(response, answer) == flexible
-    assert data.gsm8k_reward(response, answer) == strict
+    assert gsm8k.gsm8k_flexible_reward(response, answer) == flexible
+    assert gsm8k.gsm8k_reward(response, answer) == strict
 
 
 def test_the_real_table_is_varied():
@@ -227,8 +227,8 @@ FORMS = [
 
 @pytest.mark.parametrize("response,right,wrong", FORMS)
 def test_an_answer_is_read_as_its_value(response, right, wrong):
-    assert [data.gsm8k_flexible_reward(response, f"#### {a}") for a in right] == [1.0] * len(right)
-    assert [data.gsm8k_flexible_reward(response, f"#### {a}") for a in wrong] == [0.0] * len(wrong)
+    assert [gsm8k.gsm8k_flexible_reward(response, f"#### {a}") for a in right] == [1.0] * len(right)
+    assert [gsm8k.gsm8k_flexible_reward(response, f"#### {a}") for a in wrong] == [0.0] * len(wrong)
 
 
 def test_values_as_people_write_them():
@@ -262,9 +262,9 @@ def test_which_part_is_the_answer():
 def test_the_strict_form_stays_verls():
     """strict reads the number right after the last `####` as verl's rule does (`#### (-?[0-9.,]+)`, commas
     dropped) and compares it as it did: none of the flexible form's value reading."""
-    assert data.gsm8k_reward(r"#### \frac{1}{2}", "#### 0.5") == 0.0
-    assert data.gsm8k_reward("#### 1,2,3", "#### 123") == 1.0
-    assert data.gsm8k_reward(r"\boxed{18}", "#### 18") == 0.0 and data.gsm8k_reward("#### 18.00", "#### 18") == 1.0
+    assert gsm8k.gsm8k_reward(r"#### \frac{1}{2}", "#### 0.5") == 0.0
+    assert gsm8k.gsm8k_reward("#### 1,2,3", "#### 123") == 1.0
+    assert gsm8k.gsm8k_reward(r"\boxed{18}", "#### 18") == 0.0 and gsm8k.gsm8k_reward("#### 18.00", "#### 18") == 1.0
 
 
 @pytest.mark.timeout(60)
@@ -276,5 +276,5 @@ def test_any_text_scores_in_little_time():
              "the answer is " * 2000, "2\\frac{1}{" + "1" * 20000 + "}", ("####" + "1" * 100 + "\n") * 200]
     for text in texts:
         start = time.perf_counter()
-        assert data.gsm8k_flexible_reward(text, "#### 5") in (0.0, 1.0)
+        assert gsm8k.gsm8k_flexible_reward(text, "#### 5") in (0.0, 1.0)
         assert time.perf_counter() - start < 1.0, text[:40]

@@ -85,7 +85,7 @@ def test_a_gsm8k_style_file_is_scored_by_both_gsm8k_forms(tmp_path, dist_env, ca
         "found_boxed": 0, "found_number": 1, "clipped_frac": 2 * third}   # two planned answers pass the 3-token cap
     assert [r["prompt"] for r in rows] == list(planned) and [r["score"] for r in rows] == [1, 0, 0] and asked == [3]
     said = capsys.readouterr().out
-    assert "scored by data.gsm8k_reward (built in, strict" in said and "right by the strict form" in said
+    assert "scored by gsm8k.gsm8k_reward (built in, strict" in said and "right by the strict form" in said
 
 
 @pytest.mark.parametrize("args,line", [

@@ -198,14 +198,15 @@ def test_parquet_and_gsm8k_reward(tmp_path):
     import pyarrow.parquet as pq
     import tiny
     import data
+    import gsm8k
     path = str(tmp_path / "d.parquet")
     pq.write_table(pa.table({"prompt": ["1=", "22="], "answer": ["x #### 1", "#### 22"]}), path)
     prompts, answers, chats = data.load_data(path, tiny.build_tokenizer())
     assert prompts == [[3, 12], [4, 4, 12]] and answers == ["x #### 1", "#### 22"]
     assert chats == [[{"role": "user", "content": "1="}], [{"role": "user", "content": "22="}]]
-    assert data.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
-    assert data.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
-    assert data.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response
+    assert gsm8k.gsm8k_reward("so #### 1,000", "#### 1000") == 1.0
+    assert gsm8k.gsm8k_reward("#### 7 then #### 8", "8") == 1.0      # the last one counts
+    assert gsm8k.gsm8k_reward("8", "#### 8") == 0.0                  # no #### in the response
 
 
 def test_config_overrides_are_typed():

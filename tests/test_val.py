@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import data
+import gsm8k
 import options
 import predict
 import tiny
@@ -48,34 +49,48 @@ RESPONSES = [
 def test_each_form_reads_the_answer_instruct_models_write(response, strict, flexible):
     """strict: the number after the last ####; flexible: the last number inside the last \\boxed{}, else the
     last number anywhere; numbers as people write them ($, commas, a trailing period, a sign, 18.00 = 18)."""
-    assert data.gsm8k_answer(response, "strict") == strict
-    assert data.gsm8k_answer(response, "flexible") == flexible
+    assert gsm8k.gsm8k_answer(response, "strict") == strict
+    assert gsm8k.gsm8k_answer(response, "flexible") == flexible
     truth = "Janet sells 16 - 3 - 4 = 9 duck eggs a day.\nShe makes 9 * 2 = $18 every day.\n#### 18"
-    assert data.gsm8k_reward(response, truth) == float(strict == 18)
-    assert data.gsm8k_flexible_reward(response, truth) == float(flexible == 18)
+    assert gsm8k.gsm8k_reward(response, truth) == float(strict == 18)
+    assert gsm8k.gsm8k_flexible_reward(response, truth) == float(flexible == 18)
     # both: the mean of the two, so the value pays half in any form and the asked form the other half
-    assert data.gsm8k_both_reward(response, truth) == (float(strict == 18) + float(flexible == 18)) / 2
+    assert gsm8k.gsm8k_both_reward(response, truth) == (float(strict == 18) + float(flexible == 18)) / 2
 
 
 def test_numbers_as_people_write_them():
-    assert data.number("1,000") == data.number("$1000.") == data.number("1000.00") == 1000
-    assert data.number("-$5") == -5 and data.number("0.5") == data.number("0.50")
-    assert data.number("abc") is None and data.number("") is None and data.number("1.2.3") is None
-    assert data.gsm8k_truth("... #### 1,234") == 1234 and data.gsm8k_truth("72") == 72
+    assert gsm8k.number("1,000") == gsm8k.number("$1000.") == gsm8k.number("1000.00") == 1000
+    assert gsm8k.number("-$5") == -5 and gsm8k.number("0.5") == gsm8k.number("0.50")
+    assert gsm8k.number("abc") is None and gsm8k.number("") is None and gsm8k.number("1.2.3") is None
+    assert gsm8k.gsm8k_truth("... #### 1,234") == 1234 and gsm8k.gsm8k_truth("72") == 72
 
 
 def test_the_form_is_an_option_and_the_run_names_it():
-    assert data.load_reward(None, "x.jsonl") is data.gsm8k_reward
-    assert data.load_reward(None, "x.jsonl", "flexible") is data.gsm8k_flexible_reward
+    assert data.load_reward(None, "x.jsonl") is gsm8k.gsm8k_reward
+    assert data.load_reward(None, "x.jsonl", "flexible") is gsm8k.gsm8k_flexible_reward
     assert "strict" in data.reward_name(None, "x.jsonl") and "flexible" in data.reward_name(None, "x.jsonl", "flexible")
-    assert data.load_reward(None, "x.jsonl", "both") is data.gsm8k_both_reward
+    assert data.load_reward(None, "x.jsonl", "both") is gsm8k.gsm8k_both_reward
     assert "both forms" in data.reward_name(None, "x.jsonl", "both")
-    rewards = [data.gsm8k_both_reward(r, "#### 18") for r in ("\\boxed{18}", "#### 18", "#### 17", "\\boxed{17}")]
+    rewards = [gsm8k.gsm8k_both_reward(r, "#### 18") for r in ("\\boxed{18}", "#### 18", "#### 17", "\\boxed{17}")]
     assert rewards == [0.5, 1.0, 0.0, 0.0]
-    with pytest.raises(ValueError, match="gsm8k_format=boxed: use one of strict, flexible, both"):
+    with pytest.raises(ValueError, match="gsm8k_format=boxed: use one of strict, flexible, both, bonus"):
         options.parse_args(["--gsm8k_format=boxed"])
-    shares = data.answer_forms([r for r, _, _ in RESPONSES], ["#### 18"] * len(RESPONSES))
+    shares = gsm8k.answer_forms([r for r, _, _ in RESPONSES], ["#### 18"] * len(RESPONSES))
     assert shares["found_strict"] == 5 and shares["strict"] == 4 and shares["flexible"] == 8
+
+
+def test_the_bonus_pays_the_form_apart_from_the_value():
+    """--gsm8k_format=bonus: the right value 0.8 in any form, ending in `#### N` 0.2 right or wrong; the form
+    commits the answer (a right box then a wrong `#### N` earns the form only); a `####` heading is not the form."""
+    assert data.load_reward(None, "x.jsonl", "bonus") is gsm8k.gsm8k_bonus_reward
+    assert "0.2 for ending in #### N" in data.reward_name(None, "x.jsonl", "bonus")
+    cases = {"\\boxed{18}": 0.8, "So 9 * 2 = 18.\n#### 18": 1.0, "#### 17": 0.2, "\\boxed{17}": 0.0,
+             "\\boxed{18}\n#### 18.": 1.0, "\\boxed{18}\n#### 17": 0.2, "#### $18.00\n": 1.0,
+             "#### 2. The total\nShe makes \\boxed{18}": 0.8, "#### 2. The total\nShe makes \\boxed{17}": 0.0,
+             "#### 18 and then the model keeps writing 25": 0.0}
+    assert {r: gsm8k.gsm8k_bonus_reward(r, "#### 18") for r in cases} == pytest.approx(cases)
+    # a wrong answer in the asked form scores above a wrong one in any other: the form is paid on its own
+    assert gsm8k.ends_in_form("#### 17") and not gsm8k.ends_in_form("#### 2. The total")
 
 
 # --------------------------------------------------------------------------- published GSM8K as it is
@@ -243,7 +258,7 @@ def test_a_held_out_file_is_scored_by_the_reward_its_form_picks(tmp_path):
     tok, gsm = tiny.build_tokenizer(), gsm8k_file(tmp_path / "gsm.jsonl")
     words = tmp_path / "words.jsonl"
     words.write_text(json.dumps({"prompt": "1=", "answer": "City"}) + "\n")
-    for path, scored_as, fn in [(gsm, gsm, data.gsm8k_reward), (str(words), None, tiny.copy_reward)]:
+    for path, scored_as, fn in [(gsm, gsm, gsm8k.gsm8k_reward), (str(words), None, tiny.copy_reward)]:
         cfg = options.parse_args([f"--val_data={path}"])
         got = data.held_out_reward_data(cfg, data.held_out_data(cfg, tok)[1])
         assert got == scored_as and data.load_reward(None, got) is fn

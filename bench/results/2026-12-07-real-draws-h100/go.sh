@@ -1,8 +1,7 @@
 # device side: three GRPO runs of the real model side by side on one H100 (each step's times are shared-GPU times),
 # each resumed across calls of L seconds (SIGTERM at L: the runs checkpoint, the next call resumes them):
-#   strict  - the strict reward for as long as the calls allow: does the arithmetic move once the form is learned?
-#   both_n16 - the both-forms recipe with 16 samples a problem: more samples that write `####` in each group
-#   both draw 3 - the both-forms recipe again (seed 2 on seed 0's prompts): how often it takes up `####`
+#   strict - the strict reward for as long as the calls allow: does the arithmetic move once the form is learned?
+#   bonus, two draws (seed 0; seed 1 on seed 0's prompts) - the value (0.8) and the form (0.2) paid apart
 # PART names the call's raw files; bench/real_model.sh packs each run's small files into $OUT every 30 s.
 set -u
 bash .realmodel/s/install.sh >/dev/null && source .vllm/env.sh || exit 1
@@ -14,8 +13,8 @@ git log -1 --format=%H > "$OUT/commit$PART.txt" 2>/dev/null
 # others (three runs share it, and the first starts alone)
 E="--save_freq=1000 --keep_checkpoints=1 --plan_margin=0.6"
 NAME=strict EXTRA="$E --gsm8k_format=strict" bash bench/real_model.sh grpo "$L" & a=$!
-sleep 20; NAME=both_n16 EXTRA="$E --gsm8k_format=both --rollout.n=16" bash bench/real_model.sh grpo $((L - 20)) & b=$!
-sleep 20; SEED=2 DATA_SEED=0 NAME=both EXTRA="$E --gsm8k_format=both" bash bench/real_model.sh grpo $((L - 40)) & c=$!
+sleep 20; NAME=bonus EXTRA="$E --gsm8k_format=bonus" bash bench/real_model.sh grpo $((L - 20)) & b=$!
+sleep 20; SEED=1 DATA_SEED=0 NAME=bonus EXTRA="$E --gsm8k_format=bonus" bash bench/real_model.sh grpo $((L - 40)) & c=$!
 wait $a $b $c
 kill $smi
 for d in "$R"/grpo*/; do echo "== $d"; python3 - "$d/metrics.jsonl" <<'PY'
