@@ -40,7 +40,8 @@ def draw(curves: dict, out: str):
     import matplotlib.pyplot as plt
     fig, (flex, strict) = plt.subplots(1, 2, figsize=(12, 5.5), sharey=True)
     for i, (name, c) in enumerate(curves.items()):
-        minutes, style = [m for _, m, _, _ in c], dict(color=f"C{i % 10}", marker="o", ms=3)
+        minutes = [m for _, m, _, _ in c]            # past ten runs the colours repeat: those lines are dashed
+        style = dict(color=f"C{i % 10}", marker="o", ms=3, ls="-" if i < 10 else "--", lw=1.5 if i < 10 else 2.2)
         flex.plot(minutes, [100 * fl for _, _, fl, _ in c], label=name, **style)
         strict.plot(minutes, [100 * st for _, _, _, st in c], **style)
     for ax, what in ((flex, "flexible (the value in any form)"), (strict, "strict (the value after ####)")):
