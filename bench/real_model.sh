@@ -33,8 +33,9 @@ export PYTHONUNBUFFERED=1
 TRL=(env PYTHONPATH=/tmp/peersite:${PYTHONPATH:-} RANK=0 LOCAL_RANK=0 WORLD_SIZE=1
      MASTER_ADDR=localhost MASTER_PORT=29517)
 INSTRUCTION='Let'"'"'s think step by step and output the final answer after "####".'   # verl's GSM8K instruction
-# GRPO as the README's real-model section runs it, on one GPU: 32 problems x 8 samples a step, two optimizer
-# steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps
+# GRPO in the shape of the README's real-model section, on one GPU: 32 problems x 8 samples a step, two optimizer
+# steps of 16 problems each, answers up to 512 tokens, the held-out 319 validated every 10 steps; the reward strict
+# (TRL's task compares with it) unless EXTRA names another (the README's: EXTRA=--gsm8k_format=bonus)
 GRPO=(--model="$MODEL" --data="$TRAIN" --val_data="$VAL" --instruction="$INSTRUCTION" --train_batch_size=32
       --rollout.n=8 --actor.ppo_mini_batch_size=16 --rollout.response_length=512 --actor.lr=2e-6 --steps=300
       --val_freq="${VAL_FREQ:-10}" --logger=none --seed="$SEED" ${DATA_SEED:+--data_seed=$DATA_SEED})

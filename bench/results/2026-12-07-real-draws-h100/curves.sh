@@ -1,7 +1,7 @@
 # the picture and table of bench/README.md's real-model section (every variant on record), from their raw files
 python bench/curves.py --out=bench/results/2026-12-07-real-draws-h100/curves.png \
-  "recipe, strict, H200 alone (12-02)=bench/results/round9/grpo_real_0p5b.jsonl" \
-  "recipe, strict=bench/results/2026-12-06-real-knobs-h100/grpo_metrics.jsonl" \
+  "strict, H200 alone (12-02)=bench/results/round9/grpo_real_0p5b.jsonl" \
+  "strict=bench/results/2026-12-06-real-knobs-h100/grpo_metrics.jsonl" \
   "flexible reward=bench/results/2026-12-06-real-knobs-h100/grpo_flex_metrics.jsonl" \
   "strict, lr 1e-5=bench/results/2026-12-06-real-knobs-h100/grpo_lr1e5_metrics.jsonl" \
   "both forms, draw 1=bench/results/2026-12-06-real-both-h100/grpo_both_metrics.jsonl" \
