@@ -101,14 +101,17 @@ REWARDS = {
 }
 
 
+def found_forms(responses: list[str]) -> dict:
+    """How many responses write `####` (strict's form), a `\\boxed{}`, any number: what the reward stage reports
+    beside a reward it has already scored."""
+    return {"found_strict": float(sum(gsm8k_answer(r, "strict") is not None for r in responses)),
+            "found_boxed": float(sum(answer_value.last_boxed(r) is not None for r in responses)),
+            "found_number": float(sum(bool(re.search(r"\d", r)) for r in responses))}
+
+
 def answer_forms(responses: list[str], answers: list[str]) -> dict:
-    """How a set of responses answered, summed (validate.py turns them into shares): `####` (strict's
-    form), a `\\boxed{}`, any number; and how many each form scores right."""
-    out = {"strict": 0.0, "flexible": 0.0, "found_strict": 0.0, "found_boxed": 0.0, "found_number": 0.0}
-    for r, a in zip(responses, answers):
-        out["strict"] += gsm8k_reward(r, a)
-        out["flexible"] += gsm8k_flexible_reward(r, a)
-        out["found_strict"] += gsm8k_answer(r, "strict") is not None
-        out["found_boxed"] += answer_value.last_boxed(r) is not None
-        out["found_number"] += bool(re.search(r"\d", r))
-    return out
+    """How a set of responses answered, summed (validate.py turns them into shares): how many each form scores
+    right, and `found_forms`."""
+    return {"strict": float(sum(gsm8k_reward(r, a) for r, a in zip(responses, answers))),
+            "flexible": float(sum(gsm8k_flexible_reward(r, a) for r, a in zip(responses, answers))),
+            **found_forms(responses)}

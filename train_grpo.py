@@ -205,7 +205,7 @@ def rule_scores(t: Trainer, batch: dict, idx: list, copies: int, m: dict) -> tor
     scores, errors, texts = data_io.score_rollout(t.reward_fn, name, t.tokenizer, batch, answers)
     m["reward/errors"] = data_io.reward_errors(errors, cfg.reward_error, t.warned, t.device, copies)   # or stop
     if data_io.builtin_gsm8k(cfg.reward, cfg.data):   # shares: a Ulysses group's copies cancel
-        f = gsm8k.answer_forms(texts, answers)
+        f = gsm8k.found_forms(texts)       # the forms only: the reward above has scored them
         found = all_sum(torch.tensor([f["found_strict"], f["found_boxed"], len(texts)], device=t.device,
                                      dtype=torch.float64)).tolist()
         m["reward/found_strict"], m["reward/found_boxed"] = found[0] / found[2], found[1] / found[2]
