@@ -89,7 +89,7 @@ def test_the_bonus_pays_the_form_apart_from_the_value():
              "#### 2. The total\nShe makes \\boxed{18}": 0.8, "#### 2. The total\nShe makes \\boxed{17}": 0.0,
              "#### 18 and then the model keeps writing 25": 0.0}
     assert {r: gsm8k.gsm8k_bonus_reward(r, "#### 18") for r in cases} == pytest.approx(cases)
-    # a wrong answer in the asked form scores above a wrong one in any other: the form is paid on its own
+    # the form is the response's end: a `####` heading inside the text is not it
     assert gsm8k.ends_in_form("#### 17") and not gsm8k.ends_in_form("#### 2. The total")
 
 
