@@ -224,7 +224,7 @@ def log_line(m: dict, step: int, steps: int, t_start: float, first: int = 0) -> 
     bar = "#" * int(20 * done) + "-" * (20 - int(20 * done))
     head = f"step {step} ({step + 1}/{steps}) [{bar}] eta {int(eta // 60)}:{int(eta % 60):02d}"
     keys = ["val/reward_mean", "val/strict", "val/flexible", "reward_mean", "pg_loss", "kl", "entropy", "grad_norm",
-            "response_length", "time/step",
+            "response_length", "data/epochs", "time/step",
             "rollout/sync_s", "rollout/sync_transient_gb", "rollout/trainer_gpu_gb", "rollout/logp_diff_mean",
             "rollout/logp_diff_max", "critic/vf_loss"]
     keys += [k for k in m if k.startswith("time/") and k != "time/step"]

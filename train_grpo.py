@@ -123,7 +123,7 @@ def train_step(t: Trainer, step: int) -> dict:
     if streamed:
         with stage("push"):                # the new policy to the engines as version step + 1 (params in for it)
             rollout_async.push(t.engine, t.actor.model, actor.policy_stashes(t.actor), step + 1, m)
-    m.update(step_figures(t, scores, batch), **{"time/step": time.perf_counter() - t0})
+    m.update(step_figures(t, step, scores, batch), **{"time/step": time.perf_counter() - t0})
     m = ledger.reduce(m, t.device)
     m.update(perf(t, batch, m))            # throughput from the reduced (slowest rank's) times
     return m
@@ -240,11 +240,12 @@ def policy_update(t: Trainer, batch: dict, temperature: float, step: int, m: dic
     t.updates, t.updating = step + 1, False
 
 
-def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
+def step_figures(t: Trainer, step: int, scores: torch.Tensor, batch: dict) -> dict:
     """The step's reward mean, response length, the share of responses cut at the length cap
-    (`response/clipped_frac`: no EOS within --rollout.response_length), share of groups with equal rewards, and
-    a checksum of the prompts it trained on (`data/prompt_crc`: a resumed run's steps show they took the same
-    prompts), over all ranks."""
+    (`response/clipped_frac`: no EOS within --rollout.response_length), share of groups with equal rewards, the
+    passes over the training prompts after it (`data/epochs`: a held-out score that flattens past 1-2 passes while
+    the train reward still rises wants more data, not more steps) and a checksum of the prompts it trained on
+    (`data/prompt_crc`: a resumed run's steps show they took the same prompts), over all ranks."""
     groups, mask = scores.view(-1, t.cfg.rollout.n), batch["response_mask"]
     flat = (groups.max(-1).values == groups.min(-1).values).sum().item() if t.cfg.rollout.n > 1 else 0
     prompts = batch["input_ids"][:, :-mask.shape[1]] * batch["attention_mask"][:, :-mask.shape[1]]   # left pads as 0
@@ -254,7 +255,8 @@ def step_figures(t: Trainer, scores: torch.Tensor, batch: dict) -> dict:
                                 device=t.device, dtype=torch.float64)).tolist()
     return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": ledger.host_rss_gb(),
             "response/clipped_frac": sums[6] / sums[1], "reward/equal_groups_frac": sums[3] / sums[4],
-            "data/prompt_crc": sums[5]}
+            "data/prompt_crc": sums[5],
+            "data/epochs": (t.data_offset + (step + 1) * t.cfg.train_batch_size) / len(t.order)}
 
 
 def perf(t: Trainer, batch: dict, m: dict) -> dict:

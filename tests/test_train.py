@@ -642,12 +642,16 @@ def test_logprobs_every_asks_the_engine_on_every_kth_step_only(tmp_path, monkeyp
 
 def test_the_step_counts_the_responses_cut_at_the_length_cap(dist_env):
     """`response/clipped_frac`: the share of responses that reached --rollout.response_length without ending (a
-    full mask row), beside the mean length and the share of groups with equal rewards, over all ranks."""
+    full mask row), beside the mean length, the share of groups with equal rewards and the passes over the training
+    prompts (`data/epochs`, counting a resume's prompts walked before step 0), over all ranks."""
     from types import SimpleNamespace
     cfg = options.parse_args(["--rollout.n=2", "--rollout.response_length=3", "--train_batch_size=2"])
-    t = SimpleNamespace(cfg=cfg, device=torch.device("cpu"))
+    t = SimpleNamespace(cfg=cfg, device=torch.device("cpu"), order=list(range(5)), data_offset=0)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])
     batch = {"response_mask": mask, "input_ids": torch.ones(4, 5, dtype=torch.long),
              "attention_mask": torch.ones(4, 5, dtype=torch.long)}
-    m = train_grpo.step_figures(t, torch.tensor([1.0, 0.0, 1.0, 1.0]), batch)
+    m = train_grpo.step_figures(t, 3, torch.tensor([1.0, 0.0, 1.0, 1.0]), batch)
     assert (m["response/clipped_frac"], m["response_length"], m["reward/equal_groups_frac"]) == (0.5, 2.25, 0.5)
+    assert m["data/epochs"] == 8 / 5       # steps 0-3 took 2 prompts each of the 5
+    t.data_offset = 1                      # a resume that changed the batch size had walked one more
+    assert train_grpo.step_figures(t, 3, torch.tensor([1.0, 0.0, 1.0, 1.0]), batch)["data/epochs"] == 9 / 5
