@@ -152,12 +152,17 @@ def pool_bytes(t: Trainer) -> int:
     return 0 if t.cfg.rollout.mode == "async" else t.engine.pool_bytes
 
 
+def prompts_walked(t: Trainer, steps: int) -> int:
+    """The prompts the run's data order has handed out after `steps` steps (a resume's data_offset included)."""
+    return t.data_offset + steps * t.cfg.train_batch_size
+
+
 def batch_indices(t: Trainer, step: int) -> list[int]:
     """This rank's prompts for `step`: a contiguous slice of the shuffled order, after the prompts
     earlier steps (and a resume's data_offset) walked; one slice per data-parallel group (Ulysses)."""
     g = ulysses.group(t.cfg.actor.ulysses_sequence_parallel_size)
     local_bs = t.cfg.train_batch_size // g.dp_size
-    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    start = prompts_walked(t, step) % len(t.order)
     return [t.order[(start + g.dp_rank * local_bs + i) % len(t.order)] for i in range(local_bs)]
 
 
@@ -184,7 +189,7 @@ def sampled(t: Trainer, step: int, idx: list, sp, m: dict) -> dict:
 
 def step_prompts(t: Trainer, step: int) -> list:
     """Every data-parallel group's prompts of `step`, in group order (what async rollout orders)."""
-    start = (t.data_offset + step * t.cfg.train_batch_size) % len(t.order)
+    start = prompts_walked(t, step) % len(t.order)
     return [t.prompts[t.order[(start + i) % len(t.order)]] for i in range(t.cfg.train_batch_size)]
 
 
@@ -256,7 +261,7 @@ def step_figures(t: Trainer, step: int, scores: torch.Tensor, batch: dict) -> di
     return {"reward_mean": sums[0] / sums[1], "response_length": sums[2] / sums[1], "host_rss_gb": ledger.host_rss_gb(),
             "response/clipped_frac": sums[6] / sums[1], "reward/equal_groups_frac": sums[3] / sums[4],
             "data/prompt_crc": sums[5],
-            "data/epochs": (t.data_offset + (step + 1) * t.cfg.train_batch_size) / len(t.order)}
+            "data/epochs": prompts_walked(t, step + 1) / len(t.order)}
 
 
 def perf(t: Trainer, batch: dict, m: dict) -> dict:
@@ -346,7 +351,7 @@ def last_validation(t: Trainer, metrics_path: str, log):
 # --------------------------------------------------------------------------- saving
 def save(t: Trainer, step: int):          # a checkpoint after `step` steps, with the run's place in its data
     checkpoint.save(t.cfg.out_dir, step, trained(t.actor, t.critic), t.cfg.keep_checkpoints, {
-        "prompts_seen": t.data_offset + step * t.cfg.train_batch_size, "data": t.fingerprint,
+        "prompts_seen": prompts_walked(t, step), "data": t.fingerprint,
         "policy_version": step,            # updates so far (async rollout: what a resume pushes to the engines)
         "world_size": t.world, "config": asdict(t.cfg), "engine_prompt_len": t.prompt_len},
         optimizer=t.cfg.save_optimizer)
